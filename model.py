@@ -1,0 +1,443 @@
+"""A Llama decoder in plain PyTorch, with Hugging Face parameter names, packed-sequence attention and a chunked loss.
+
+The architecture
+----------------
+Llama (Touvron et al. 2023, https://arxiv.org/abs/2302.13971; Llama 2, https://arxiv.org/abs/2307.09288; Llama 3,
+https://arxiv.org/abs/2407.21783) is a pre-norm decoder-only transformer. Token ids (B, T) become embeddings
+x (B, T, hidden); each of the L blocks adds an attention and an MLP branch to that residual stream:
+
+    x = x + Attention(RMSNorm(x))        x = x + MLP(RMSNorm(x))
+
+and a final RMSNorm and the lm_head (hidden -> vocab, possibly sharing the embedding matrix) give the logits.
+
+RMSNorm (https://arxiv.org/abs/1910.07467) rescales each vector by its root mean square, without centring it:
+y = w * x / sqrt(mean(x^2) + eps). The statistic is taken in fp32 and the result is cast back before the weight is
+applied, so bf16 models normalise exactly like the reference implementation.
+
+RoPE (Su et al., https://arxiv.org/abs/2104.09864) encodes position by rotating query and key vectors. Channel pairs
+(i, i + D/2) of a head of size D rotate by the angle p * f_i at position p, with f_i = theta^(-2i/D). The dot product
+q.k then depends only on the distance between the two positions. We use the "rotate-half" pairing of the Hugging Face
+checkpoints: rope(x) = x * cos + rotate_half(x) * sin, with rotate_half([a, b]) = [-b, a]. Longer-context variants
+rescale the frequencies: "linear" divides every f_i by a factor; "llama3" divides only the low frequencies (long
+wavelengths), leaves the high ones alone and blends the band in between. cos/sin are gathered by position id, so a
+packed row whose positions restart at 0 for every document gets the right angles.
+
+Attention uses grouped queries (GQA, https://arxiv.org/abs/2305.13245): H query heads share Hkv <= H key/value heads,
+each key/value head serving H / Hkv query heads, which shrinks the KV cache by that ratio. The head size D may differ
+from hidden / H. softmax(q k^T / sqrt(D)) v is computed with a causal mask.
+
+The MLP is SwiGLU (Shazeer, https://arxiv.org/abs/2002.05202): down(silu(gate(x)) * up(x)), hidden -> inter -> hidden.
+
+Packed rows
+-----------
+Fine-tuning packs several documents into one row. A document starts wherever position_ids == 0 and at every row
+start; tokens attend causally within their own document only. The boundaries are found once per forward as cumulative
+sequence lengths over the flattened (B*T) tokens, e.g. documents of lengths 5, 3, 7 give cu_seqlens = [0, 5, 8, 15].
+On CUDA, FlashAttention-2 (Dao, https://arxiv.org/abs/2307.08691) consumes them directly in one varlen kernel call;
+elsewhere each document runs through causal scaled_dot_product_attention on its own.
+
+Loss
+----
+With labels (already shifted: labels[b, t] is the target of position t, -100 where unsupervised) the model returns
+the fp32 summed cross-entropy and the number of supervised tokens. Only supervised hidden states reach the lm_head,
+in chunks of LOSS_CHUNK tokens, each under activation checkpointing: (chunk, vocab) fp32 logits exist one chunk at
+a time, in the forward pass and again in the backward pass, never for the whole batch.
+
+Loading and generation
+----------------------
+from_pretrained reads config.json (the classic rope_theta + rope_scaling form or the rope_parameters form of
+transformers 5), builds the model on the meta device (no memory) and fills each parameter straight from the
+safetensors files in the target dtype and device, one tensor at a time. RoPE frequencies are computed, never loaded.
+generate keeps a preallocated (1, max_len, Hkv, D) key and value buffer per layer: the prompt runs once, then each
+new token costs one single-position forward that attends to the cached keys and values.
+
+Shapes: B batch rows, T tokens per row, N = B*T flattened tokens, H / Hkv query / key-value heads, D head size.
+"""
+
+import importlib.util
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import SafetensorError, safe_open
+from torch.utils.checkpoint import checkpoint
+
+LOSS_CHUNK = 1024  # supervised tokens per lm_head + cross-entropy chunk
+HAS_FLASH = importlib.util.find_spec("flash_attn") is not None
+REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+ROPE_KEYS = {"default": (), "linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+
+
+def read_json(path):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: invalid JSON ({e})") from None
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None  # {"rope_type": "linear" | "llama3", "factor": ..., ...} or None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    @classmethod
+    def from_hf(cls, d, path="config.json"):
+        """Read a Hugging Face config.json dict; `path` names the file in errors."""
+        if d.get("model_type") != "llama" or "LlamaForCausalLM" not in d.get("architectures", ["LlamaForCausalLM"]):
+            arch = d.get("architectures", d.get("model_type"))
+            raise ValueError(f"{path}: architectures/model_type {arch!r} is not supported (expected LlamaForCausalLM)")
+        missing = [k for k in REQUIRED_KEYS if k not in d]
+        if missing:
+            raise ValueError(f"{path}: missing key(s) {', '.join(missing)}")
+        for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+            if d.get(key, want) != want:
+                raise ValueError(f"{path}: {key} = {d[key]!r} is not supported (expected {want!r})")
+        # transformers 5 writes rope_parameters (with rope_theta inside); published checkpoints carry a top-level
+        # rope_theta plus rope_scaling, whose kind is under "rope_type" (or "type" in older files).
+        key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
+        rope = dict(d.get(key) or {})
+        theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+        kind = rope.pop("rope_type", rope.pop("type", "default"))
+        if kind not in ROPE_KEYS:
+            raise ValueError(f"{path}: {key} type {kind!r} is not supported (expected default, linear or llama3)")
+        if missing := [k for k in ROPE_KEYS[kind] if k not in rope]:
+            raise ValueError(f"{path}: {key} of type {kind!r} lacks {', '.join(missing)}")
+        heads = d["num_attention_heads"]
+        cfg = cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_hidden_layers=d["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=None if kind == "default" else {"rope_type": kind, **rope},
+            max_position_embeddings=d.get("max_position_embeddings", 2048),
+            tie_word_embeddings=d.get("tie_word_embeddings", False),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"),
+        )
+        if kind == "llama3":  # as in transformers: the pre-training length defaults to the context length
+            cfg.rope_scaling.setdefault("original_max_position_embeddings", cfg.max_position_embeddings)
+        return cfg
+
+    @classmethod
+    def from_json(cls, path):
+        return cls.from_hf(read_json(path), path)
+
+    def to_hf(self):
+        """A config.json dict in the classic form (top-level rope_theta + rope_scaling) every transformers reads."""
+        d = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu"}
+        d.update(self.__dict__)
+        d["rope_scaling"] = dict(self.rope_scaling) if self.rope_scaling else None
+        return d
+
+
+def rope_inv_freq(cfg, device=None):
+    """The D/2 rotation frequencies f_i = theta^(-2i/D), rescaled per cfg.rope_scaling. fp32, (D/2,)."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / cfg.rope_theta ** (torch.arange(0, d, 2, device=device, dtype=torch.float32) / d)
+    s = cfg.rope_scaling
+    if s and s["rope_type"] == "linear":
+        inv_freq = inv_freq / s["factor"]
+    elif s and s["rope_type"] == "llama3":
+        old_len, factor = s["original_max_position_embeddings"], s["factor"]
+        low, high = s["low_freq_factor"], s["high_freq_factor"]
+        wavelen = 2 * math.pi / inv_freq
+        # smooth = 0 at wavelength old_len / low (fully scaled), 1 at old_len / high (untouched)
+        smooth = ((old_len / wavelen - low) / (high - low)).clamp(0, 1)
+        inv_freq = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return inv_freq
+
+
+def rotate_half(x):
+    a, b = x.chunk(2, dim=-1)
+    return torch.cat((-b, a), dim=-1)
+
+
+def doc_bounds(position_ids):
+    """(B, T) position ids -> (cu_seqlens int32 (docs+1,), max_seqlen int) over the N = B*T flattened tokens."""
+    B, T = position_ids.shape
+    starts = position_ids == 0
+    starts[:, 0] = True  # a row that opens mid-document still starts a new attention span
+    idx = starts.flatten().nonzero().flatten()
+    cu_seqlens = torch.cat([idx, idx.new_tensor([B * T])]).to(torch.int32)
+    return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+
+
+def flash_varlen(q, k, v, cu_seqlens, max_seqlen):
+    """FlashAttention-2 over packed documents. q (N, H, D), k/v (N, Hkv, D) -> (N, H, D); GQA handled by the kernel."""
+    from flash_attn import flash_attn_varlen_func
+
+    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True)
+
+
+def sdpa_varlen(q, k, v, cu_seqlens, max_seqlen=None):
+    """Same contract as flash_varlen (max_seqlen unused): one causal SDPA call per document, each (heads, len, D)."""
+    b = cu_seqlens.tolist()
+    outs = [
+        F.scaled_dot_product_attention(
+            q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1), is_causal=True, enable_gqa=True
+        ).transpose(0, 1)
+        for s, e in zip(b[:-1], b[1:], strict=True)
+    ]
+    return torch.cat(outs)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        xf = x.float()
+        return self.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=False)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+
+    def forward(self, x, cos, sin, docs=None, cache=None, start=0):
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, -1, self.head_dim)  # (B, T, H, D)
+        k = self.k_proj(x).view(B, T, -1, self.head_dim)  # (B, T, Hkv, D)
+        v = self.v_proj(x).view(B, T, -1, self.head_dim)
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin  # cos/sin (B, T, 1, D)
+        if docs is not None:  # packed rows: attention confined to each document, over (N, heads, D)
+            use_flash = HAS_FLASH and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)  # 16-bit kernels only
+            o = (flash_varlen if use_flash else sdpa_varlen)(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), *docs)
+            return self.o_proj(o.reshape(B, T, -1))
+        if cache is not None:  # generation: write this step's keys/values, attend to everything so far
+            cache_k, cache_v = cache  # each (B, max_len, Hkv, D)
+            cache_k[:, start : start + T], cache_v[:, start : start + T] = k, v
+            k, v = cache_k[:, : start + T], cache_v[:, : start + T]
+        # query i sits at absolute position start + i and sees keys 0 .. start + i
+        mask = None if start == 0 else torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(start)
+        o = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            k.transpose(1, 2),
+            v.transpose(1, 2),
+            attn_mask=mask,
+            is_causal=start == 0,
+            enable_gqa=True,
+        )
+        return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, docs=None, cache=None, start=0):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, docs, cache, start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Llama(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.activation_checkpointing = False
+        self.model = nn.ModuleDict(
+            dict(
+                embed_tokens=nn.Embedding(config.vocab_size, config.hidden_size),
+                layers=nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers)),
+                norm=RMSNorm(config.hidden_size, config.rms_norm_eps),
+            )
+        )
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids, position_ids=None, labels=None, cache=None, start=0):
+        """input_ids (B, T) -> logits (B, T, vocab), or (loss_sum, n_tokens) when labels (B, T) are given.
+
+        position_ids (B, T) marks packed documents (each starts at 0). `cache` (a list of per-layer (k, v) tensors,
+        see generate) with `start` = number of tokens already cached runs one incremental step without position_ids.
+        """
+        B, T = input_ids.shape
+        docs = None if position_ids is None else doc_bounds(position_ids)  # once per forward, shared by all layers
+        if position_ids is None:
+            position_ids = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
+        x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
+        angles = position_ids[..., None].float() * rope_inv_freq(self.config, input_ids.device)  # (B, T, D/2)
+        angles = torch.cat((angles, angles), dim=-1)[:, :, None]  # (B, T, 1, D): broadcast over heads
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        for i, layer in enumerate(self.model.layers):
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, docs, use_reentrant=False)
+            else:
+                x = layer(x, cos, sin, docs, None if cache is None else cache[i], start)
+        x = self.model.norm(x)
+        return self.lm_head(x) if labels is None else self.loss(x, labels)
+
+    def loss(self, h, labels):
+        """h (B, T, hidden), labels (B, T) -> (fp32 summed cross-entropy, number of supervised tokens)."""
+        keep = labels.flatten() != -100
+        h, labels = h.flatten(0, 1)[keep], labels.flatten()[keep]  # (n, hidden): only supervised tokens
+        n = labels.numel()
+
+        def chunk_loss(h_chunk, y_chunk):
+            return F.cross_entropy(self.lm_head(h_chunk).float(), y_chunk, reduction="sum")
+
+        # checkpoint drops each chunk's (chunk, vocab) logits after its forward and recomputes them in backward.
+        # At least one (maybe empty) chunk keeps the result attached to the graph when nothing is supervised.
+        losses = [
+            checkpoint(chunk_loss, h[i : i + LOSS_CHUNK], labels[i : i + LOSS_CHUNK], use_reentrant=False)
+            for i in range(0, max(n, 1), LOSS_CHUNK)
+        ]
+        return torch.stack(losses).sum(), n
+
+    @classmethod
+    def from_pretrained(cls, path, dtype=None, device=None):
+        """Build from a HF-format directory on the meta device, then read the weights tensor by tensor."""
+        raw = read_json(os.path.join(path, "config.json"))
+        config = LlamaConfig.from_hf(raw, os.path.join(path, "config.json"))
+        dtype = dtype or getattr(torch, raw.get("dtype") or raw.get("torch_dtype") or "float32")
+        with torch.device("meta"):
+            model = cls(config)
+        load_weights_(model, Checkpoint(path), dtype, device)
+        return model
+
+
+class Checkpoint:
+    """Lazy reader of model.safetensors or of shards listed in model.safetensors.index.json."""
+
+    def __init__(self, path):
+        self.path, self._handles = path, {}
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            self.files = {name: os.path.join(path, f) for name, f in read_json(index)["weight_map"].items()}
+        else:
+            single = os.path.join(path, "model.safetensors")
+            if not os.path.isfile(single):
+                raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+            self.files = dict.fromkeys(self._open(single).keys(), single)
+
+    def _open(self, file):
+        if file not in self._handles:
+            if not os.path.isfile(file):
+                raise FileNotFoundError(f"{file}: checkpoint shard not found")
+            try:
+                self._handles[file] = safe_open(file, framework="pt")
+            except SafetensorError as e:
+                raise ValueError(f"{file}: not a valid safetensors file ({e})") from None
+        return self._handles[file]
+
+    def keys(self):
+        return self.files.keys()
+
+    def __contains__(self, name):
+        return name in self.files
+
+    def get(self, name):
+        if name not in self.files:
+            raise KeyError(f"{self.path}: tensor {name} not found in the checkpoint")
+        try:
+            return self._open(self.files[name]).get_tensor(name)
+        except SafetensorError as e:
+            raise ValueError(f"{self.files[name]}: cannot read tensor {name} ({e})") from None
+
+
+def load_weights_(model, ckpt, dtype=None, device=None):
+    """Fill every parameter still on the meta device from `ckpt`, one tensor at a time, then tie lm_head."""
+    tied = model.config.tie_word_embeddings
+    with torch.device("meta"):  # the tensor names a plain Llama of this config owns (nothing is allocated)
+        known = {name for name, _ in Llama(model.config).named_parameters(remove_duplicate=False)}
+    extra = sorted(n for n in ckpt.keys() if n not in known and not n.endswith("rotary_emb.inv_freq"))
+    if extra:
+        raise ValueError(f"{ckpt.path}: checkpoint has tensors the model lacks: {', '.join(extra[:5])}")
+    for mod_name, module in model.named_modules():
+        for p_name, p in list(module.named_parameters(recurse=False)):
+            name = f"{mod_name}.{p_name}"
+            if not p.is_meta or (tied and name == "lm_head.weight"):
+                continue
+            if name not in ckpt:
+                raise KeyError(f"{ckpt.path}: tensor {name} is missing from the checkpoint")
+            t = ckpt.get(name)
+            if t.shape != p.shape:
+                raise ValueError(
+                    f"{ckpt.files[name]}: tensor {name} has shape {tuple(t.shape)}, expected {tuple(p.shape)}"
+                )
+            setattr(module, p_name, nn.Parameter(t.to(device, dtype or t.dtype), requires_grad=p.requires_grad))
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    return model
+
+
+@torch.inference_mode()
+def generate(model, prompt_ids, max_new_tokens, temperature=0.0, top_p=1.0, eos_id=None, seed=None):
+    """Continue prompt_ids; returns the new tokens only (ending with the eos token if one was produced).
+
+    Greedy when temperature == 0, else softmax(logits / temperature) restricted to the smallest set of most likely
+    tokens whose probability reaches top_p (nucleus sampling, https://arxiv.org/abs/1904.09751).
+    """
+    cfg, weight = model.config, model.model.embed_tokens.weight
+    total = len(prompt_ids) + max_new_tokens
+    # a preallocated (1, total, Hkv, D) key and value buffer per layer
+    cache = [
+        tuple(
+            torch.zeros(1, total, cfg.num_key_value_heads, cfg.head_dim, dtype=weight.dtype, device=weight.device)
+            for _ in range(2)
+        )
+        for _ in range(cfg.num_hidden_layers)
+    ]
+    stop = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
+    gen = None if seed is None else torch.Generator(weight.device).manual_seed(seed)
+    ids, start, out = torch.tensor([prompt_ids], device=weight.device), 0, []
+    for _ in range(max_new_tokens):
+        logits = model(ids, cache=cache, start=start)[0, -1].float()  # (vocab,)
+        start += ids.shape[1]
+        if temperature == 0:
+            tok = int(logits.argmax())
+        else:
+            probs, order = torch.softmax(logits / temperature, -1).sort(descending=True)
+            probs[probs.cumsum(0) - probs > top_p] = 0  # drop tokens once the mass before them exceeds top_p
+            tok = int(order[torch.multinomial(probs, 1, generator=gen)])
+        out.append(tok)
+        if tok in stop:
+            break
+        ids = torch.tensor([[tok]], device=weight.device)
+    return out
