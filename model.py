@@ -280,6 +280,7 @@ class Llama(nn.Module):
         super().__init__()
         self.config = config
         self.activation_checkpointing = False
+        self.loss_chunk = LOSS_CHUNK  # 0: full-vocabulary logits for every position at once (the naive baseline)
         self.model = nn.ModuleDict(
             dict(
                 embed_tokens=nn.Embedding(config.vocab_size, config.hidden_size),
@@ -316,8 +317,11 @@ class Llama(nn.Module):
     def loss(self, h, labels):
         """h (B, T, hidden), labels (B, T) -> (fp32 summed cross-entropy, number of supervised tokens)."""
         keep = labels.flatten() != -100
+        if not self.loss_chunk:  # what a plain implementation does: (B*T, vocab) fp32 logits, all kept for backward
+            logits = self.lm_head(h).float().flatten(0, 1)
+            return F.cross_entropy(logits, labels.flatten(), ignore_index=-100, reduction="sum"), int(keep.sum())
         h, labels = h.flatten(0, 1)[keep], labels.flatten()[keep]  # (n, hidden): only supervised tokens
-        n = labels.numel()
+        n, size = labels.numel(), self.loss_chunk
 
         def chunk_loss(h_chunk, y_chunk):
             return F.cross_entropy(self.lm_head(h_chunk).float(), y_chunk, reduction="sum")
@@ -325,8 +329,8 @@ class Llama(nn.Module):
         # checkpoint drops each chunk's (chunk, vocab) logits after its forward and recomputes them in backward.
         # At least one (maybe empty) chunk keeps the result attached to the graph when nothing is supervised.
         losses = [
-            checkpoint(chunk_loss, h[i : i + LOSS_CHUNK], labels[i : i + LOSS_CHUNK], use_reentrant=False)
-            for i in range(0, max(n, 1), LOSS_CHUNK)
+            checkpoint(chunk_loss, h[i : i + size], labels[i : i + size], use_reentrant=False)
+            for i in range(0, max(n, 1), size)
         ]
         return torch.stack(losses).sum(), n
 

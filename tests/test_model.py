@@ -115,9 +115,9 @@ def test_packed_rows_match_documents_alone():
         assert (model(ids[:1]) - model(ids[:1], torch.arange(15)[None])).abs().max() < 1e-5
 
 
-def test_chunked_loss_and_grads(monkeypatch):
-    monkeypatch.setattr(M, "LOSS_CHUNK", 4)  # 21 supervised tokens -> 6 chunks, the last one partial
+def test_chunked_loss_and_grads():
     model = Llama(tiny_config(num_hidden_layers=3))
+    model.loss_chunk = 4  # 21 supervised tokens -> 6 chunks, the last one partial
     ids, pos, _ = packed_batch()
     labels = torch.randint(0, 97, (2, 15))
     labels[torch.rand(2, 15) < 0.3] = -100
@@ -142,6 +142,12 @@ def test_chunked_loss_and_grads(monkeypatch):
         assert torch.allclose(got_loss, ref_loss, rtol=1e-5)
         for g, r in zip(got_grads, ref_grads, strict=True):
             assert torch.allclose(g, r, atol=1e-5, rtol=1e-4)
+    model.loss_chunk = 0  # the naive full-logits path gives the same loss and gradients
+    got_loss, got_grads = run(lambda: model(ids, pos, labels=labels)[0])
+    assert torch.allclose(got_loss, ref_loss, rtol=1e-5)
+    for g, r in zip(got_grads, ref_grads, strict=True):
+        assert torch.allclose(g, r, atol=1e-5, rtol=1e-4)
+    model.loss_chunk = 4
     # nothing supervised: zero loss that still backpropagates
     loss, n = model(ids, pos, labels=torch.full_like(labels, -100))
     loss.backward()
