@@ -1,0 +1,64 @@
+"""generate.py: try a model, or a fine-tuned adapter on its base, from the command line.
+
+    python generate.py "Write a Python function that reverses a string."
+    python generate.py --adapter out/adapter --quantize "def parse_header(line):"
+    python generate.py --model checkpoints/Llama-3.1-8B --temperature 0.7 --top_p 0.9 "..."
+
+The prompt goes through the checkpoint's chat template when it has one (a single user turn plus the assistant
+header), else it is used as it is. Decoding is greedy at temperature 0, else temperature + nucleus sampling, with the
+KV cache of model.generate. With --adapter the base is built as in training (NF4 with --quantize) and the PEFT-format
+adapter is applied on top, so what you see is what the adapter does, not a merged approximation.
+"""
+
+import argparse
+import os
+
+import torch
+
+import convert
+import lora
+import pack
+import quant
+from model import Checkpoint, Llama, LlamaConfig, generate, load_weights_
+
+
+def load(model_dir, adapter=None, quantize=False, dtype=torch.float32, device="cpu"):
+    """Base model (16-bit or NF4) plus an optional PEFT-format adapter, in eval mode."""
+    with torch.device("meta"):
+        model = Llama(LlamaConfig.from_json(os.path.join(model_dir, "config.json")))
+    ckpt = Checkpoint(model_dir)
+    if quantize:
+        quant.quantize_(model, weights=ckpt, compute_dtype=dtype, device=device)
+    load_weights_(model, ckpt, dtype=dtype, device=device)
+    if adapter:
+        lora.load_adapter_(model, adapter)
+    return model.eval()
+
+
+def chat_prompt(tok, text):
+    if tok.chat_template is None:
+        return tok.encode(text, bos=tok.add_bos)
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("prompt")
+    p.add_argument("--model", default="", help="HF-format directory (default: the converted SmolLM2-135M-Instruct)")
+    p.add_argument("--adapter", default="", help="PEFT-format adapter directory to apply")
+    p.add_argument("--quantize", action="store_true", help="NF4 base weights, as in QLoRA training")
+    p.add_argument("--max_new_tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top_p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    model_dir = args.model or convert.smollm2_dir()
+    tok = pack.Tokenizer(model_dir)
+    model = load(model_dir, args.adapter, args.quantize)
+    ids = chat_prompt(tok, args.prompt)
+    out = generate(model, ids, args.max_new_tokens, args.temperature, args.top_p, eos_id=tok.eos_id, seed=args.seed)
+    print(tok.decode([i for i in out if i != tok.eos_id]))
+
+
+if __name__ == "__main__":
+    main()
