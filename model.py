@@ -390,7 +390,9 @@ def load_weights_(model, ckpt, dtype=None, device=None):
     tied = model.config.tie_word_embeddings
     with torch.device("meta"):  # the tensor names a plain Llama of this config owns (nothing is allocated)
         known = {name for name, _ in Llama(model.config).named_parameters(remove_duplicate=False)}
-    extra = sorted(n for n in ckpt.keys() if n not in known and not n.endswith("rotary_emb.inv_freq"))
+    # Pre-quantized (bnb-4bit) checkpoints carry per-weight extras, "<linear>.weight.absmax" etc.: quant.py reads them.
+    owner = lambda n: n.split(".weight.")[0] + ".weight" if ".weight." in n else n  # noqa: E731
+    extra = sorted(n for n in ckpt.keys() if owner(n) not in known and not n.endswith("rotary_emb.inv_freq"))
     if extra:
         raise ValueError(f"{ckpt.path}: checkpoint has tensors the model lacks: {', '.join(extra[:5])}")
     for mod_name, module in model.named_modules():

@@ -1,0 +1,115 @@
+"""Benchmarks. Speed is measured here and printed as tables, never asserted in tests.
+
+    python bench.py quant              NF4 quantize / dequantize throughput on CPU, ours vs bitsandbytes (4096 x 4096)
+    python bench.py quant --smollm2    plus SmolLM2-135M load times: quantize 16-bit weights vs load pre-quantized
+
+Timings are the best of --repeat runs after one warm-up run; the machine's other load shows up as noise.
+"""
+
+import argparse
+import os
+import tempfile
+import time
+
+import torch
+
+
+def best_time(fn, repeat):
+    """Seconds of the fastest of `repeat` calls, after one warm-up call (lazy tables, first allocations)."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def print_table(headers, rows):
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows, strict=True)]
+    for row in [headers, ["-" * w for w in widths], *rows]:
+        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)))
+
+
+def bench_quant(size=4096, repeat=5, smollm2=False):
+    """NF4 quantize / dequantize of a size x size bf16 weight on CPU, pure-PyTorch (quant.py) vs bitsandbytes."""
+    import bitsandbytes.functional as bnb
+
+    import quant
+
+    w = (torch.randn(size, size) * 0.02).to(torch.bfloat16)
+    n = w.numel()
+    ours = quant.quantize_nf4(w)
+    packed, state = bnb.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+    cases = [
+        ("quantize bf16 -> nf4", "quant.py", lambda: quant.quantize_nf4(w)),
+        (
+            "quantize bf16 -> nf4",
+            "bitsandbytes",
+            lambda: bnb.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4"),
+        ),
+        ("dequantize nf4 -> bf16", "quant.py", lambda: quant.dequantize_nf4(*ours, w.shape, torch.bfloat16)),
+        ("dequantize nf4 -> bf16", "bitsandbytes", lambda: bnb.dequantize_4bit(packed, state)),
+    ]
+    rows = []
+    for op, impl, fn in cases:
+        t = best_time(fn, repeat)
+        rows.append((op, impl, f"{t * 1e3:.1f}", f"{n / t / 1e6:.0f}", f"{2 * n / t / 1e9:.2f}"))
+    print(f"NF4 on CPU ({torch.get_num_threads()} threads), {size} x {size} weight, best of {repeat}")
+    print_table(["operation", "implementation", "ms", "Mparams/s", "GB/s of bf16"], rows)
+    if smollm2:
+        print()
+        bench_smollm2_load(repeat)
+
+
+def bench_smollm2_load(repeat):
+    """SmolLM2-135M into a QLoRA-ready model: quantize its 16-bit checkpoint tensor by tensor vs load our pre-quantized
+    (bnb-4bit) checkpoint; both through quantize_ + load_weights_ on a meta-device model."""
+    import convert
+    import quant
+    from model import Checkpoint, Llama, LlamaConfig, load_weights_
+
+    def load(path):
+        ckpt = Checkpoint(path)
+        with torch.device("meta"):
+            model = Llama(LlamaConfig.from_json(os.path.join(path, "config.json")))
+        quant.quantize_(model, weights=ckpt)
+        return load_weights_(model, ckpt, dtype=torch.bfloat16)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dense, prequantized = os.path.join(tmp, "bf16"), os.path.join(tmp, "nf4")
+        convert.convert_gguf(convert.smollm2_gguf_path(), dense, dtype=torch.bfloat16)
+        model = load(dense)
+        quant.save_quantized(model, prequantized)
+        rows = []
+        for label, path in [("quantize the bf16 checkpoint", dense), ("load pre-quantized (bnb-4bit)", prequantized)]:
+            t = best_time(lambda path=path: load(path), repeat)
+            mib = os.path.getsize(os.path.join(path, "model.safetensors")) / 2**20
+            rows.append((label, f"{t:.2f}", f"{mib:.1f}"))
+    layers = [m for m in model.modules() if isinstance(m, quant.NF4Linear)]
+    params = sum(m.in_features * m.out_features for m in layers)
+    nf4_bytes = sum(b.numel() * b.element_size() for m in layers for b in m.buffers())
+    rest = sum(p.numel() * p.element_size() for p in model.parameters())
+    print(f"SmolLM2-135M load on CPU ({torch.get_num_threads()} threads), best of {repeat}")
+    print_table(["path", "seconds", "file MiB"], rows)
+    print(
+        f"{params / 1e6:.1f}M parameters in {len(layers)} NF4 linears at {8 * nf4_bytes / params:.4f} bits each "
+        f"({nf4_bytes / 2**20:.1f} MiB) + {rest / 2**20:.1f} MiB of bf16 embeddings and norms "
+        f"= {(nf4_bytes + rest) / 2**20:.1f} MiB (bf16 model: {(2 * params + rest) / 2**20:.1f} MiB)"
+    )
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    q = sub.add_parser("quant", help="NF4 quantize / dequantize throughput, ours vs bitsandbytes (CPU)")
+    q.add_argument("--size", type=int, default=4096, help="the weight is size x size (default 4096)")
+    q.add_argument("--repeat", type=int, default=5, help="timed runs per case; the best is reported (default 5)")
+    q.add_argument("--smollm2", action="store_true", help="also time SmolLM2-135M loading (quantize vs pre-quantized)")
+    args = parser.parse_args()
+    if args.command == "quant":
+        bench_quant(args.size, args.repeat, args.smollm2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,356 @@
+"""NF4 double-quantized linear layers: the frozen 4-bit base of QLoRA, in plain PyTorch.
+
+QLoRA (Dettmers et al. 2023, https://arxiv.org/abs/2305.14314) fine-tunes a large model on one GPU by keeping the frozen
+base weights in 4 bits and training small 16-bit LoRA adapters on top (lora.py). This file is the 4-bit part.
+
+NormalFloat4. Pretrained weights are close to normal around zero, so the 16 code values sit at quantiles of N(0, 1):
+8 on the positive side, 7 on the negative side and an exact zero, rescaled to [-1, 1] (the paper's Appendix E):
+
+    NF4 = [-1, -.696, -.525, -.395, -.284, -.185, -.091, 0, .080, .161, .246, .338, .441, .563, .723, 1]
+
+Each code then covers an equal share of normal data, which the paper calls information-theoretically optimal.
+
+Blockwise absmax. The weight W (out, in) is flattened row-major into n = out * in values and cut into blocks of 64. Each
+block is divided by its absolute maximum (so it lies in [-1, 1]) and every value becomes the index of the nearest NF4
+value: a bucketize against the 15 midpoints. Dequantization is W[i] = NF4[code[i]] * absmax[i // 64], computed in fp32
+and rounded once to the compute dtype. Two codes share a byte, element 2i in the high nibble of byte i.
+
+Double quantization. One fp32 absmax per 64 weights would cost 32 / 64 = 0.5 bits per weight, so the absmax are
+quantized too: subtract their mean (`offset`), cut them into blocks of 256, and store each as an 8-bit index into the
+signed dynamic map of bitsandbytes (256 values with a decimal exponent, dense near zero) scaled by the block's fp32
+absolute maximum (`nested_absmax`). The code is found as bitsandbytes finds it on CPU: the normalised value is rounded
+to one of 65536 evenly spaced points of [-1, 1], and a table built once maps each point to its nearest code (its CUDA
+kernel searches the exact nearest code, so rare absmax bytes differ by one step; both load the same way).
+
+Memory, per weight: 4 bits of code + 8 / 64 bits of absmax + 32 / (64 * 256) bits of nested absmax = 4.127 bits, plus a
+4-byte offset per tensor and a partial last block: 3.9x less than 16-bit weights. The 6.5B linear weights of a 7B
+Llama take 3.3 GB instead of 13 GB.
+
+Layout, the same as bitsandbytes' Params4bit and QuantState (so tensors pass both ways), with B = ceil(n / 64) blocks
+and B2 = ceil(B / 256) nested blocks:
+
+    weight         uint8   ((n + 1) // 2, 1)   packed codes
+    absmax         uint8   (B,)                 8-bit codes of absmax - offset
+    nested_absmax  float32 (B2,)                absolute maximum of each block of 256 centred absmax
+    offset         float32 ()                   mean of the fp32 absmax
+
+Checkpoints use the Hugging Face "bnb-4bit" format that transformers + bitsandbytes write and read: a quantized linear
+`name` is stored as `name.weight` (packed), `name.weight.absmax`, `name.weight.nested_absmax`, the code books
+`name.weight.quant_map` (16 floats) and `name.weight.nested_quant_map` (256 floats), and
+`name.weight.quant_state.bitsandbytes__nf4`: the UTF-8 bytes of a JSON object with quant_type, blocksize, dtype (the
+dtype dequantization produces), shape, nested_blocksize, nested_dtype and nested_offset; config.json carries a
+`quantization_config`. `quantize_` recognises these entries and loads them as they are, skipping the quantization work
+(`python bench.py quant --smollm2` times both).
+
+Training. NF4Linear's forward dequantizes W into the compute dtype (bf16, fp16 or fp32) and multiplies; its backward
+dequantizes again and returns only the input gradient dL/dx = dL/dy W: the base is frozen, so nothing is stored but
+the 4-bit buffers. On CUDA, when bitsandbytes is installed, its dequantize kernel does that work; elsewhere the
+pure-PyTorch code below does.
+"""
+
+import functools
+import importlib.util
+import json
+import math
+import os
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+from torch import nn
+
+BLOCK, NESTED_BLOCK, GRID = 64, 256, 65536
+# The 16 NF4 values as bitsandbytes stores them (fp32); tests check them against the normal-quantile construction.
+# fmt: off
+NF4 = [
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+]
+# fmt: on
+
+
+def dynamic_map():
+    """The signed 8-bit dynamic map (256 sorted floats in [-0.993, 1]): 0, 1, and for e = 0..6 the 2**e midpoints of
+    an even split of [0.1, 1] times 10**(e - 6), with both signs. Steps are fine near 0, where centred absmax sit."""
+    values = [0.0, 1.0]
+    for e in range(7):
+        edges = torch.linspace(0.1, 1, 2**e + 1)
+        mantissas = (edges[:-1] + edges[1:]) / 2 * 10.0 ** (e - 6)  # fp32 products, as bitsandbytes rounds them
+        values += mantissas.tolist() + (-mantissas).tolist()
+    return torch.tensor(sorted(values))
+
+
+@functools.cache
+def _tables(device):
+    """Constant code books and lookup tables on `device` (built on CPU so every device gets the same bits)."""
+    nf4, dyn = torch.tensor(NF4), dynamic_map()
+    pairs = torch.stack([nf4.repeat_interleave(16), nf4.repeat(16)], 1)  # (256, 2): byte -> (high, low) value
+    grid = 2.0 * torch.arange(GRID, dtype=torch.float32) / (GRID - 1) - 1  # (65536,) evenly spaced in [-1, 1]
+    grid_code = torch.searchsorted((dyn[:-1] + dyn[1:]) / 2, grid).to(torch.uint8)  # nearest dynamic code
+    tables = dict(nf4=nf4, nf4_mid=(nf4[:-1] + nf4[1:]) / 2, pairs=pairs, dyn=dyn, grid_code=grid_code)
+    return {k: v.to(device) for k, v in tables.items()}
+
+
+@torch.no_grad()
+def quantize_nf4(w):
+    """Any float tensor (n values) -> (packed uint8 ((n+1)//2, 1), absmax uint8 (B,), nested_absmax fp32 (B2,),
+    offset fp32 ()), computed on w's device."""
+    t = _tables(w.device)
+    flat = w.reshape(-1).float()
+    n = flat.numel()
+    blocks = F.pad(flat, (0, -n % BLOCK)).view(-1, BLOCK)  # zero padding leaves each absmax unchanged
+    absmax = blocks.abs().amax(dim=1)  # (B,)
+    scaled = (blocks * (1.0 / absmax.clamp(min=1e-38))[:, None]).clamp_(-1, 1)  # an all-zero block stays zero
+    codes = torch.bucketize(scaled.view(-1)[: n + n % 2], t["nf4_mid"], out_int32=True).to(torch.uint8)
+    packed = (codes[0::2] << 4 | codes[1::2]).view(-1, 1)
+    offset = absmax.mean()
+    centred = F.pad(absmax - offset, (0, -absmax.numel() % NESTED_BLOCK)).view(-1, NESTED_BLOCK)
+    nested_absmax = centred.abs().amax(dim=1)  # (B2,)
+    normed = (centred * (1.0 / nested_absmax.clamp(min=1e-38))[:, None]).clamp_(-1, 1)
+    point = ((normed + 1) * 0.5 * (GRID - 1) + 0.5).int()  # nearest of the 65536 grid points
+    qabsmax = torch.where(nested_absmax[:, None] > 0, t["grid_code"][point], 0)  # code 0 for an all-equal block
+    return packed, qabsmax.view(-1)[: absmax.numel()], nested_absmax, offset
+
+
+def dequantize_absmax(absmax, nested_absmax, offset):
+    """uint8 (B,) codes -> fp32 (B,) absmax: dyn[code] * nested_absmax[block // 256] + offset."""
+    values = _tables(absmax.device)["dyn"][absmax.int()]
+    values = F.pad(values, (0, -values.numel() % NESTED_BLOCK)).view(-1, NESTED_BLOCK) * nested_absmax[:, None]
+    return values.view(-1)[: absmax.numel()] + offset
+
+
+def dequantize_nf4(weight, absmax, nested_absmax, offset, shape, dtype):
+    """Packed buffers -> tensor of `shape` in `dtype`: NF4[code] * absmax in fp32, rounded once."""
+    scale = dequantize_absmax(absmax, nested_absmax, offset)  # (B,)
+    n, nb = math.prod(shape), scale.numel()
+    values = _tables(weight.device)["pairs"].index_select(0, weight.view(-1).int()).view(-1)  # (2 * bytes,)
+    if values.numel() != nb * BLOCK:  # the last block is partial
+        values = F.pad(values[:n], (0, nb * BLOCK - n))
+    return values.view(nb, BLOCK).mul_(scale[:, None]).view(-1)[:n].to(dtype).view(shape)
+
+
+@functools.cache
+def _bnb_functional():
+    """bitsandbytes.functional when installed (the optional CUDA fast path), else None."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return None
+    import bitsandbytes.functional
+
+    return bitsandbytes.functional
+
+
+class _DequantLinear(torch.autograd.Function):
+    """y = x W^T + b with W dequantized on the fly; backward gives x and b gradients, the frozen buffers none."""
+
+    @staticmethod
+    def forward(ctx, x, bias, layer):
+        ctx.layer = layer
+        return F.linear(x, layer.dequantize(), bias)
+
+    @staticmethod
+    def backward(ctx, grad):  # grad (..., out)
+        dx = grad @ ctx.layer.dequantize().to(grad.dtype) if ctx.needs_input_grad[0] else None  # (..., in)
+        db = grad.flatten(0, -2).sum(0) if ctx.needs_input_grad[1] else None  # (out,)
+        return dx, db, None
+
+
+class NF4Linear(nn.Module):
+    """A frozen linear whose weight (out, in) lives in NF4 double-quantized buffers (see the file docstring)."""
+
+    def __init__(self, in_features, out_features, bias=False, compute_dtype=torch.bfloat16, device=None):
+        super().__init__()
+        self.in_features, self.out_features, self.compute_dtype = in_features, out_features, compute_dtype
+        n = in_features * out_features
+        nb = -(-n // BLOCK)
+        self.register_buffer("weight", torch.zeros((n + 1) // 2, 1, dtype=torch.uint8, device=device))
+        self.register_buffer("absmax", torch.zeros(nb, dtype=torch.uint8, device=device))
+        self.register_buffer("nested_absmax", torch.zeros(-(-nb // NESTED_BLOCK), device=device))
+        self.register_buffer("offset", torch.zeros((), device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=compute_dtype, device=device)) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear_or_weight, compute_dtype=torch.bfloat16):
+        """Quantize an nn.Linear (weight and bias) or a weight tensor (out, in), on its device."""
+        is_linear = isinstance(linear_or_weight, nn.Linear)
+        w = linear_or_weight.weight if is_linear else linear_or_weight
+        bias = linear_or_weight.bias if is_linear else None
+        layer = cls(w.shape[1], w.shape[0], bias is not None, compute_dtype, device="meta")
+        layer.weight, layer.absmax, layer.nested_absmax, layer.offset = quantize_nf4(w)
+        if bias is not None:
+            layer.bias = nn.Parameter(bias.detach().to(compute_dtype))
+        return layer
+
+    def dequantize(self):
+        """The weight (out, in) in compute_dtype."""
+        if self.weight.is_cuda and _bnb_functional() is not None:
+            return self.dequantize_bnb()
+        shape = (self.out_features, self.in_features)
+        return dequantize_nf4(self.weight, self.absmax, self.nested_absmax, self.offset, shape, self.compute_dtype)
+
+    def dequantize_bnb(self):
+        """The same weight through bitsandbytes' kernel, from a QuantState that points at our buffers."""
+        bnb, t = _bnb_functional(), _tables(self.weight.device)
+        nested = bnb.QuantState(absmax=self.nested_absmax, code=t["dyn"], blocksize=NESTED_BLOCK, dtype=torch.float32)
+        state = bnb.QuantState(
+            absmax=self.absmax,
+            shape=torch.Size((self.out_features, self.in_features)),
+            code=t["nf4"],
+            blocksize=BLOCK,
+            quant_type="nf4",
+            dtype=self.compute_dtype,
+            offset=self.offset,
+            state2=nested,
+        )
+        return bnb.dequantize_4bit(self.weight, state)
+
+    def forward(self, x):  # x (..., in) -> (..., out) in x's dtype
+        bias = None if self.bias is None else self.bias.to(self.compute_dtype)
+        return _DequantLinear.apply(x.to(self.compute_dtype), bias, self).to(x.dtype)
+
+    def extra_repr(self):
+        return f"in_features={self.in_features}, out_features={self.out_features}, compute_dtype={self.compute_dtype}"
+
+
+def _where(weights, key):
+    """The file that holds `key` (a model.Checkpoint knows it), for error messages."""
+    return getattr(weights, "files", {}).get(key) or getattr(weights, "path", "weights")
+
+
+def _read(weights, key, shape):
+    """weights.get(key), checked to exist and to have `shape`."""
+    if key not in weights:
+        raise KeyError(f"{_where(weights, key)}: tensor {key} is missing from the checkpoint")
+    t = weights.get(key)
+    if t.shape != shape:
+        raise ValueError(f"{_where(weights, key)}: tensor {key} has shape {tuple(t.shape)}, expected {tuple(shape)}")
+    return t
+
+
+def _load_prequantized(name, linear, weights, compute_dtype, device):
+    """An NF4Linear from the bnb-4bit entries of `name` in `weights`, each checked against the linear's shape."""
+    key, shape = f"{name}.weight", [linear.out_features, linear.in_features]
+    n = shape[0] * shape[1]
+    nb = -(-n // BLOCK)
+
+    def get(suffix, dtype, numel=None, equal=None):
+        k = key + suffix
+        if k not in weights:
+            raise ValueError(f"{_where(weights, key)}: tensor {k} is missing (expected a bnb-4bit nf4 checkpoint)")
+        t = weights.get(k)
+        if t.dtype != dtype or (numel is not None and t.numel() != numel) or (equal is not None and not t.equal(equal)):
+            want = f"{dtype}" + (f" with {numel} values" if numel is not None else "")
+            want += " equal to the standard code book" if equal is not None else ""
+            raise ValueError(f"{_where(weights, k)}: tensor {k} is {t.dtype} {tuple(t.shape)}, expected {want}")
+        return t
+
+    state_key = ".quant_state.bitsandbytes__nf4"
+    try:
+        state = json.loads(bytes(get(state_key, torch.uint8).tolist()).decode())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{_where(weights, key + state_key)}: tensor {key + state_key} is not JSON ({e})") from None
+    for field, value in dict(quant_type="nf4", blocksize=BLOCK, shape=shape, nested_blocksize=NESTED_BLOCK).items():
+        if state.get(field) != value:
+            raise ValueError(
+                f"{_where(weights, key + state_key)}: {key + state_key} has {field} = {state.get(field)!r}, "
+                f"expected {value!r}"
+            )
+    t = _tables(torch.device("cpu"))
+    get(".quant_map", torch.float32, equal=t["nf4"])
+    get(".nested_quant_map", torch.float32, equal=t["dyn"])
+    layer = NF4Linear(shape[1], shape[0], linear.bias is not None, compute_dtype, device="meta")
+    layer.weight = get("", torch.uint8, (n + 1) // 2).view(-1, 1).to(device)
+    layer.absmax = get(".absmax", torch.uint8, nb).to(device)
+    layer.nested_absmax = get(".nested_absmax", torch.float32, -(-nb // NESTED_BLOCK)).to(device)
+    layer.offset = torch.tensor(float(state["nested_offset"]), device=device)
+    return layer
+
+
+def _chosen(name, targets):
+    if targets is None:
+        return name.startswith("model.layers.")
+    return any(name == t or name.endswith("." + t) for t in targets)
+
+
+def quantize_(model, weights=None, targets=None, compute_dtype=torch.bfloat16, device=None):
+    """Swap chosen nn.Linear modules of `model` for NF4Linear, one tensor at a time; returns the model.
+
+    targets: module names matched as a full name or a "."-suffix ("q_proj", "layers.0.mlp.up_proj"); default every
+    linear inside model.model.layers (embeddings and lm_head stay 16-bit). weights: a mapping with `name in weights`
+    and `weights.get(name)` (a model.Checkpoint); when given, each weight is read from it (bnb-4bit entries load as
+    they are), which is how a meta-device model gets its base. device: where the buffers go (default: the linear's
+    device, or CPU for a meta linear); on CUDA each weight is quantized on the GPU as it arrives.
+    """
+    chosen = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and _chosen(n, targets)]
+    for name, linear in chosen:
+        dev = torch.device(device or ("cpu" if linear.weight.is_meta else linear.weight.device))
+        key = f"{name}.weight"
+        if weights is not None and f"{key}.absmax" in weights:
+            layer = _load_prequantized(name, linear, weights, compute_dtype, dev)
+        else:
+            w = linear.weight.detach() if weights is None else _read(weights, key, linear.weight.shape)
+            if w.is_meta:
+                raise ValueError(f"{key} is on the meta device: pass weights= to read it from a checkpoint")
+            layer = NF4Linear.from_linear(w.to(dev), compute_dtype)
+            del w  # the 16-bit copy goes before the next tensor arrives
+        if linear.bias is not None:
+            bias = linear.bias if weights is None else _read(weights, f"{name}.bias", linear.bias.shape)
+            layer.bias = nn.Parameter(bias.detach().to(dev, compute_dtype))
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, layer)
+    return model
+
+
+def save_quantized(model, out_dir):
+    """Write model.safetensors (bnb-4bit layout for NF4Linear, other tensors as they are, tied copies once) and
+    config.json with a quantization_config (from model.config.to_hf()), both atomically."""
+    os.makedirs(out_dir, exist_ok=True)
+    nf4 = {n: m for n, m in model.named_modules() if isinstance(m, NF4Linear)}
+    tensors, seen = {}, set()
+    for key, t in model.state_dict().items():
+        owner, _, leaf = key.rpartition(".")
+        if (owner in nf4 and leaf != "bias") or (t.numel() and t.data_ptr() in seen):
+            continue  # NF4 buffers are written below; a tied weight (lm_head = embed_tokens) is stored once
+        seen.add(t.data_ptr())
+        tensors[key] = t.detach().contiguous().cpu()
+    t = _tables(torch.device("cpu"))
+    for name, m in nf4.items():
+        state = dict(
+            quant_type="nf4",
+            blocksize=BLOCK,
+            dtype=str(m.compute_dtype)[6:],  # "torch.bfloat16" -> "bfloat16"
+            shape=[m.out_features, m.in_features],
+            nested_blocksize=NESTED_BLOCK,
+            nested_dtype="float32",
+            nested_offset=m.offset.item(),
+        )
+        tensors |= {
+            f"{name}.weight": m.weight.cpu(),
+            f"{name}.weight.absmax": m.absmax.cpu(),
+            f"{name}.weight.quant_map": t["nf4"].clone(),
+            f"{name}.weight.nested_absmax": m.nested_absmax.cpu(),
+            f"{name}.weight.nested_quant_map": t["dyn"].clone(),
+            f"{name}.weight.quant_state.bitsandbytes__nf4": torch.tensor(
+                list(json.dumps(state).encode()), dtype=torch.uint8
+            ),
+        }
+    config = model.config.to_hf()
+    dense = [v.dtype for v in tensors.values() if v.is_floating_point()]  # dtype of the unquantized tensors
+    config["dtype"] = str(dense[0] if dense else torch.bfloat16)[6:]
+    config["quantization_config"] = dict(
+        quant_method="bitsandbytes",
+        load_in_4bit=True,
+        load_in_8bit=False,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=str(next((m.compute_dtype for m in nf4.values()), torch.bfloat16))[6:],
+        bnb_4bit_quant_storage="uint8",
+    )
+    tmp = os.path.join(out_dir, f".model.safetensors.{os.getpid()}.tmp")
+    save_file(tensors, tmp, metadata={"format": "pt"})
+    os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
+    tmp = os.path.join(out_dir, f".config.json.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(config, f, indent=2)
+    os.replace(tmp, os.path.join(out_dir, "config.json"))
