@@ -326,7 +326,7 @@ def stdlib_examples(split="train"):
 # ---------------------------------------------------------------------------------------------- tokenizing
 
 
-def _render(ex, tok, template):
+def render(ex, tok, template):
     """(prompt text, response text, prepend BOS?) for one example."""
     if "messages" not in ex and (template is not None or tok.chat_template is None):
         head, _, tail = (template or DEFAULT_TEMPLATE).partition("{response}")
@@ -343,7 +343,7 @@ def _render(ex, tok, template):
 
 
 def _tokenize_chunk(examples, tokenizer, template, train_on_prompt):
-    rendered = [_render(ex, tokenizer, template) for ex in examples]
+    rendered = [render(ex, tokenizer, template) for ex in examples]
     prompts = tokenizer.encode_batch([p for p, _, _ in rendered])
     responses = tokenizer.encode_batch([r for _, r, _ in rendered])
     prompts = [[tokenizer.bos_id] + p if bos else p for p, (_, _, bos) in zip(prompts, rendered, strict=True)]

@@ -17,7 +17,7 @@ def _seed():
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
-    """The embedded default model (SmolLM2-135M-Instruct) as a HF-format directory, converted once from its GGUF file."""
+    """The embedded default model (SmolLM2-135M-Instruct) as a HF-format directory, converted once from GGUF."""
     import convert
 
     return convert.smollm2_dir()
