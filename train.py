@@ -74,7 +74,8 @@ class Config:
     context_length: int | str = 512  # tokens per packed row, or "auto" (95th percentile of lengths, multiple of 64)
     truncate: bool = True  # truncate examples longer than context_length (False = drop them)
     skip_bad_rows: bool = False  # skip malformed data rows (and count them) instead of stopping
-    pack: bool = True  # sample packing; False = one example per row, padded
+    pack: bool = True  # sample packing; False = one example per row, padded to the longest row of the batch
+    pad_to_max: bool = False  # with pack=False: pad every row to context_length (the naive baseline)
     # --- QLoRA ---
     quantize: bool = True  # NF4 double-quantized base weights (QLoRA); False = 16-bit base (LoRA)
     lora_r: int = 16  # adapter rank
@@ -97,6 +98,7 @@ class Config:
     precision: str = "auto"  # auto | bf16 | fp16 | fp32 ("auto" = bf16 where supported, fp16 on old GPUs)
     compile: bool = False  # torch.compile each block (CUDA only)
     activation_checkpointing: bool = False  # recompute each block in backward to save memory
+    chunked_loss: bool = True  # lm_head + cross-entropy in chunks; False = full-vocabulary fp32 logits at once
     seed: int = 1337  # seeds data order, adapter init and dropout
     # --- evaluation, logging, checkpoints ---
     eval_every: int = 20  # evaluate validation loss every N steps (and at the end)
@@ -215,6 +217,7 @@ def build_model(cfg: Config, model_dir: str, device, dtype) -> Llama:
         lora_dtype=torch.float32,
     )
     model.activation_checkpointing = cfg.activation_checkpointing
+    model.loss_chunk = model.loss_chunk if cfg.chunked_loss else 0
     if cfg.compile and device.type == "cuda":
         for block in model.model.layers:
             block.compile()
@@ -238,6 +241,7 @@ def build_data(cfg: Config, tok, max_positions: int, rank: int):
         train_on_prompt=cfg.train_on_prompt,
         truncate=cfg.truncate,
         pack=cfg.pack,
+        pad_to_max=cfg.pad_to_max,
         cache_dir=cfg.cache_dir,
         seed=cfg.seed,
         max_context=max_positions,
@@ -426,9 +430,9 @@ def auto_micro_rows(cfg, model, train, rows_per_rank, device, dtype, opt_bytes) 
         return max(1, min(rows_per_rank, cfg.micro_batch_tokens // train.context_length))
     rows = rows_per_rank
     if device.type == "cuda":
+        longest = sorted(range(len(train)), key=lambda r: -sum(train.lens[d] for d in train.rows[r]))
         while rows > 1:
             try:
-                longest = sorted(range(len(train)), key=lambda r: -sum(train.lens[d] for d in train.rows[r]))
                 loss, _ = forward_loss(model, train.collate(longest[:rows]), device, dtype)
                 loss.backward()
                 model.zero_grad(set_to_none=True)
@@ -451,11 +455,11 @@ def auto_micro_rows(cfg, model, train, rows_per_rank, device, dtype, opt_bytes) 
 def evaluate(model, valid, rows: int, device, dtype) -> float:
     model.eval()
     total, count = torch.zeros((), dtype=torch.float64), 0
-    n = min(rows or len(valid), len(valid))
-    for batch in (valid.collate(range(i, min(i + 4, n))) for i in range(0, n, 4)):
-        loss, n = forward_loss(model, batch, device, dtype)
+    end = min(rows or len(valid), len(valid))
+    for i in range(0, end, 4):
+        loss, n = forward_loss(model, valid.collate(range(i, min(i + 4, end))), device, dtype)
         total += loss.double().cpu()
-        count += int(n)
+        count += n
     model.train()
     return total.item() / max(1, count)
 
@@ -518,7 +522,7 @@ def train(cfg: Config):
     flops_token, peak = model_flops_per_token(config, trainset.context_length), peak_flops(device, dtype)
 
     sample_before = sample(model, tok, held_out, cfg, device, dtype) if cfg.sample and master and not cfg.resume else ""
-    if master and not cfg.resume:
+    if master and not cfg.resume and cfg.eval_every:
         history.append({"step": 0, "val_loss": evaluate(model, valid, cfg.eval_rows, device, dtype)})
         print(f"step 0: val loss {history[-1]['val_loss']:.4f}")
     from tqdm import tqdm

@@ -20,6 +20,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import pack
 import train
 from model import Llama, LlamaConfig
 
@@ -226,3 +227,13 @@ def test_smollm2_qlora_run_lowers_val_loss(smollm2_dir, tmp_path):
     assert len(vals) == 2 and vals[1] < vals[0] - 0.05, vals
     assert (out / "adapter" / "adapter_config.json").exists() and (out / "loss.png").exists()
     assert len(open(out / "metrics.jsonl").readlines()) == 9
+
+
+def test_evaluate_covers_exactly_the_requested_rows(tiny_dir):
+    model = Llama.from_pretrained(tiny_dir)
+    valid = pack.build_dataset(pack.stdlib_examples("val")[:60], pack.Tokenizer(tiny_dir), 128)
+    assert len(valid) > 10
+    got = train.evaluate(model, valid, 10, torch.device("cpu"), torch.float32)  # batches of 4, 4 and 2 rows
+    with torch.no_grad():
+        loss, n = model(**{k: v for k, v in valid.collate(range(10)).items()})
+    assert abs(got - loss.item() / n) < 1e-5
