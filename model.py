@@ -40,8 +40,10 @@ Loss
 ----
 With labels (already shifted: labels[b, t] is the target of position t, -100 where unsupervised) the model returns
 the fp32 summed cross-entropy and the number of supervised tokens. Only supervised hidden states reach the lm_head,
-in chunks of LOSS_CHUNK tokens, each under activation checkpointing: (chunk, vocab) fp32 logits exist one chunk at
-a time, in the forward pass and again in the backward pass, never for the whole batch.
+in chunks of LOSS_CHUNK tokens, and the lm_head and the loss are fused: while a chunk's (chunk, vocab) fp32 logits
+exist, the forward pass also turns them into the gradient of the loss for the hidden states,
+dL/dh = (softmax(h W^T) - onehot(y)) W, so the logits are dropped at once and the backward pass only scales that
+gradient. Full-vocabulary logits never exist for the whole batch, and no lm_head matmul is recomputed.
 
 Loading and generation
 ----------------------
@@ -203,6 +205,44 @@ def sdpa_varlen(q, k, v, cu_seqlens, max_seqlen=None):
     return torch.cat(outs)
 
 
+def linear_cross_entropy(h, weight, labels, chunk, grad=False):
+    """sum_i CE(h_i W^T, y_i) over rows h (n, hidden), chunk rows at a time; with grad=True also dL/dh (n, hidden)
+    and dL/dW (None for a frozen W), from dL/dlogits = softmax(logits) - onehot(y) while each chunk's logits exist."""
+    loss = torch.zeros((), dtype=torch.float32, device=h.device)
+    grad_h = torch.empty_like(h) if grad else None
+    grad_w = torch.zeros_like(weight, dtype=torch.float32) if grad and weight.requires_grad else None
+    for i in range(0, labels.numel(), chunk):
+        hc, yc = h[i : i + chunk], labels[i : i + chunk]
+        logits = (hc @ weight.t()).float()  # (c, vocab) fp32: the only vocabulary-wide tensor, one chunk at a time
+        lse = logits.logsumexp(-1)  # (c,)
+        loss += (lse - logits.gather(1, yc[:, None])[:, 0]).sum()
+        if grad:
+            g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
+            g[torch.arange(yc.numel(), device=g.device), yc] -= 1
+            g = g.to(h.dtype)
+            grad_h[i : i + chunk] = g @ weight.to(h.dtype)  # (c, hidden)
+            if grad_w is not None:
+                grad_w += (g.t() @ hc).float()  # (vocab, hidden)
+    return loss, grad_h, grad_w
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """The lm_head and the loss fused: forward computes the loss and its gradients chunk by chunk, backward only
+    scales them. Versus checkpointing each chunk this saves one (n, hidden) x (hidden, vocab) matmul per step and
+    still never keeps (n, vocab) logits."""
+
+    @staticmethod
+    def forward(ctx, h, weight, labels, chunk):
+        loss, ctx.grad_h, ctx.grad_w = linear_cross_entropy(h, weight, labels, chunk, grad=True)
+        ctx.weight_dtype = weight.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):  # grad: d(outer loss)/d(our loss), a scalar
+        grad_w = None if ctx.grad_w is None else (ctx.grad_w * grad).to(ctx.weight_dtype)
+        return ctx.grad_h * grad.to(ctx.grad_h.dtype), grad_w, None, None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
@@ -317,22 +357,14 @@ class Llama(nn.Module):
     def loss(self, h, labels):
         """h (B, T, hidden), labels (B, T) -> (fp32 summed cross-entropy, number of supervised tokens)."""
         keep = labels.flatten() != -100
-        if not self.loss_chunk:  # what a plain implementation does: (B*T, vocab) fp32 logits, all kept for backward
+        if not self.loss_chunk or type(self.lm_head) is not nn.Linear:  # naive: (B*T, vocab) fp32 logits, all kept
             logits = self.lm_head(h).float().flatten(0, 1)
             return F.cross_entropy(logits, labels.flatten(), ignore_index=-100, reduction="sum"), int(keep.sum())
         h, labels = h.flatten(0, 1)[keep], labels.flatten()[keep]  # (n, hidden): only supervised tokens
-        n, size = labels.numel(), self.loss_chunk
-
-        def chunk_loss(h_chunk, y_chunk):
-            return F.cross_entropy(self.lm_head(h_chunk).float(), y_chunk, reduction="sum")
-
-        # checkpoint drops each chunk's (chunk, vocab) logits after its forward and recomputes them in backward.
-        # At least one (maybe empty) chunk keeps the result attached to the graph when nothing is supervised.
-        losses = [
-            checkpoint(chunk_loss, h[i : i + size], labels[i : i + size], use_reentrant=False)
-            for i in range(0, max(n, 1), size)
-        ]
-        return torch.stack(losses).sum(), n
+        w = self.lm_head.weight
+        if torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
+            return LinearCrossEntropy.apply(h, w, labels, self.loss_chunk), labels.numel()
+        return linear_cross_entropy(h, w, labels, self.loss_chunk)[0], labels.numel()
 
     @classmethod
     def from_pretrained(cls, path, dtype=None, device=None):
