@@ -3,8 +3,9 @@
     python bench.py quant              NF4 quantize / dequantize throughput on CPU, ours vs bitsandbytes (4096 x 4096)
     python bench.py quant --smollm2    plus SmolLM2-135M load times: quantize 16-bit weights vs load pre-quantized
     python bench.py train              training speed and memory: ours vs transformers + PEFT, and the optimization
-                                       ladder (SmolLM2-135M, 4 x 512 tokens per step; about 30 minutes on 2 cores)
+                                       ladder (SmolLM2-135M, 4 x 512 tokens per step; about 25 minutes on 2 cores)
     python bench.py train --only=padded-fp32,ladder --steps=6      pieces of it
+    python bench.py train --tables     print the tables of out/bench/results.json again
 
 Quant timings are the best of --repeat runs after one warm-up run; the machine's other load shows up as noise.
 
@@ -27,12 +28,14 @@ Two workloads, 4 x 512 tokens per optimizer step:
   comparison there, as padding counts as tokens processed.
 
 Per run: N steps; the first `--warmup` are dropped. Step time is the median of the rest; token rates are the tokens of
-those steps over their total time. MFU = model FLOPs per token (train.py's formula: 4N for a frozen-base LoRA step plus
-causal attention at 512 tokens) x tokens/s / the matmul peak measured here for the precision in use.
+those steps over their total time, leaving out any step under half the median tokens/s (a hiccup of the shared
+machine; such steps are counted and named). MFU = model FLOPs per token (train.py's formula: 4N for a frozen-base
+LoRA step plus causal attention at 512 tokens) x tokens/s / the matmul peak measured here for the precision in use.
 """
 
 import argparse
 import hashlib
+import importlib.metadata
 import json
 import os
 import platform
@@ -169,8 +172,7 @@ def machine() -> dict:
 
     cpu = next((s.split(":", 1)[1].strip() for s in open("/proc/cpuinfo") if s.startswith("model name")), "unknown")
     versions = {"python": platform.python_version(), "torch": torch.__version__}
-    for name in ("transformers", "peft", "bitsandbytes"):
-        versions[name] = __import__(name).__version__
+    versions |= {name: importlib.metadata.version(name) for name in ("transformers", "peft", "bitsandbytes")}
     return dict(
         cpu=cpu,
         cores=os.cpu_count(),
@@ -311,8 +313,10 @@ LADDER = [  # cumulative train.py overrides on the stdlib dataset; each rung add
 
 
 def plan(padded_path):
-    """Every run: name, group, label, the command, and how to read its per-step records."""
-    model_dir = __import__("convert").smollm2_dir()
+    """Every run: name, group, system, precision, and the peer's arguments or train.py's --key=value overrides."""
+    import convert
+
+    model_dir = convert.smollm2_dir()
     common = dict(
         model=model_dir,
         context_length=CONTEXT,
@@ -379,23 +383,27 @@ def execute(run, steps, work):
     records = []
     for line in open(os.path.join(out, "metrics.jsonl")):
         m = json.loads(line)
-        if "tokens_per_s" in m:  # train.py counts rows x context_length tokens per step (all packed / padded to max)
+        if "tokens_per_s" in m:  # rows x context_length tokens per step: every run here fills its rows to 512
             dt = ROWS * CONTEXT / m["tokens_per_s"]
             records.append(dict(time=dt, tokens=ROWS * CONTEXT, supervised=m["supervised_per_s"] * dt, loss=m["loss"]))
     return result | dict(steps=records)
 
 
 def summarize(result, warmup, flops_per_token, peak):
-    """Median step time; tokens and supervised tokens per second over the measured steps; MFU."""
+    """Median step time; tokens and supervised tokens per second over the measured steps; MFU. A step whose tokens/s
+    is under half the median is a hiccup of the shared machine, not of the system, and is left out (and counted)."""
     steps = result["steps"][warmup:]
-    total = sum(s["time"] for s in steps)
-    tokens, sup = sum(s["tokens"] for s in steps), sum(s["supervised"] for s in steps)
+    typical = statistics.median(s["tokens"] / s["time"] for s in steps)
+    kept = [s for s in steps if s["tokens"] / s["time"] >= typical / 2]
+    total = sum(s["time"] for s in kept)
+    tokens, sup = sum(s["tokens"] for s in kept), sum(s["supervised"] for s in kept)
     return dict(
         step_s=statistics.median(s["time"] for s in steps),
         tokens_per_s=tokens / total,
         supervised_per_s=sup / total,
         mfu=flops_per_token * tokens / total / peak,
         loss_step1=result["steps"][0]["loss"],
+        hiccups=len(steps) - len(kept),
     )
 
 
@@ -411,6 +419,10 @@ def fmt_gb(n):
 
 
 def print_tables(results):
+    for r in results["runs"]:
+        if "error" not in r:
+            peak = results["peaks"][r["precision"]]
+            r["summary"] = summarize(r, results["warmup"], results["flops_per_token"], peak)
     by = {r["name"]: r for r in results["runs"]}
     rows = []
     for name, data, *_ in COMPARE:
@@ -423,7 +435,9 @@ def print_tables(results):
                 continue
             s, p = r["summary"], by.get(f"{name}/peer", {}).get("summary")
             key = "tokens_per_s" if data == "padded" else "supervised_per_s"
-            ratio = f"{s[key] / p[key]:.2f}x / {r['peak_rss'] / by[f'{name}/peer']['peak_rss']:.2f}x"
+            ratio = ""
+            if system == "ours" and p:
+                ratio = f"{s[key] / p[key]:.2f}x / {r['peak_rss'] / by[f'{name}/peer']['peak_rss']:.2f}x"
             rows.append(
                 (
                     name,
@@ -434,16 +448,21 @@ def print_tables(results):
                     f"{s['supervised_per_s']:.0f}",
                     f"{100 * s['mfu']:.1f}%",
                     fmt_gb(r["peak_rss"]),
-                    ratio if system == "ours" and p else "",
+                    ratio,
                 )
             )
     if rows:
         print("\nours vs transformers + PEFT (LoRA r=16 on all linears, 4 x 512 tokens per step)")
         headers = ["workload", "system", "precision", "step s", "tokens/s", "supervised/s", "MFU", "peak RSS"]
         print_table([*headers, "ours/peer speed / RSS"], rows)
-        losses = [(n, by[f"{n}/ours"], by[f"{n}/peer"]) for n, d, *_ in COMPARE if d == "padded"]
-        for n, ours, peer in losses:
-            if "summary" in ours and "summary" in peer:
+        fp32 = by.get("padded-fp32/peer", {}).get("summary")
+        for n, data, precision, _ in COMPARE:
+            ours = by.get(f"{n}/ours", {}).get("summary")
+            if data == "padded" and precision == "bf16" and ours and fp32:
+                print(f"{n}: ours {ours['tokens_per_s'] / fp32['tokens_per_s']:.2f}x the peer's fp32 tokens/s")
+        for n, data, *_ in COMPARE:
+            ours, peer = by.get(f"{n}/ours", {}), by.get(f"{n}/peer", {})
+            if data == "padded" and "summary" in ours and "summary" in peer:
                 o, p = ours["summary"]["loss_step1"], peer["summary"]["loss_step1"]
                 print(f"{n}: step-1 loss on the identical batch {peer['first_batch']}: ours {o:.5f}, peer {p:.5f}")
     rows = []
@@ -474,6 +493,11 @@ def print_tables(results):
         print_table(
             ["configuration", "step s", "tokens/s", "supervised/s", "MFU", "peak RSS", "supervised/s gain"], rows
         )
+    hiccups = [
+        f"{r['name']} ({r['summary']['hiccups']})" for r in results["runs"] if r.get("summary", {}).get("hiccups")
+    ]
+    if hiccups:
+        print(f"\nsteps left out as machine hiccups (under half the median tokens/s): {', '.join(hiccups)}")
 
 
 def bench_train(steps, warmup, only):
@@ -534,6 +558,7 @@ def main():
     t = sub.add_parser("train", help="training speed and memory: ours vs transformers + PEFT, and the ladder")
     t.add_argument("--steps", type=int, default=8, help="optimizer steps per run (default 8)")
     t.add_argument("--warmup", type=int, default=2, help="first steps left out of the statistics (default 2)")
+    t.add_argument("--tables", action="store_true", help="only print the tables of out/bench/results.json again")
     t.add_argument("--only", default="", help="comma-separated: compare, ladder, padded-fp32, ..., NAME/ours, ladder/3")
     p = sub.add_parser("peer")  # one transformers + PEFT run, started by `train` in a child process
     p.add_argument("--data", default="", help="JSONL of equal-work examples; '' = the stdlib dataset")
@@ -548,7 +573,10 @@ def main():
     elif args.command == "train":
         if args.steps <= args.warmup:
             parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
-        bench_train(args.steps, args.warmup, args.only)
+        if args.tables:
+            print_tables(json.load(open(os.path.join(OUT_DIR, "results.json"))))
+        else:
+            bench_train(args.steps, args.warmup, args.only)
     else:
         run_peer(args.data, args.train_on_prompt, args.precision, args.nf4, args.steps, args.out)
 
