@@ -196,13 +196,14 @@ def flash_varlen(q, k, v, cu_seqlens, max_seqlen):
 def sdpa_varlen(q, k, v, cu_seqlens, max_seqlen=None):
     """Same contract as flash_varlen (max_seqlen unused): one causal SDPA call per document, each (heads, len, D)."""
     b = cu_seqlens.tolist()
+    # 4-D (1, heads, len, D) inputs: with 3-D ones PyTorch skips its fused CPU attention kernel and keeps the whole
+    # (heads, len, len) attention matrix for backward (measured 1.8 s and 1.2 GiB per 4 x 512-token bf16 step).
+    doc = lambda t, s, e: t[s:e].transpose(0, 1)[None]  # noqa: E731
     outs = [
-        F.scaled_dot_product_attention(
-            q[s:e].transpose(0, 1), k[s:e].transpose(0, 1), v[s:e].transpose(0, 1), is_causal=True, enable_gqa=True
-        ).transpose(0, 1)
+        F.scaled_dot_product_attention(doc(q, s, e), doc(k, s, e), doc(v, s, e), is_causal=True, enable_gqa=True)[0]
         for s, e in zip(b[:-1], b[1:], strict=True)
     ]
-    return torch.cat(outs)
+    return torch.cat(outs, dim=1).transpose(0, 1)
 
 
 def linear_cross_entropy(h, weight, labels, chunk, grad=False):

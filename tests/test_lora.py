@@ -309,3 +309,14 @@ def test_mismatched_adapter_errors(base_dir, tmp_path, case, error, match):
     with pytest.raises(error, match=match) as e:
         lora.load_adapter_(model, path)
     assert "\n" not in str(e.value)
+
+
+def test_cheap_dropout_drops_p_and_keeps_the_mean():
+    torch.manual_seed(0)
+    x = torch.ones(1_000_000, dtype=torch.bfloat16)
+    for p in (0.05, 0.1, 0.5):
+        y = lora.cheap_dropout(x, p).float()
+        dropped = (y == 0).float().mean().item()
+        assert abs(dropped - p) < 0.003, (p, dropped)
+        assert set(y.unique().tolist()) == {0.0, torch.tensor(1 / (1 - p), dtype=torch.bfloat16).item()}
+        assert abs(y.mean().item() - 1) < 0.01
