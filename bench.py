@@ -6,6 +6,7 @@
                                        ladder (SmolLM2-135M, 4 x 512 tokens per step; about 25 minutes on 2 cores)
     python bench.py train --only=padded-fp32,ladder --steps=6      pieces of it
     python bench.py train --tables     print the tables of out/bench/results.json again
+    python bench.py pack               tokenize + pack 75,000 Magicoder-sized examples, then again from the cache
 
 Quant timings are the best of --repeat runs after one warm-up run; the machine's other load shows up as noise.
 
@@ -548,9 +549,33 @@ def bench_train(steps, warmup, only):
     print(f"\nraw results: {os.path.relpath(os.path.join(OUT_DIR, 'results.json'), REPO)}")
 
 
+def bench_pack(n=75_000, context=2048):
+    """A Magicoder-OSS-Instruct-sized JSONL (problem -> solution pairs cut from stdlib code and docstrings), tokenized
+    and packed with the SmolLM2 chat template, then built a second time from the token cache."""
+    import convert
+
+    path = os.path.join(OUT_DIR, f"magicoder{n // 1000}k.jsonl")
+    if not os.path.exists(path):
+        examples = pack.stdlib_examples("train")
+        os.makedirs(OUT_DIR, exist_ok=True)
+        with open(path + ".tmp", "w") as f:
+            for i in range(n):  # Magicoder's problems and solutions run to a few hundred tokens each
+                a, b = examples[i % len(examples)], examples[(7 * i + 1) % len(examples)]
+                f.write(json.dumps({"problem": f"{i}: " + a["instruction"], "solution": a["response"] + b["response"]}))
+                f.write("\n")
+        os.replace(path + ".tmp", path)
+    tok = pack.Tokenizer(convert.smollm2_dir())
+    with tempfile.TemporaryDirectory(dir=OUT_DIR) as cache:
+        for label in ("first run (tokenize + pack)", "second run (cache hit)"):
+            t = time.perf_counter()
+            ds = pack.build_dataset(path, tok, context, cache_dir=cache)
+            print(f"{label}: {time.perf_counter() - t:.1f} s")
+    print(ds.report())
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{quant,train}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{quant,train,pack}")
     q = sub.add_parser("quant", help="NF4 quantize / dequantize throughput, ours vs bitsandbytes (CPU)")
     q.add_argument("--size", type=int, default=4096, help="the weight is size x size (default 4096)")
     q.add_argument("--repeat", type=int, default=5, help="timed runs per case; the best is reported (default 5)")
@@ -560,6 +585,7 @@ def main():
     t.add_argument("--warmup", type=int, default=2, help="first steps left out of the statistics (default 2)")
     t.add_argument("--tables", action="store_true", help="only print the tables of out/bench/results.json again")
     t.add_argument("--only", default="", help="comma-separated: compare, ladder, padded-fp32, ..., NAME/ours, ladder/3")
+    sub.add_parser("pack", help="tokenizing and packing 75,000 Magicoder-sized examples, then the cache hit")
     p = sub.add_parser("peer")  # one transformers + PEFT run, started by `train` in a child process
     p.add_argument("--data", default="", help="JSONL of equal-work examples; '' = the stdlib dataset")
     p.add_argument("--train_on_prompt", action="store_true")
@@ -570,6 +596,8 @@ def main():
     args = parser.parse_args()
     if args.command == "quant":
         bench_quant(args.size, args.repeat, args.smollm2)
+    elif args.command == "pack":
+        bench_pack()
     elif args.command == "train":
         if args.steps <= args.warmup:
             parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
