@@ -553,19 +553,20 @@ def train(cfg: Config):
             batches = [
                 {k: v[i : i + micro_rows] for k, v in full.items()} for i in range(0, len(full["labels"]), micro_rows)
             ]
-            n_sup = torch.tensor(float(sum(int((b["labels"] != -100).sum()) for b in batches)))
+            # on `device`: NCCL reduces only CUDA tensors
+            n_sup = torch.tensor(float(sum(int((b["labels"] != -100).sum()) for b in batches)), device=device)
             if world > 1:
                 dist.all_reduce(n_sup)  # the global count of supervised tokens normalises the loss exactly
             t_fwd = t_bwd = 0.0
-            loss_sum = torch.zeros((), dtype=torch.float64)
+            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
             for batch in batches:
                 t = time.perf_counter()
                 loss, _ = forward_loss(model, batch, device, dtype)
                 t_fwd += time.perf_counter() - t
                 t = time.perf_counter()
-                scaler.scale(loss / n_sup.clamp(min=1).to(device)).backward()
+                scaler.scale(loss / n_sup.clamp(min=1)).backward()
                 t_bwd += time.perf_counter() - t
-                loss_sum += loss.detach().double().cpu()
+                loss_sum += loss.detach().double()
             t = time.perf_counter()
             if world > 1:
                 flat = torch.cat([p.grad.flatten() for p in params])
