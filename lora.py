@@ -216,7 +216,7 @@ def merge_and_check_(model, prompts, original=None):
     return sources, diff
 
 
-def _atomic(path, write):
+def atomic_write(path, write):
     """write(tmp) to a temp file in path's folder, then os.replace it onto path."""
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix=".tmp-")
     os.close(fd)
@@ -229,7 +229,7 @@ def _atomic(path, write):
 
 
 def _write_json(path, obj):
-    _atomic(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2)))
+    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2)))
 
 
 def save_adapter(model, out_dir, base_model_name_or_path=None):
@@ -260,7 +260,7 @@ def save_adapter(model, out_dir, base_model_name_or_path=None):
         for ab in ("lora_A", "lora_B")
     }
     os.makedirs(out_dir, exist_ok=True)
-    _atomic(os.path.join(out_dir, "adapter_model.safetensors"), lambda t: save_file(tensors, t, {"format": "pt"}))
+    atomic_write(os.path.join(out_dir, "adapter_model.safetensors"), lambda t: save_file(tensors, t, {"format": "pt"}))
     _write_json(os.path.join(out_dir, "adapter_config.json"), config)
 
 
@@ -343,7 +343,7 @@ def export_merged(model, out_dir, tokenizer_dir=None, shard_size=5 * 10**9):
             os.remove(os.path.join(out_dir, stale))
     for name, shard in zip(names, shards, strict=True):
         tensors = {k: v.detach().cpu().contiguous() for k, v in shard.items()}
-        _atomic(os.path.join(out_dir, name), lambda t, tensors=tensors: save_file(tensors, t, {"format": "pt"}))
+        atomic_write(os.path.join(out_dir, name), lambda t, tensors=tensors: save_file(tensors, t, {"format": "pt"}))
     if n > 1:
         total = sum(v.numel() * v.element_size() for v in state.values())
         weight_map = {k: name for name, shard in zip(names, shards, strict=True) for k in shard}
@@ -354,4 +354,4 @@ def export_merged(model, out_dir, tokenizer_dir=None, shard_size=5 * 10**9):
     _write_json(os.path.join(out_dir, "config.json"), cfg)
     for f in (*TOKENIZER_FILES, "generation_config.json"):
         if tokenizer_dir and os.path.isfile(os.path.join(tokenizer_dir, f)):
-            _atomic(os.path.join(out_dir, f), lambda t, f=f: shutil.copyfile(os.path.join(tokenizer_dir, f), t))
+            atomic_write(os.path.join(out_dir, f), lambda t, f=f: shutil.copyfile(os.path.join(tokenizer_dir, f), t))

@@ -47,6 +47,7 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -329,12 +330,6 @@ def peak_flops(device, dtype) -> float:
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def atomic_torch_save(obj, path: str):
-    tmp = f"{path}.tmp-{os.getpid()}"
-    torch.save(obj, tmp)
-    os.replace(tmp, path)
-
-
 def trainable_state(model) -> dict:
     return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
@@ -343,17 +338,20 @@ def save_checkpoint(path, model, opt, sched, step, cfg):
     rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
     if torch.cuda.is_available():
         rng["cuda"] = torch.cuda.get_rng_state_all()
-    atomic_torch_save(
-        {
-            "step": step,
-            "lora": trainable_state(model),
-            "optimizer": opt.state_dict(),
-            "scheduler": sched.state_dict(),
-            "rng": rng,
-            "config": dataclasses.asdict(cfg),
-        },
-        path,
-    )
+    state = {
+        "step": step,
+        "lora": trainable_state(model),
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "rng": rng,
+        "config": dataclasses.asdict(cfg),
+    }
+
+    def write(tmp):
+        with open(tmp, "wb") as f:  # a file object: torch's zip writer refuses the temp file's dotted name
+            torch.save(state, f)
+
+    lora.atomic_write(path, write)
 
 
 def load_checkpoint(path, model, opt, sched, cfg) -> int:
@@ -604,7 +602,7 @@ def train(cfg: Config):
                 "opt_s": t_opt,
             }
             if device.type == "cuda":
-                rec["peak_mem"] = torch.cuda.max_memory_allocated(device)
+                rec["peak_mem"] = peak_memory(device)
             if master:
                 if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps):
                     rec["val_loss"] = evaluate(model, valid, cfg.eval_rows, device, dtype)
@@ -645,10 +643,7 @@ def train(cfg: Config):
 
 
 def write_metrics(path, history):
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.writelines(json.dumps(h) + "\n" for h in history)
-    os.replace(tmp, path)
+    lora.atomic_write(path, lambda tmp: Path(tmp).write_text("".join(json.dumps(h) + "\n" for h in history)))
 
 
 def finish(cfg, model, tok, held_out, history, sample_before, model_dir, device, dtype):
@@ -660,17 +655,16 @@ def finish(cfg, model, tok, held_out, history, sample_before, model_dir, device,
     vals = [h["val_loss"] for h in history if "val_loss" in h]
     if len(vals) > 1:
         print(f"val loss: {vals[0]:.4f} -> {vals[-1]:.4f}")
+    prompt, ref, bos = pack.render(held_out, tok, cfg.template or None)
     if cfg.sample and sample_before:
         after = sample(model, tok, held_out, cfg, device, dtype)
-        prompt, ref, _ = pack.render(held_out, tok, cfg.template or None)
         sim = lambda s: difflib.SequenceMatcher(None, s, ref).ratio()  # noqa: E731
         print(f"--- held-out prompt ---\n{prompt}\n--- reference ---\n{ref}")
         print(f"--- before training (similarity {sim(sample_before):.3f}) ---\n{sample_before}")
         print(f"--- after training (similarity {sim(after):.3f}) ---\n{after}")
     if cfg.export_merged:
         merged_dir = os.path.join(cfg.out_dir, "merged")
-        text, _, bos = pack.render(held_out, tok, cfg.template or None)
-        prompts = [tok.encode(text, bos=bos)]
+        prompts = [tok.encode(prompt, bos=bos)]
         sources, diff = lora.merge_and_check_(model, prompts, original=Checkpoint(model_dir) if cfg.quantize else None)
         lora.export_merged(model, merged_dir, tokenizer_dir=model_dir)
         used = sorted(set(sources.values()))
@@ -693,9 +687,8 @@ def plot_losses(history, path):
     ax.set(xlabel="step", ylabel="loss (nats / supervised token)", title="nanoqlora")
     ax.legend()
     fig.tight_layout()
-    fig.savefig(path + ".tmp.png")
+    lora.atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
     plt.close(fig)
-    os.replace(path + ".tmp.png", path)
 
 
 def main(argv=None):
