@@ -46,10 +46,15 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-import pack
+import hf
+from examples import load_examples, stdlib_examples
+from model import flops_per_token
+from pack import build_dataset, tokenize_cached
+from tokenizer import Tokenizer
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 OUT_DIR = os.path.join(REPO, "out", "bench")
@@ -107,23 +112,16 @@ def bench_quant(size=4096, repeat=5, smollm2=False):
 
 def bench_smollm2_load(repeat):
     """SmolLM2-135M into a QLoRA-ready model: quantize its 16-bit checkpoint tensor by tensor vs load our pre-quantized
-    (bnb-4bit) checkpoint; both through quantize_ + load_weights_ on a meta-device model."""
+    (bnb-4bit) checkpoint; both through hf.load_model."""
     import convert
     import quant
-    from model import Checkpoint, Llama, LlamaConfig, load_weights_
 
-    def load(path):
-        ckpt = Checkpoint(path)
-        with torch.device("meta"):
-            model = Llama(LlamaConfig.from_json(os.path.join(path, "config.json")))
-        quant.quantize_(model, weights=ckpt)
-        return load_weights_(model, ckpt, dtype=torch.bfloat16)
-
+    load = lambda path: hf.load_model(path, torch.bfloat16, quantize=True)  # noqa: E731
     with tempfile.TemporaryDirectory() as tmp:
         dense, prequantized = os.path.join(tmp, "bf16"), os.path.join(tmp, "nf4")
         convert.convert_gguf(convert.smollm2_gguf_path(), dense, dtype=torch.bfloat16)
         model = load(dense)
-        quant.save_quantized(model, prequantized)
+        hf.save_quantized(model, prequantized)
         rows = []
         for label, path in [("quantize the bf16 checkpoint", dense), ("load pre-quantized (bnb-4bit)", prequantized)]:
             t = best_time(lambda path=path: load(path), repeat)
@@ -143,15 +141,6 @@ def bench_smollm2_load(repeat):
 
 
 # ----------------------------------------------------------------------------- training benchmark: what both sides see
-
-
-def model_flops_per_token(c, context: int) -> float:
-    """train.py's formula (bench.py does not import train.py): 4N matmul FLOPs per token for a frozen-base LoRA step
-    (2N forward, 2N backward for input gradients only) plus causal attention, 3 x 2 * layers * context * d_attn."""
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    n = c.num_hidden_layers * (c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size)
-    n += c.hidden_size * c.vocab_size  # lm_head
-    return 4 * n + 3 * 2 * c.num_hidden_layers * context * q
 
 
 def matmul_peak(dtype, n=2048, seconds=1.5) -> float:
@@ -186,28 +175,20 @@ def machine() -> dict:
 def write_padded_jsonl(path, tok, cache_dir=CACHE_DIR, min_tokens=CONTEXT):
     """The equal-work data: the stdlib functions whose chat-formatted example has at least `min_tokens` tokens, one
     {"instruction", "response"} per line. Truncated to CONTEXT, each fills a row: no padding on either side."""
-    examples = pack.stdlib_examples("train")
-    _, _, offsets = pack.tokenize_cached(examples, tok, train_on_prompt=True, cache_dir=cache_dir)
+    examples = stdlib_examples("train")
+    _, _, offsets = tokenize_cached(examples, tok, train_on_prompt=True, cache_dir=cache_dir)
     long = [ex for ex, n in zip(examples, offsets[1:] - offsets[:-1], strict=True) if n >= min_tokens]
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.writelines(json.dumps({"instruction": ex["instruction"], "response": ex["response"]}) + "\n" for ex in long)
-    os.replace(tmp, path)
+    lines = [json.dumps({"instruction": ex["instruction"], "response": ex["response"]}) + "\n" for ex in long]
+    hf.atomic_write(path, lambda tmp: Path(tmp).write_text("".join(lines)))
     return len(long)
 
 
 def peer_dataset(data, tok, train_on_prompt, cache_dir=CACHE_DIR):
     """One example per row, the dataset train.py builds with pack=False for `data` ("" = the stdlib dataset) used as
     both training and validation file, so nothing is held out."""
-    examples = pack.load_examples(data) if data else pack.stdlib_examples("train")
+    examples = load_examples(data) if data else stdlib_examples("train")
     kw = dict(pack=False, train_on_prompt=train_on_prompt, seed=SEED, cache_dir=cache_dir)
-    return pack.build_dataset(examples, tok, CONTEXT, **kw)
-
-
-def step_batch(ds, step, rows=ROWS):
-    """The rows of optimizer step `step`, in train.step_batch's order (single process)."""
-    epoch, b = divmod(step, ds.steps_per_epoch(rows))
-    return next(ds.batches(epoch, rows, start=b))
+    return build_dataset(examples, tok, CONTEXT, **kw)
 
 
 def hf_batch(batch):
@@ -240,7 +221,7 @@ def run_peer(data, train_on_prompt, precision, nf4, steps, out):
 
     model_dir = convert.smollm2_dir()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    ds = peer_dataset(data, pack.Tokenizer(model_dir), train_on_prompt)
+    ds = peer_dataset(data, Tokenizer(model_dir), train_on_prompt)
     kw = {}
     if nf4:
         kw["device_map"] = "cpu"
@@ -262,7 +243,7 @@ def run_peer(data, train_on_prompt, precision, nf4, steps, out):
     records, first = [], None
     for step in range(steps):
         start = time.perf_counter()
-        batch = step_batch(ds, step)
+        batch = ds.step_batch(step, ROWS)
         first = first or batch_hash(batch)
         inputs = hf_batch(batch)
         with amp:
@@ -277,7 +258,7 @@ def run_peer(data, train_on_prompt, precision, nf4, steps, out):
         print(f"step {step + 1}: loss {loss.item():.4f}, {dt:.2f}s, {records[-1]['tokens']} tokens, {sup} supervised")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(f"peak RSS: {rss / 2**30:.2f} GiB")
-    write_json(out, dict(steps=records, first_batch=first, trainable=sum(p.numel() for p in params)))
+    hf.write_json(out, dict(steps=records, first_batch=first, trainable=sum(p.numel() for p in params)))
 
 
 # ----------------------------------------------------------------------------- runs: one child process each
@@ -408,13 +389,6 @@ def summarize(result, warmup, flops_per_token, peak):
     )
 
 
-def write_json(path, obj):
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
-    os.replace(tmp, path)
-
-
 def fmt_gb(n):
     return f"{n / 2**30:.2f} GiB"
 
@@ -425,6 +399,17 @@ def print_tables(results):
             peak = results["peaks"][r["precision"]]
             r["summary"] = summarize(r, results["warmup"], results["flops_per_token"], peak)
     by = {r["name"]: r for r in results["runs"]}
+    print_compare(by)
+    print_ladder(by)
+    hiccups = [
+        f"{r['name']} ({r['summary']['hiccups']})" for r in results["runs"] if r.get("summary", {}).get("hiccups")
+    ]
+    if hiccups:
+        print(f"\nsteps left out as machine hiccups (under half the median tokens/s): {', '.join(hiccups)}")
+
+
+def print_compare(by):
+    """The ours-vs-peer table from the runs by name."""
     rows = []
     for name, data, *_ in COMPARE:
         for system in ("peer", "ours"):
@@ -466,8 +451,11 @@ def print_tables(results):
             if data == "padded" and "summary" in ours and "summary" in peer:
                 o, p = ours["summary"]["loss_step1"], peer["summary"]["loss_step1"]
                 print(f"{n}: step-1 loss on the identical batch {peer['first_batch']}: ours {o:.5f}, peer {p:.5f}")
-    rows = []
-    base = None
+
+
+def print_ladder(by):
+    """The optimization-ladder table from the runs by name."""
+    rows, base = [], None
     for i, (label, _) in enumerate(LADDER):
         r = by.get(f"ladder/{i}")
         if r is None:
@@ -494,22 +482,16 @@ def print_tables(results):
         print_table(
             ["configuration", "step s", "tokens/s", "supervised/s", "MFU", "peak RSS", "supervised/s gain"], rows
         )
-    hiccups = [
-        f"{r['name']} ({r['summary']['hiccups']})" for r in results["runs"] if r.get("summary", {}).get("hiccups")
-    ]
-    if hiccups:
-        print(f"\nsteps left out as machine hiccups (under half the median tokens/s): {', '.join(hiccups)}")
 
 
 def bench_train(steps, warmup, only):
     import convert
-    from model import LlamaConfig
 
     os.makedirs(os.path.join(OUT_DIR, "logs"), exist_ok=True)
     model_dir = convert.smollm2_dir()
-    config = LlamaConfig.from_json(os.path.join(model_dir, "config.json"))
+    config, _ = hf.read_config(model_dir)
     padded = os.path.join(OUT_DIR, "padded512.jsonl")
-    n_long = write_padded_jsonl(padded, pack.Tokenizer(model_dir))
+    n_long = write_padded_jsonl(padded, Tokenizer(model_dir))
     runs = plan(padded)
     if only:
         names = only.split(",")
@@ -525,7 +507,7 @@ def bench_train(steps, warmup, only):
         f"bitsandbytes {info['bitsandbytes']}"
     )
     print(f"matmul peak (2048^3): fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s")
-    flops = model_flops_per_token(config, CONTEXT)
+    flops = flops_per_token(config, CONTEXT)
     print(f"model FLOPs per token (LoRA step at {CONTEXT} tokens): {flops / 1e9:.3f} GFLOP")
     print(f"padded workload: {n_long} stdlib functions of at least {CONTEXT} tokens; {steps} steps, {warmup} warm-up")
     command = "python bench.py train" + "".join(f" {a}" for a in sys.argv[2:])
@@ -544,7 +526,7 @@ def bench_train(steps, warmup, only):
                 done = f"FAILED ({r['error']}); see {r['log']}"
             print(f"[{k}/{len(runs)}] {run['name']}: {done} (wall {r['wall_s']:.0f} s)", flush=True)
             results["runs"].append(r)
-            write_json(os.path.join(OUT_DIR, "results.json"), results)
+            hf.write_json(os.path.join(OUT_DIR, "results.json"), results)
     print_tables(results)
     print(f"\nraw results: {os.path.relpath(os.path.join(OUT_DIR, 'results.json'), REPO)}")
 
@@ -556,19 +538,19 @@ def bench_pack(n=75_000, context=2048):
 
     path = os.path.join(OUT_DIR, f"magicoder{n // 1000}k.jsonl")
     if not os.path.exists(path):
-        examples = pack.stdlib_examples("train")
+        examples = stdlib_examples("train")
         os.makedirs(OUT_DIR, exist_ok=True)
-        with open(path + ".tmp", "w") as f:
-            for i in range(n):  # Magicoder's problems and solutions run to a few hundred tokens each
-                a, b = examples[i % len(examples)], examples[(7 * i + 1) % len(examples)]
-                f.write(json.dumps({"problem": f"{i}: " + a["instruction"], "solution": a["response"] + b["response"]}))
-                f.write("\n")
-        os.replace(path + ".tmp", path)
-    tok = pack.Tokenizer(convert.smollm2_dir())
+        lines = []
+        for i in range(n):  # Magicoder's problems and solutions run to a few hundred tokens each
+            a, b = examples[i % len(examples)], examples[(7 * i + 1) % len(examples)]
+            row = {"problem": f"{i}: " + a["instruction"], "solution": a["response"] + b["response"]}
+            lines.append(json.dumps(row) + "\n")
+        hf.atomic_write(path, lambda tmp: Path(tmp).write_text("".join(lines)))
+    tok = Tokenizer(convert.smollm2_dir())
     with tempfile.TemporaryDirectory(dir=OUT_DIR) as cache:
         for label in ("first run (tokenize + pack)", "second run (cache hit)"):
             t = time.perf_counter()
-            ds = pack.build_dataset(path, tok, context, cache_dir=cache)
+            ds = build_dataset(path, tok, context, cache_dir=cache)
             print(f"{label}: {time.perf_counter() - t:.1f} s")
     print(ds.report())
 

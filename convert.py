@@ -60,10 +60,10 @@ import time
 
 import numpy as np
 import torch
-from gguf import GGUFReader
-from gguf.quants import dequantize
 from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+
+from hf import dtype_name
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -128,8 +128,8 @@ def _config(reader, path, dtype):
         "pad_token_id": _meta(reader, path, "tokenizer.ggml.padding_token_id", None),
         "attention_bias": False,
         "mlp_bias": False,
-        "dtype": str(dtype).removeprefix("torch."),
-        "torch_dtype": str(dtype).removeprefix("torch."),
+        "dtype": dtype_name(dtype),
+        "torch_dtype": dtype_name(dtype),
     }
 
 
@@ -151,6 +151,8 @@ def _unpermute(w, n_head):
 
 
 def _weights(reader, path, cfg, dtype):
+    from gguf.quants import dequantize
+
     heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
     state = {}
     for t in reader.tensors:
@@ -225,6 +227,8 @@ def convert_gguf(gguf_path, out_dir, dtype=torch.float32):
             shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)  # another run may sweep it too
     tmp = os.path.join(parent, f"{prefix}{os.getpid()}-{time.time_ns()}")
     os.mkdir(tmp)  # not mkdtemp: its 0700 mode would stick to the published directory
+    from gguf import GGUFReader  # imported here: training only needs smollm2_dir's already converted directory
+
     try:
         reader = GGUFReader(gguf_path)
         cfg = _config(reader, gguf_path, dtype)

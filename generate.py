@@ -11,28 +11,13 @@ adapter is applied on top, so what you see is what the adapter does, not a merge
 """
 
 import argparse
-import os
 
 import torch
 
 import convert
-import lora
-import pack
-import quant
-from model import Checkpoint, Llama, LlamaConfig, generate, load_weights_
-
-
-def load(model_dir, adapter=None, quantize=False, dtype=torch.float32, device="cpu"):
-    """Base model (16-bit or NF4) plus an optional PEFT-format adapter, in eval mode."""
-    with torch.device("meta"):
-        model = Llama(LlamaConfig.from_json(os.path.join(model_dir, "config.json")))
-    ckpt = Checkpoint(model_dir)
-    if quantize:
-        quant.quantize_(model, weights=ckpt, compute_dtype=dtype, device=device)
-    load_weights_(model, ckpt, dtype=dtype, device=device)
-    if adapter:
-        lora.load_adapter_(model, adapter)
-    return model.eval()
+import hf
+from model import generate
+from tokenizer import Tokenizer
 
 
 def chat_prompt(tok, text):
@@ -53,8 +38,8 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     model_dir = args.model or convert.smollm2_dir()
-    tok = pack.Tokenizer(model_dir)
-    model = load(model_dir, args.adapter, args.quantize)
+    tok = Tokenizer(model_dir)
+    model = hf.load_model(model_dir, torch.float32, quantize=args.quantize, adapter=args.adapter).eval()
     ids = chat_prompt(tok, args.prompt)
     out = generate(model, ids, args.max_new_tokens, args.temperature, args.top_p, eos_id=tok.eos_id, seed=args.seed)
     print(tok.decode([i for i in out if i != tok.eos_id]))

@@ -32,9 +32,10 @@ Packed rows
 -----------
 Fine-tuning packs several documents into one row. A document starts wherever position_ids == 0 and at every row
 start; tokens attend causally within their own document only. The boundaries are found once per forward as cumulative
-sequence lengths over the flattened (B*T) tokens, e.g. documents of lengths 5, 3, 7 give cu_seqlens = [0, 5, 8, 15].
-On CUDA, FlashAttention-2 (Dao, https://arxiv.org/abs/2307.08691) consumes them directly in one varlen kernel call;
-elsewhere each document runs through causal scaled_dot_product_attention on its own.
+sequence lengths over the flattened (B*T) tokens (`Docs`), e.g. documents of lengths 5, 3, 7 give
+cu_seqlens = [0, 5, 8, 15]. The function that attends over them is chosen once, when the model is built
+(`varlen_attention`): FlashAttention-2 (Dao, https://arxiv.org/abs/2307.08691) consumes cu_seqlens directly in one
+kernel call; elsewhere each document runs through causal scaled_dot_product_attention on its own.
 
 Loss
 ----
@@ -45,41 +46,30 @@ exist, the forward pass also turns them into the gradient of the loss for the hi
 dL/dh = (softmax(h W^T) - onehot(y)) W, so the logits are dropped at once and the backward pass only scales that
 gradient. Full-vocabulary logits never exist for the whole batch, and no lm_head matmul is recomputed.
 
-Loading and generation
-----------------------
-from_pretrained reads config.json (the classic rope_theta + rope_scaling form or the rope_parameters form of
-transformers 5), builds the model on the meta device (no memory) and fills each parameter straight from the
-safetensors files in the target dtype and device, one tensor at a time. RoPE frequencies are computed, never loaded.
-generate keeps a preallocated (1, max_len, Hkv, D) key and value buffer per layer: the prompt runs once, then each
-new token costs one single-position forward that attends to the cached keys and values.
+Generation and FLOPs
+--------------------
+generate keeps a `KVCache`, a preallocated (layers, 1, max_len, Hkv, D) key and value buffer: the prompt runs once,
+then each new token costs one single-position forward that attends to the cached keys and values. flops_per_token
+counts the model FLOPs of a frozen-base LoRA training step, the numerator of MFU.
+
+Weights are read from Hugging Face files by hf.py; this file only defines the modules and their math.
 
 Shapes: B batch rows, T tokens per row, N = B*T flattened tokens, H / Hkv query / key-value heads, D head size.
 """
 
 import importlib.util
-import json
 import math
-import os
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import SafetensorError, safe_open
 from torch.utils.checkpoint import checkpoint
 
 LOSS_CHUNK = 1024  # supervised tokens per lm_head + cross-entropy chunk
-HAS_FLASH = importlib.util.find_spec("flash_attn") is not None
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 ROPE_KEYS = {"default": (), "linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
-
-
-def read_json(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON ({e})") from None
 
 
 @dataclass
@@ -142,14 +132,13 @@ class LlamaConfig:
             cfg.rope_scaling.setdefault("original_max_position_embeddings", cfg.max_position_embeddings)
         return cfg
 
-    @classmethod
-    def from_json(cls, path):
-        return cls.from_hf(read_json(path), path)
-
     def to_hf(self):
-        """A config.json dict in the classic form (top-level rope_theta + rope_scaling) every transformers reads."""
+        """A config.json dict in the classic form (top-level rope_theta + rope_scaling) every transformers reads.
+        Only the keys of a Hugging Face Llama config are written, whatever else a fork stores on the object."""
+        keys = [*REQUIRED_KEYS, "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta"]
+        keys += ["max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id"]
         d = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu"}
-        d.update(self.__dict__)
+        d |= {k: getattr(self, k) for k in keys}
         d["rope_scaling"] = dict(self.rope_scaling) if self.rope_scaling else None
         return d
 
@@ -176,34 +165,51 @@ def rotate_half(x):
     return torch.cat((-b, a), dim=-1)
 
 
+class Docs(NamedTuple):
+    """Packed-document bounds over the N = B*T flattened tokens: document i is tokens cu_seqlens[i]:cu_seqlens[i+1]."""
+
+    cu_seqlens: torch.Tensor  # int32 (docs + 1,), on the tokens' device
+    max_seqlen: int  # the longest document
+
+
 def doc_bounds(position_ids):
-    """(B, T) position ids -> (cu_seqlens int32 (docs+1,), max_seqlen int) over the N = B*T flattened tokens."""
+    """(B, T) position ids -> Docs. A document starts where position_ids == 0 and at every row start."""
     B, T = position_ids.shape
     starts = position_ids == 0
     starts[:, 0] = True  # a row that opens mid-document still starts a new attention span
     idx = starts.flatten().nonzero().flatten()
     cu_seqlens = torch.cat([idx, idx.new_tensor([B * T])]).to(torch.int32)
-    return cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return Docs(cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
 
 
-def flash_varlen(q, k, v, cu_seqlens, max_seqlen):
+def flash_varlen(q, k, v, docs):
     """FlashAttention-2 over packed documents. q (N, H, D), k/v (N, Hkv, D) -> (N, H, D); GQA handled by the kernel."""
     from flash_attn import flash_attn_varlen_func
 
-    return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, causal=True)
+    c, m = docs
+    return flash_attn_varlen_func(q, k, v, c, c, m, m, causal=True)
 
 
-def sdpa_varlen(q, k, v, cu_seqlens, max_seqlen=None):
-    """Same contract as flash_varlen (max_seqlen unused): one causal SDPA call per document, each (heads, len, D)."""
-    b = cu_seqlens.tolist()
-    # 4-D (1, heads, len, D) inputs: with 3-D ones PyTorch skips its fused CPU attention kernel and keeps the whole
-    # (heads, len, len) attention matrix for backward (measured 1.8 s and 1.2 GiB per 4 x 512-token bf16 step).
+def sdpa_varlen(q, k, v, docs):
+    """Same contract as flash_varlen: one causal SDPA call per document, each (1, heads, len, D)."""
+    b = docs.cu_seqlens.tolist()
+    # 4-D inputs: with 3-D ones PyTorch's CPU attention skips its fused kernel and keeps the whole (heads, len, len)
+    # attention matrix of every document for backward.
     doc = lambda t, s, e: t[s:e].transpose(0, 1)[None]  # noqa: E731
     outs = [
         F.scaled_dot_product_attention(doc(q, s, e), doc(k, s, e), doc(v, s, e), is_causal=True, enable_gqa=True)[0]
         for s, e in zip(b[:-1], b[1:], strict=True)
     ]
     return torch.cat(outs, dim=1).transpose(0, 1)
+
+
+def varlen_attention(device, dtype):
+    """The packed-document attention for a model on `device` computing in `dtype`: flash_varlen where flash-attn is
+    installed and the tensors are 16-bit CUDA ones (its only kernels), sdpa_varlen elsewhere."""
+    cuda = torch.device(device).type == "cuda"
+    if cuda and dtype in (torch.float16, torch.bfloat16) and importlib.util.find_spec("flash_attn") is not None:
+        return flash_varlen
+    return sdpa_varlen
 
 
 def linear_cross_entropy(h, weight, labels, chunk, grad=False):
@@ -244,6 +250,21 @@ class LinearCrossEntropy(torch.autograd.Function):
         return ctx.grad_h * grad.to(ctx.grad_h.dtype), grad_w, None, None
 
 
+class KVCache:
+    """Keys and values of every layer during generation: k, v (layers, B, max_len, Hkv, D), valid up to `length`."""
+
+    def __init__(self, cfg, max_len, batch=1, dtype=torch.float32, device=None):
+        shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        self.k, self.v = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
+        self.length = 0  # tokens already cached; the model advances it after each forward
+
+    def update(self, layer, k, v):
+        """Store this step's k, v (B, T, Hkv, D) at positions length.. and return all keys and values so far."""
+        end = self.length + k.shape[1]
+        self.k[layer, :, self.length : end], self.v[layer, :, self.length : end] = k, v
+        return self.k[layer, :, :end], self.v[layer, :, :end]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim, eps):
         super().__init__()
@@ -256,39 +277,31 @@ class RMSNorm(nn.Module):
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, layer_idx, varlen=sdpa_varlen):
         super().__init__()
-        self.head_dim = cfg.head_dim
+        self.head_dim, self.layer_idx, self.varlen = cfg.head_dim, layer_idx, varlen
         h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=False)
         self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
 
-    def forward(self, x, cos, sin, docs=None, cache=None, start=0):
+    def forward(self, x, cos, sin, docs=None, cache=None):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, -1, self.head_dim)  # (B, T, H, D)
         k = self.k_proj(x).view(B, T, -1, self.head_dim)  # (B, T, Hkv, D)
         v = self.v_proj(x).view(B, T, -1, self.head_dim)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin  # cos/sin (B, T, 1, D)
         if docs is not None:  # packed rows: attention confined to each document, over (N, heads, D)
-            use_flash = HAS_FLASH and q.is_cuda and q.dtype in (torch.float16, torch.bfloat16)  # 16-bit kernels only
-            o = (flash_varlen if use_flash else sdpa_varlen)(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), *docs)
+            o = self.varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), docs)
             return self.o_proj(o.reshape(B, T, -1))
-        if cache is not None:  # generation: write this step's keys/values, attend to everything so far
-            cache_k, cache_v = cache  # each (B, max_len, Hkv, D)
-            cache_k[:, start : start + T], cache_v[:, start : start + T] = k, v
-            k, v = cache_k[:, : start + T], cache_v[:, : start + T]
+        start = 0 if cache is None else cache.length
+        if cache is not None:  # generation: store this step's keys/values, attend to everything so far
+            k, v = cache.update(self.layer_idx, k, v)
         # query i sits at absolute position start + i and sees keys 0 .. start + i
         mask = None if start == 0 else torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(start)
-        o = F.scaled_dot_product_attention(
-            q.transpose(1, 2),
-            k.transpose(1, 2),
-            v.transpose(1, 2),
-            attn_mask=mask,
-            is_causal=start == 0,
-            enable_gqa=True,
-        )
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, len, D)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=start == 0, enable_gqa=True)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -304,20 +317,21 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg):
+    def __init__(self, cfg, layer_idx, varlen=sdpa_varlen):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer_idx, varlen)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, docs=None, cache=None, start=0):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, docs, cache, start)
+    def forward(self, x, cos, sin, docs=None, cache=None):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, docs, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Llama(nn.Module):
-    def __init__(self, config):
+    def __init__(self, config, varlen=sdpa_varlen):
+        """varlen: the packed-document attention (see varlen_attention), fixed for the model's life."""
         super().__init__()
         self.config = config
         self.activation_checkpointing = False
@@ -325,7 +339,7 @@ class Llama(nn.Module):
         self.model = nn.ModuleDict(
             dict(
                 embed_tokens=nn.Embedding(config.vocab_size, config.hidden_size),
-                layers=nn.ModuleList(Block(config) for _ in range(config.num_hidden_layers)),
+                layers=nn.ModuleList(Block(config, i, varlen) for i in range(config.num_hidden_layers)),
                 norm=RMSNorm(config.hidden_size, config.rms_norm_eps),
             )
         )
@@ -333,32 +347,40 @@ class Llama(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, position_ids=None, labels=None, cache=None, start=0):
+    def forward(self, input_ids, position_ids=None, labels=None, cache=None):
         """input_ids (B, T) -> logits (B, T, vocab), or (loss_sum, n_tokens) when labels (B, T) are given.
 
-        position_ids (B, T) marks packed documents (each starts at 0). `cache` (a list of per-layer (k, v) tensors,
-        see generate) with `start` = number of tokens already cached runs one incremental step without position_ids.
+        position_ids (B, T) marks packed documents (each starts at 0). A KVCache runs one incremental generation step
+        (no position_ids): the tokens continue after the cache.length already cached ones.
         """
         B, T = input_ids.shape
         docs = None if position_ids is None else doc_bounds(position_ids)  # once per forward, shared by all layers
         if position_ids is None:
+            start = 0 if cache is None else cache.length
             position_ids = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
         x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
         angles = position_ids[..., None].float() * rope_inv_freq(self.config, input_ids.device)  # (B, T, D/2)
         angles = torch.cat((angles, angles), dim=-1)[:, :, None]  # (B, T, 1, D): broadcast over heads
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-        for i, layer in enumerate(self.model.layers):
+        for layer in self.model.layers:
             if self.activation_checkpointing and torch.is_grad_enabled():
                 x = checkpoint(layer, x, cos, sin, docs, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, docs, None if cache is None else cache[i], start)
+                x = layer(x, cos, sin, docs, cache)
+        if cache is not None:
+            cache.length += T
         x = self.model.norm(x)
         return self.lm_head(x) if labels is None else self.loss(x, labels)
 
     def loss(self, h, labels):
         """h (B, T, hidden), labels (B, T) -> (fp32 summed cross-entropy, number of supervised tokens)."""
         keep = labels.flatten() != -100
-        if not self.loss_chunk or type(self.lm_head) is not nn.Linear:  # naive: (B*T, vocab) fp32 logits, all kept
+        if self.loss_chunk and type(self.lm_head) is not nn.Linear:
+            raise ValueError(
+                f"lm_head is a {type(self.lm_head).__name__}: the chunked loss needs a plain nn.Linear head "
+                "(train an adapted or quantized lm_head with chunked_loss=False)"
+            )
+        if not self.loss_chunk:  # naive: (B*T, vocab) fp32 logits, all kept for backward
             logits = self.lm_head(h).float().flatten(0, 1)
             return F.cross_entropy(logits, labels.flatten(), ignore_index=-100, reduction="sum"), int(keep.sum())
         h, labels = h.flatten(0, 1)[keep], labels.flatten()[keep]  # (n, hidden): only supervised tokens
@@ -367,83 +389,33 @@ class Llama(nn.Module):
             return LinearCrossEntropy.apply(h, w, labels, self.loss_chunk), labels.numel()
         return linear_cross_entropy(h, w, labels, self.loss_chunk)[0], labels.numel()
 
-    @classmethod
-    def from_pretrained(cls, path, dtype=None, device=None):
-        """Build from a HF-format directory on the meta device, then read the weights tensor by tensor."""
-        raw = read_json(os.path.join(path, "config.json"))
-        config = LlamaConfig.from_hf(raw, os.path.join(path, "config.json"))
-        dtype = dtype or getattr(torch, raw.get("dtype") or raw.get("torch_dtype") or "float32")
-        with torch.device("meta"):
-            model = cls(config)
-        load_weights_(model, Checkpoint(path), dtype, device)
-        return model
+
+def find_linears(model, targets="all-linear", types=(nn.Linear,)):
+    """{name: module} of the `types` modules that `targets` picks, the one rule quantize_ and add_lora_ share.
+
+    "all-linear": every one inside the blocks (model.layers.*), never lm_head, as PEFT's "all-linear". Otherwise a
+    list of names, each matching a module's full name or a "."-suffix of it ("q_proj", "layers.0.mlp.up_proj"); a
+    name that matches nothing is an error, so a typo never silently leaves a layer out.
+    """
+    found = {n: m for n, m in model.named_modules() if isinstance(m, types)}
+    if targets == "all-linear":
+        return {n: m for n, m in found.items() if n.startswith("model.layers.")}
+    hit = lambda n, t: n == t or n.endswith("." + t)  # noqa: E731
+    for t in targets:
+        if not any(hit(n, t) for n in found):
+            raise ValueError(f"target module {t!r} matches no linear layer of the model")
+    return {n: m for n, m in found.items() if any(hit(n, t) for t in targets)}
 
 
-class Checkpoint:
-    """Lazy reader of model.safetensors or of shards listed in model.safetensors.index.json."""
-
-    def __init__(self, path):
-        self.path, self._handles = path, {}
-        index = os.path.join(path, "model.safetensors.index.json")
-        if os.path.isfile(index):
-            self.files = {name: os.path.join(path, f) for name, f in read_json(index)["weight_map"].items()}
-        else:
-            single = os.path.join(path, "model.safetensors")
-            if not os.path.isfile(single):
-                raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
-            self.files = dict.fromkeys(self._open(single).keys(), single)
-
-    def _open(self, file):
-        if file not in self._handles:
-            if not os.path.isfile(file):
-                raise FileNotFoundError(f"{file}: checkpoint shard not found")
-            try:
-                self._handles[file] = safe_open(file, framework="pt")
-            except SafetensorError as e:
-                raise ValueError(f"{file}: not a valid safetensors file ({e})") from None
-        return self._handles[file]
-
-    def keys(self):
-        return self.files.keys()
-
-    def __contains__(self, name):
-        return name in self.files
-
-    def get(self, name):
-        if name not in self.files:
-            raise KeyError(f"{self.path}: tensor {name} not found in the checkpoint")
-        try:
-            return self._open(self.files[name]).get_tensor(name)
-        except SafetensorError as e:
-            raise ValueError(f"{self.files[name]}: cannot read tensor {name} ({e})") from None
-
-
-def load_weights_(model, ckpt, dtype=None, device=None):
-    """Fill every parameter still on the meta device from `ckpt`, one tensor at a time, then tie lm_head."""
-    tied = model.config.tie_word_embeddings
-    with torch.device("meta"):  # the tensor names a plain Llama of this config owns (nothing is allocated)
-        known = {name for name, _ in Llama(model.config).named_parameters(remove_duplicate=False)}
-    # Pre-quantized (bnb-4bit) checkpoints carry per-weight extras, "<linear>.weight.absmax" etc.: quant.py reads them.
-    owner = lambda n: n.split(".weight.")[0] + ".weight" if ".weight." in n else n  # noqa: E731
-    extra = sorted(n for n in ckpt.keys() if owner(n) not in known and not n.endswith("rotary_emb.inv_freq"))
-    if extra:
-        raise ValueError(f"{ckpt.path}: checkpoint has tensors the model lacks: {', '.join(extra[:5])}")
-    for mod_name, module in model.named_modules():
-        for p_name, p in list(module.named_parameters(recurse=False)):
-            name = f"{mod_name}.{p_name}"
-            if not p.is_meta or (tied and name == "lm_head.weight"):
-                continue
-            if name not in ckpt:
-                raise KeyError(f"{ckpt.path}: tensor {name} is missing from the checkpoint")
-            t = ckpt.get(name)
-            if t.shape != p.shape:
-                raise ValueError(
-                    f"{ckpt.files[name]}: tensor {name} has shape {tuple(t.shape)}, expected {tuple(p.shape)}"
-                )
-            setattr(module, p_name, nn.Parameter(t.to(device, dtype or t.dtype), requires_grad=p.requires_grad))
-    if tied:
-        model.lm_head.weight = model.model.embed_tokens.weight
-    return model
+def flops_per_token(c, context):
+    """Model FLOPs per token of a frozen-base LoRA training step at `context` tokens per document: 2N forward plus 2N
+    backward (input gradients only: the frozen base has no weight gradients) over the N matmul weights, plus causal
+    attention, 2 * layers * context * H*D forward (QK^T and PV at 2 FLOPs each, halved by the mask) and twice that
+    backward. Recomputation by activation checkpointing is not counted (that would be hardware FLOPs)."""
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    n = c.num_hidden_layers * (c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size)
+    n += c.hidden_size * c.vocab_size  # lm_head
+    return 4 * n + 3 * 2 * c.num_hidden_layers * context * q
 
 
 @torch.inference_mode()
@@ -453,22 +425,13 @@ def generate(model, prompt_ids, max_new_tokens, temperature=0.0, top_p=1.0, eos_
     Greedy when temperature == 0, else softmax(logits / temperature) restricted to the smallest set of most likely
     tokens whose probability reaches top_p (nucleus sampling, https://arxiv.org/abs/1904.09751).
     """
-    cfg, weight = model.config, model.model.embed_tokens.weight
-    total = len(prompt_ids) + max_new_tokens
-    # a preallocated (1, total, Hkv, D) key and value buffer per layer
-    cache = [
-        tuple(
-            torch.zeros(1, total, cfg.num_key_value_heads, cfg.head_dim, dtype=weight.dtype, device=weight.device)
-            for _ in range(2)
-        )
-        for _ in range(cfg.num_hidden_layers)
-    ]
+    weight = model.model.embed_tokens.weight
+    cache = KVCache(model.config, len(prompt_ids) + max_new_tokens, dtype=weight.dtype, device=weight.device)
     stop = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
     gen = None if seed is None else torch.Generator(weight.device).manual_seed(seed)
-    ids, start, out = torch.tensor([prompt_ids], device=weight.device), 0, []
+    ids, out = torch.tensor([prompt_ids], device=weight.device), []
     for _ in range(max_new_tokens):
-        logits = model(ids, cache=cache, start=start)[0, -1].float()  # (vocab,)
-        start += ids.shape[1]
+        logits = model(ids, cache=cache)[0, -1].float()  # (vocab,)
         if temperature == 0:
             tok = int(logits.argmax())
         else:

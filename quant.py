@@ -34,13 +34,8 @@ and B2 = ceil(B / 256) nested blocks:
     nested_absmax  float32 (B2,)                absolute maximum of each block of 256 centred absmax
     offset         float32 ()                   mean of the fp32 absmax
 
-Checkpoints use the Hugging Face "bnb-4bit" format that transformers + bitsandbytes write and read: a quantized linear
-`name` is stored as `name.weight` (packed), `name.weight.absmax`, `name.weight.nested_absmax`, the code books
-`name.weight.quant_map` (16 floats) and `name.weight.nested_quant_map` (256 floats), and
-`name.weight.quant_state.bitsandbytes__nf4`: the UTF-8 bytes of a JSON object with quant_type, blocksize, dtype (the
-dtype dequantization produces), shape, nested_blocksize, nested_dtype and nested_offset; config.json carries a
-`quantization_config`. `quantize_` recognises these entries and loads them as they are, skipping the quantization work
-(`python bench.py quant --smollm2` times both).
+Checkpoints in the Hugging Face "bnb-4bit" format (what transformers + bitsandbytes write) hold exactly these buffers;
+hf.py reads and writes them, and `quantize_` takes such a pre-quantized weight as it is, skipping the quantization work.
 
 Training. NF4Linear's forward dequantizes W into the compute dtype (bf16, fp16 or fp32) and multiplies; its backward
 dequantizes again and returns only the input gradient dL/dx = dL/dy W: the base is frozen, so nothing is stored but
@@ -50,14 +45,14 @@ pure-PyTorch code below does.
 
 import functools
 import importlib.util
-import json
 import math
-import os
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 from torch import nn
+
+from model import find_linears
 
 BLOCK, NESTED_BLOCK, GRID = 64, 256, 65536
 # The 16 NF4 values as bitsandbytes stores them (fp32); tests check them against the normal-quantile construction.
@@ -69,6 +64,18 @@ NF4 = [
     0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
 ]
 # fmt: on
+
+
+class NF4Weight(NamedTuple):
+    """The four buffers of one quantized weight (see the layout above)."""
+
+    packed: torch.Tensor  # uint8 ((n + 1) // 2, 1)
+    absmax: torch.Tensor  # uint8 (B,)
+    nested_absmax: torch.Tensor  # fp32 (B2,)
+    offset: torch.Tensor  # fp32 ()
+
+    def to(self, device):
+        return NF4Weight(*(t.to(device) for t in self))
 
 
 def dynamic_map():
@@ -95,8 +102,8 @@ def _tables(device):
 
 @torch.no_grad()
 def quantize_nf4(w):
-    """Any float tensor (n values) -> (packed uint8 ((n+1)//2, 1), absmax uint8 (B,), nested_absmax fp32 (B2,),
-    offset fp32 ()), computed on w's device."""
+    """Any float tensor (n values) -> NF4Weight(packed uint8 ((n+1)//2, 1), absmax uint8 (B,), nested_absmax fp32
+    (B2,), offset fp32 ()), computed on w's device."""
     t = _tables(w.device)
     flat = w.reshape(-1).float()
     n = flat.numel()
@@ -111,7 +118,7 @@ def quantize_nf4(w):
     normed = (centred * (1.0 / nested_absmax.clamp(min=1e-38))[:, None]).clamp_(-1, 1)
     point = ((normed + 1) * 0.5 * (GRID - 1) + 0.5).int()  # nearest of the 65536 grid points
     qabsmax = torch.where(nested_absmax[:, None] > 0, t["grid_code"][point], 0)  # code 0 for an all-equal block
-    return packed, qabsmax.view(-1)[: absmax.numel()], nested_absmax, offset
+    return NF4Weight(packed, qabsmax.view(-1)[: absmax.numel()], nested_absmax, offset)
 
 
 def dequantize_absmax(absmax, nested_absmax, offset):
@@ -171,23 +178,31 @@ class NF4Linear(nn.Module):
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=compute_dtype, device=device)) if bias else None
 
     @classmethod
+    def from_nf4(cls, w, out_features, in_features, bias=None, compute_dtype=torch.bfloat16):
+        """A layer around an NF4Weight of a (out_features, in_features) weight, with an optional 16-bit bias."""
+        layer = cls(in_features, out_features, bias is not None, compute_dtype, device="meta")
+        layer.weight, layer.absmax, layer.nested_absmax, layer.offset = w
+        if bias is not None:
+            layer.bias = nn.Parameter(bias.detach().to(w.packed.device, compute_dtype))
+        return layer
+
+    @classmethod
     def from_linear(cls, linear_or_weight, compute_dtype=torch.bfloat16):
         """Quantize an nn.Linear (weight and bias) or a weight tensor (out, in), on its device."""
         is_linear = isinstance(linear_or_weight, nn.Linear)
         w = linear_or_weight.weight if is_linear else linear_or_weight
         bias = linear_or_weight.bias if is_linear else None
-        layer = cls(w.shape[1], w.shape[0], bias is not None, compute_dtype, device="meta")
-        layer.weight, layer.absmax, layer.nested_absmax, layer.offset = quantize_nf4(w)
-        if bias is not None:
-            layer.bias = nn.Parameter(bias.detach().to(compute_dtype))
-        return layer
+        return cls.from_nf4(quantize_nf4(w), *w.shape, bias, compute_dtype)
+
+    def nf4_weight(self):
+        return NF4Weight(self.weight, self.absmax, self.nested_absmax, self.offset)
 
     def dequantize(self):
         """The weight (out, in) in compute_dtype."""
         if self.weight.is_cuda and _bnb_functional() is not None:
             return self.dequantize_bnb()
         shape = (self.out_features, self.in_features)
-        return dequantize_nf4(self.weight, self.absmax, self.nested_absmax, self.offset, shape, self.compute_dtype)
+        return dequantize_nf4(*self.nf4_weight(), shape, self.compute_dtype)
 
     def dequantize_bnb(self):
         """The same weight through bitsandbytes' kernel, from a QuantState that points at our buffers."""
@@ -213,144 +228,23 @@ class NF4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, compute_dtype={self.compute_dtype}"
 
 
-def _where(weights, key):
-    """The file that holds `key` (a model.Checkpoint knows it), for error messages."""
-    return getattr(weights, "files", {}).get(key) or getattr(weights, "path", "weights")
+def quantize_(model, targets="all-linear", compute_dtype=torch.bfloat16, device=None, weights=None):
+    """Swap the chosen nn.Linear modules of `model` for NF4Linear, one weight at a time; returns the model.
 
-
-def _read(weights, key, shape):
-    """weights.get(key), checked to exist and to have `shape`."""
-    if key not in weights:
-        raise KeyError(f"{_where(weights, key)}: tensor {key} is missing from the checkpoint")
-    t = weights.get(key)
-    if t.shape != shape:
-        raise ValueError(f"{_where(weights, key)}: tensor {key} has shape {tuple(t.shape)}, expected {tuple(shape)}")
-    return t
-
-
-def _load_prequantized(name, linear, weights, compute_dtype, device):
-    """An NF4Linear from the bnb-4bit entries of `name` in `weights`, each checked against the linear's shape."""
-    key, shape = f"{name}.weight", [linear.out_features, linear.in_features]
-    n = shape[0] * shape[1]
-    nb = -(-n // BLOCK)
-
-    def get(suffix, dtype, numel=None, equal=None):
-        k = key + suffix
-        if k not in weights:
-            raise ValueError(f"{_where(weights, key)}: tensor {k} is missing (expected a bnb-4bit nf4 checkpoint)")
-        t = weights.get(k)
-        if t.dtype != dtype or (numel is not None and t.numel() != numel) or (equal is not None and not t.equal(equal)):
-            want = f"{dtype}" + (f" with {numel} values" if numel is not None else "")
-            want += " equal to the standard code book" if equal is not None else ""
-            raise ValueError(f"{_where(weights, k)}: tensor {k} is {t.dtype} {tuple(t.shape)}, expected {want}")
-        return t
-
-    state_key = ".quant_state.bitsandbytes__nf4"
-    try:
-        state = json.loads(bytes(get(state_key, torch.uint8).tolist()).decode())
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{_where(weights, key + state_key)}: tensor {key + state_key} is not JSON ({e})") from None
-    for field, value in dict(quant_type="nf4", blocksize=BLOCK, shape=shape, nested_blocksize=NESTED_BLOCK).items():
-        if state.get(field) != value:
-            raise ValueError(
-                f"{_where(weights, key + state_key)}: {key + state_key} has {field} = {state.get(field)!r}, "
-                f"expected {value!r}"
-            )
-    t = _tables(torch.device("cpu"))
-    get(".quant_map", torch.float32, equal=t["nf4"])
-    get(".nested_quant_map", torch.float32, equal=t["dyn"])
-    layer = NF4Linear(shape[1], shape[0], linear.bias is not None, compute_dtype, device="meta")
-    layer.weight = get("", torch.uint8, (n + 1) // 2).view(-1, 1).to(device)
-    layer.absmax = get(".absmax", torch.uint8, nb).to(device)
-    layer.nested_absmax = get(".nested_absmax", torch.float32, -(-nb // NESTED_BLOCK)).to(device)
-    layer.offset = torch.tensor(float(state["nested_offset"]), device=device)
-    return layer
-
-
-def _chosen(name, targets):
-    if targets is None:
-        return name.startswith("model.layers.")
-    return any(name == t or name.endswith("." + t) for t in targets)
-
-
-def quantize_(model, weights=None, targets=None, compute_dtype=torch.bfloat16, device=None):
-    """Swap chosen nn.Linear modules of `model` for NF4Linear, one tensor at a time; returns the model.
-
-    targets: module names matched as a full name or a "."-suffix ("q_proj", "layers.0.mlp.up_proj"); default every
-    linear inside model.model.layers (embeddings and lm_head stay 16-bit). weights: a mapping with `name in weights`
-    and `weights.get(name)` (a model.Checkpoint); when given, each weight is read from it (bnb-4bit entries load as
-    they are), which is how a meta-device model gets its base. device: where the buffers go (default: the linear's
-    device, or CPU for a meta linear); on CUDA each weight is quantized on the GPU as it arrives.
+    targets: as model.find_linears ("all-linear": every linear of the blocks; embeddings and lm_head stay 16-bit).
+    weights: None quantizes the model's own weights; else a function name -> tensor ("<module>.weight",
+    "<module>.bias") that supplies them one by one, which is how a meta-device model gets its base straight from a
+    checkpoint without ever holding the 16-bit model. It may hand back an NF4Weight (a pre-quantized checkpoint),
+    used as it is. device: where the buffers go (default: the linear's device, or CPU for a meta linear); on CUDA each
+    weight is quantized on the GPU as it arrives.
     """
-    chosen = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and _chosen(n, targets)]
-    for name, linear in chosen:
+    for name, linear in find_linears(model, targets).items():
         dev = torch.device(device or ("cpu" if linear.weight.is_meta else linear.weight.device))
-        key = f"{name}.weight"
-        if weights is not None and f"{key}.absmax" in weights:
-            layer = _load_prequantized(name, linear, weights, compute_dtype, dev)
-        else:
-            w = linear.weight.detach() if weights is None else _read(weights, key, linear.weight.shape)
-            if w.is_meta:
-                raise ValueError(f"{key} is on the meta device: pass weights= to read it from a checkpoint")
-            layer = NF4Linear.from_linear(w.to(dev), compute_dtype)
-            del w  # the 16-bit copy goes before the next tensor arrives
-        if linear.bias is not None:
-            bias = linear.bias if weights is None else _read(weights, f"{name}.bias", linear.bias.shape)
-            layer.bias = nn.Parameter(bias.detach().to(dev, compute_dtype))
-        parent, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent), child, layer)
+        w = linear.weight.detach() if weights is None else weights(f"{name}.weight")
+        if isinstance(w, torch.Tensor) and w.is_meta:
+            raise ValueError(f"{name}.weight is on the meta device: pass weights= to read it from a checkpoint")
+        w = w.to(dev) if isinstance(w, NF4Weight) else quantize_nf4(w.to(dev))  # the 16-bit copy is dropped here
+        bias = linear.bias if weights is None or linear.bias is None else weights(f"{name}.bias")
+        layer = NF4Linear.from_nf4(w, linear.out_features, linear.in_features, bias, compute_dtype)
+        model.set_submodule(name, layer)
     return model
-
-
-def save_quantized(model, out_dir):
-    """Write model.safetensors (bnb-4bit layout for NF4Linear, other tensors as they are, tied copies once) and
-    config.json with a quantization_config (from model.config.to_hf()), both atomically."""
-    os.makedirs(out_dir, exist_ok=True)
-    nf4 = {n: m for n, m in model.named_modules() if isinstance(m, NF4Linear)}
-    tensors, seen = {}, set()
-    for key, t in model.state_dict().items():
-        owner, _, leaf = key.rpartition(".")
-        if (owner in nf4 and leaf != "bias") or (t.numel() and t.data_ptr() in seen):
-            continue  # NF4 buffers are written below; a tied weight (lm_head = embed_tokens) is stored once
-        seen.add(t.data_ptr())
-        tensors[key] = t.detach().contiguous().cpu()
-    t = _tables(torch.device("cpu"))
-    for name, m in nf4.items():
-        state = dict(
-            quant_type="nf4",
-            blocksize=BLOCK,
-            dtype=str(m.compute_dtype)[6:],  # "torch.bfloat16" -> "bfloat16"
-            shape=[m.out_features, m.in_features],
-            nested_blocksize=NESTED_BLOCK,
-            nested_dtype="float32",
-            nested_offset=m.offset.item(),
-        )
-        tensors |= {
-            f"{name}.weight": m.weight.cpu(),
-            f"{name}.weight.absmax": m.absmax.cpu(),
-            f"{name}.weight.quant_map": t["nf4"].clone(),
-            f"{name}.weight.nested_absmax": m.nested_absmax.cpu(),
-            f"{name}.weight.nested_quant_map": t["dyn"].clone(),
-            f"{name}.weight.quant_state.bitsandbytes__nf4": torch.tensor(
-                list(json.dumps(state).encode()), dtype=torch.uint8
-            ),
-        }
-    config = model.config.to_hf()
-    dense = [v.dtype for v in tensors.values() if v.is_floating_point()]  # dtype of the unquantized tensors
-    config["dtype"] = str(dense[0] if dense else torch.bfloat16)[6:]
-    config["quantization_config"] = dict(
-        quant_method="bitsandbytes",
-        load_in_4bit=True,
-        load_in_8bit=False,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=str(next((m.compute_dtype for m in nf4.values()), torch.bfloat16))[6:],
-        bnb_4bit_quant_storage="uint8",
-    )
-    tmp = os.path.join(out_dir, f".model.safetensors.{os.getpid()}.tmp")
-    save_file(tensors, tmp, metadata={"format": "pt"})
-    os.replace(tmp, os.path.join(out_dir, "model.safetensors"))
-    tmp = os.path.join(out_dir, f".config.json.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(config, f, indent=2)
-    os.replace(tmp, os.path.join(out_dir, "config.json"))

@@ -9,13 +9,12 @@ What happens, in order:
 1. Config. Every setting is a field of `Config` below with its default and a comment. A config file is plain Python
    assignments run in an isolated namespace; `--key=value` overrides it; an unknown key is an error that names the
    nearest valid one.
-2. Data (pack.py). Examples are chat-formatted, tokenized once (cached), prompts masked with -100, and packed
-   best-fit-decreasing into rows of `context_length` tokens. Position ids restart per document, which is how the model
-   keeps packed documents from attending to each other.
-3. Model (model.py, quant.py, lora.py). The Llama is built on the meta device. `quantize_` swaps every linear in the
-   blocks for an NF4 linear, reading and quantizing one 16-bit weight at a time from the checkpoint, `load_weights_`
-   fills the rest (embeddings, norms, lm_head), and `add_lora_` wraps the chosen linears with trainable low-rank
-   adapters. Only the adapters require grad.
+2. Data (examples.py, tokenizer.py, pack.py). Examples are chat-formatted, tokenized once (cached), prompts masked
+   with -100, and packed best-fit-decreasing into rows of `context_length` tokens. Position ids restart per document,
+   which is how the model keeps packed documents from attending to each other.
+3. Model (hf.load_model: model.py, quant.py, lora.py). The Llama is built on the meta device, its block linears are
+   quantized to NF4 one 16-bit weight at a time as they are read from the checkpoint, the rest is loaded, and the
+   chosen linears get trainable low-rank adapters. Only the adapters require grad.
 4. The loop. One optimizer step sees `batch_tokens` tokens (rows x context_length), split into micro-batches of the
    auto-chosen or configured size and, under torchrun, across ranks. The loss is a sum over supervised tokens divided
    by the global number of supervised tokens in the step, so accumulation and data parallelism give exactly the
@@ -24,16 +23,11 @@ What happens, in order:
    AdamW (fused on CUDA, foreach on CPU, or bitsandbytes 8-bit), linear warmup then cosine decay, gradient clipping.
 5. Precision. bf16 autocast over 16-bit base weights with fp32 LoRA parameters (the optimizer updates fp32 masters),
    fp16 with a GradScaler on CUDA only, or plain fp32. fp16 is refused on CPU: its matmuls fall back to one slow thread.
-6. Bookkeeping. A progress bar with loss, lr, tokens/s, supervised tokens/s, MFU and time per phase; metrics.jsonl;
-   eval loss and perplexity every `eval_every` steps; an atomic checkpoint (adapter, optimizer, scheduler, RNG states;
-   the data position follows from the step) every `save_every` steps and on Ctrl-C; a NaN loss stops the run with the
-   last good checkpoint intact. At the end: the PEFT-format adapter, a loss-curve PNG, a sample before and after, and
-   on request a merged Hugging Face export.
-
-MFU counts the model FLOPs of a frozen-base LoRA step: forward 2N per token, backward 2N per token (input gradients
-only; the frozen base has no weight gradients), plus attention 4 * layers * T_doc * d_attn per token forward (half that
-for causal masking) and twice that backward. Recomputation from activation checkpointing is not counted (that would be
-hardware FLOPs utilisation).
+6. Bookkeeping. A progress bar with loss, lr, tokens/s, supervised tokens/s, MFU (model.flops_per_token over the
+   peak matmul rate) and time per phase; metrics.jsonl; eval loss and perplexity every `eval_every` steps; an atomic
+   checkpoint (adapter, optimizer, scheduler, RNG states; the data position follows from the step) every `save_every`
+   steps and on Ctrl-C; a NaN loss stops the run with the last good checkpoint intact. At the end: the PEFT-format
+   adapter, a loss-curve PNG, a sample before and after, and on request a merged Hugging Face export.
 """
 
 import ast
@@ -53,10 +47,13 @@ import torch
 import torch.distributed as dist
 
 import convert
+import hf
 import lora
 import pack
 import quant
-from model import Checkpoint, Llama, LlamaConfig, generate, load_weights_
+from examples import load_examples, split_examples, stdlib_examples
+from model import Llama, flops_per_token, generate
+from tokenizer import Tokenizer, render
 
 
 @dataclass
@@ -161,19 +158,39 @@ def check_type(key, value, annotation, where):
     raise ValueError(f"{where}: '{key}' must be {names}, got {value!r}")
 
 
-# ----------------------------------------------------------------------------- set-up helpers
+# ----------------------------------------------------------------------------- set-up
 
 
-def setup_distributed(cfg: Config):
-    """(rank, world_size, device). torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; plain python runs one process."""
+@dataclass
+class Run:
+    """What every step needs to know about this process: the settings, its rank among `world` processes, where it
+    computes and in which dtype."""
+
+    cfg: Config
+    rank: int
+    world: int
+    device: torch.device
+    dtype: torch.dtype
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+    def autocast(self):
+        return torch.autocast(self.device.type, dtype=self.dtype) if self.dtype != torch.float32 else nullcontext()
+
+
+def setup(cfg: Config) -> Run:
+    """Device, process group and precision. torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; plain python runs one process."""
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if world > 1:
         dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-    return rank, world, device
+    return Run(cfg, rank, world, device, pick_precision(cfg, device))
 
 
 def pick_precision(cfg: Config, device) -> torch.dtype:
@@ -187,56 +204,63 @@ def pick_precision(cfg: Config, device) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[p]
 
 
-def check_writable(out_dir: str):
+def check_inputs(cfg: Config) -> str:
+    """Fail before any work when out_dir is not writable or the model, data or checkpoint is missing; returns the
+    model directory ("" = the embedded SmolLM2, converted on first use)."""
     try:
-        os.makedirs(out_dir, exist_ok=True)
-        probe = os.path.join(out_dir, f".write-test-{os.getpid()}")
-        open(probe, "w").close()
-        os.remove(probe)
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        hf.atomic_write(os.path.join(cfg.out_dir, ".write-test"), lambda tmp: None)
+        os.remove(os.path.join(cfg.out_dir, ".write-test"))
     except OSError as e:
-        raise PermissionError(f"out_dir: cannot write to '{out_dir}' ({e.strerror})") from None
+        raise PermissionError(f"out_dir: cannot write to '{cfg.out_dir}' ({e.strerror})") from None
+    ckpt_path = os.path.join(cfg.out_dir, "checkpoint.pt")
+    if cfg.resume and not os.path.isfile(ckpt_path):
+        raise FileNotFoundError(f"{ckpt_path}: no checkpoint to resume from")
+    model_dir = cfg.model or convert.smollm2_dir()
+    for key, path, source, kind in [
+        ("model", os.path.join(model_dir, "config.json"), cfg.model_source, ""),
+        ("data", cfg.data, cfg.data_source, " --repo-type dataset"),
+    ]:
+        if path and not os.path.exists(path):
+            where = os.path.dirname(path) or "."
+            how = f"`huggingface-cli download {source}{kind} --local-dir {where}`" if source else "a local copy"
+            raise FileNotFoundError(f"{key}: {path} not found; put {how} there")
+    return model_dir
 
 
-def build_model(cfg: Config, model_dir: str, device, dtype) -> Llama:
-    """Meta-device Llama -> NF4 block linears (tensor by tensor) -> remaining 16-bit weights -> LoRA adapters."""
-    config = LlamaConfig.from_json(os.path.join(model_dir, "config.json"))
-    ckpt = Checkpoint(model_dir)
-    with torch.device("meta"):
-        model = Llama(config)
-    if cfg.quantize:
-        quant.quantize_(model, weights=ckpt, compute_dtype=dtype, device=device)
-    load_weights_(model, ckpt, dtype=dtype, device=device)
+def build_model(run: Run, model_dir: str) -> Llama:
+    """The QLoRA (or LoRA) model of the run, with its switches for checkpointing, the chunked loss and compile."""
+    cfg = run.cfg
     targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else cfg.lora_targets.split(",")
+    adapters = dict(targets=targets, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout)
     torch.manual_seed(cfg.seed)  # the same adapter init on every rank
-    lora.add_lora_(
-        model,
-        targets,
-        r=cfg.lora_r,
-        alpha=cfg.lora_alpha,
-        dropout=cfg.lora_dropout,
-        use_rslora=cfg.use_rslora,
-        lora_dtype=torch.float32,
+    model = hf.load_model(
+        model_dir,
+        run.dtype,
+        run.device,
+        quantize=cfg.quantize,
+        add_lora=adapters | dict(use_rslora=cfg.use_rslora, lora_dtype=torch.float32),
     )
     model.activation_checkpointing = cfg.activation_checkpointing
     model.loss_chunk = model.loss_chunk if cfg.chunked_loss else 0
-    if cfg.compile and device.type == "cuda":
+    if cfg.compile and run.device.type == "cuda":
         for block in model.model.layers:
             block.compile()
     return model
 
 
-def build_data(cfg: Config, tok, max_positions: int, rank: int):
-    """Examples -> (train, val) packed datasets, plus the first held-out example for the before/after sample."""
+def build_data(cfg: Config, tok, max_positions: int, master: bool):
+    """Examples -> (training, validation) packed datasets, plus the first held-out example for the sample."""
     if cfg.data:
-        examples = pack.load_examples(cfg.data, fmt=cfg.data_format, skip_bad_rows=cfg.skip_bad_rows)
+        train_examples = load_examples(cfg.data, fmt=cfg.data_format, skip_bad_rows=cfg.skip_bad_rows)
         if cfg.val_data:
-            val = pack.load_examples(cfg.val_data, fmt=cfg.data_format, skip_bad_rows=cfg.skip_bad_rows)
+            val_examples = load_examples(cfg.val_data, fmt=cfg.data_format, skip_bad_rows=cfg.skip_bad_rows)
         else:
-            examples, val = pack.split_examples(examples, cfg.val_fraction, seed=cfg.seed)
+            train_examples, val_examples = split_examples(train_examples, cfg.val_fraction, seed=cfg.seed)
     else:
-        examples, val = pack.stdlib_examples("train"), pack.stdlib_examples("val")
+        train_examples, val_examples = stdlib_examples("train"), stdlib_examples("val")
     if cfg.max_examples:
-        examples = examples[: cfg.max_examples]
+        train_examples = train_examples[: cfg.max_examples]
     common = dict(
         template=cfg.template or None,
         train_on_prompt=cfg.train_on_prompt,
@@ -247,11 +271,11 @@ def build_data(cfg: Config, tok, max_positions: int, rank: int):
         seed=cfg.seed,
         max_context=max_positions,
     )
-    train = pack.build_dataset(examples, tok, cfg.context_length, **common)
-    valid = pack.build_dataset(val, tok, train.context_length, **common)
-    if rank == 0:
-        print(train.report())
-    return train, valid, val[0]
+    trainset = pack.build_dataset(train_examples, tok, cfg.context_length, **common)
+    valset = pack.build_dataset(val_examples, tok, trainset.context_length, **common)
+    if master:
+        print(trainset.report())
+    return trainset, valset, val_examples[0]
 
 
 # ----------------------------------------------------------------------------- memory, FLOPs, peak
@@ -275,7 +299,7 @@ def memory_estimate(model: Llama, micro_tokens: int, dtype, opt_bytes_per_param:
     per_block = a * (6 * c.hidden_size + c.num_attention_heads * c.head_dim + 2 * kv + 4 * c.intermediate_size)
     per_block += a * (4 * c.hidden_size + 3 * c.intermediate_size)
     per_block += 4 * 6 * c.hidden_size + 6 * c.hidden_size + c.intermediate_size  # fp32 RMSNorm copies, dropout masks
-    full = micro_tokens * per_block * c.num_hidden_layers
+    every_block = micro_tokens * per_block * c.num_hidden_layers
     ckpt = micro_tokens * (a * c.hidden_size * c.num_hidden_layers + per_block)  # block inputs + one live block
     logits = 4 * min(micro_tokens, 1024) * c.vocab_size * 2  # one fp32 loss chunk and its gradient
     return {
@@ -284,18 +308,9 @@ def memory_estimate(model: Llama, micro_tokens: int, dtype, opt_bytes_per_param:
         "lora": 4 * trainable,
         "grads": 4 * trainable,
         "optimizer": opt_bytes_per_param * trainable,
-        "activations": full + logits,
+        "activations": every_block + logits,
         "activations_ckpt": ckpt + logits,
     }
-
-
-def model_flops_per_token(c: LlamaConfig, context: int) -> float:
-    """Frozen-base LoRA step: 2N forward + 2N backward matmul FLOPs, plus causal attention (see the file docstring)."""
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    n = c.num_hidden_layers * (c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size)
-    n += c.hidden_size * c.vocab_size  # lm_head
-    attn = 2 * c.num_hidden_layers * context * q  # forward: (QK^T + PV) at 2 FLOPs each, halved by the causal mask
-    return 4 * n + 3 * attn
 
 
 PEAK_BF16_TFLOPS = {
@@ -327,11 +342,19 @@ def peak_flops(device, dtype) -> float:
     return 2 * 1024**3 * n / (time.perf_counter() - t)
 
 
+def peak_memory(device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def fmt_bytes(n: float) -> str:
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
+
+
 # ----------------------------------------------------------------------------- checkpoints
-
-
-def trainable_state(model) -> dict:
-    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
 def save_checkpoint(path, model, opt, sched, step, cfg):
@@ -340,7 +363,7 @@ def save_checkpoint(path, model, opt, sched, step, cfg):
         rng["cuda"] = torch.cuda.get_rng_state_all()
     state = {
         "step": step,
-        "lora": trainable_state(model),
+        "lora": {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad},
         "optimizer": opt.state_dict(),
         "scheduler": sched.state_dict(),
         "rng": rng,
@@ -351,12 +374,10 @@ def save_checkpoint(path, model, opt, sched, step, cfg):
         with open(tmp, "wb") as f:  # a file object: torch's zip writer refuses the temp file's dotted name
             torch.save(state, f)
 
-    lora.atomic_write(path, write)
+    hf.atomic_write(path, write)
 
 
 def load_checkpoint(path, model, opt, sched, cfg) -> int:
-    if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: no checkpoint to resume from")
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
         step, lora_state = state["step"], state["lora"]
@@ -378,6 +399,20 @@ def load_checkpoint(path, model, opt, sched, cfg) -> int:
     if "cuda" in state["rng"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng"]["cuda"])
     return step
+
+
+def save_state(run: Run, model, opt, sched, step, history) -> int:
+    """out_dir/checkpoint.pt and out_dir/metrics.jsonl, each written whole; returns the step saved."""
+    save_checkpoint(os.path.join(run.cfg.out_dir, "checkpoint.pt"), model, opt, sched, step, run.cfg)
+    lines = "".join(json.dumps(h) + "\n" for h in history)
+    hf.atomic_write(os.path.join(run.cfg.out_dir, "metrics.jsonl"), lambda tmp: Path(tmp).write_text(lines))
+    return step
+
+
+def read_metrics(path, step) -> list[dict]:
+    """The metrics of a resumed run up to its checkpoint's step."""
+    history = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+    return [h for h in history if h["step"] <= step]
 
 
 # ----------------------------------------------------------------------------- the loop
@@ -406,36 +441,33 @@ def lr_lambda(cfg: Config):
     return f
 
 
-def step_batch(train, step: int, rows_per_rank: int, rank: int, world: int) -> dict:
-    """This rank's rows of optimizer step `step`. The order is a seeded shuffle per epoch, so the data position is a
-    pure function of the step: resuming needs nothing but the step number."""
-    epoch, b = divmod(step, train.steps_per_epoch(rows_per_rank, world))
-    return next(train.batches(epoch, rows_per_rank, rank, world, start=b))
-
-
-def autocast(device, dtype):
-    return torch.autocast(device.type, dtype=dtype) if dtype != torch.float32 else nullcontext()
-
-
-def forward_loss(model, batch, device, dtype):
-    with autocast(device, dtype):
-        return model(batch["input_ids"].to(device), batch["position_ids"].to(device), labels=batch["labels"].to(device))
+def forward_loss(model, batch, run: Run):
+    """(summed loss, supervised tokens) of one micro-batch, under the run's autocast."""
+    with run.autocast():
+        ids, pos, labels = (batch[k].to(run.device) for k in ("input_ids", "position_ids", "labels"))
+        return model(ids, pos, labels=labels)
 
 
 CPU_MICRO_TOKENS = 512  # tokens per micro-batch on CPU when micro_batch_tokens is "auto"
 
 
-def auto_micro_rows(cfg, model, train, rows_per_rank, device, dtype, opt_bytes) -> int:
+def optimizer_bytes(cfg: Config) -> int:
+    """Optimizer state per trainable parameter: AdamW's two fp32 moments, or two 8-bit ones."""
+    return 2 if "8bit" in cfg.optimizer else 8
+
+
+def auto_micro_rows(run: Run, model, trainset, rows_per_rank) -> int:
     """Micro-batch size in rows. CUDA: the largest that fits, by probing a forward+backward on the longest rows and
     halving on out-of-memory. CPU: the smallest of at least CPU_MICRO_TOKENS that the memory estimate allows."""
+    cfg = run.cfg
     if isinstance(cfg.micro_batch_tokens, int):
-        return max(1, min(rows_per_rank, cfg.micro_batch_tokens // train.context_length))
+        return max(1, min(rows_per_rank, cfg.micro_batch_tokens // trainset.context_length))
     rows = rows_per_rank
-    if device.type == "cuda":
-        longest = sorted(range(len(train)), key=lambda r: -sum(train.lens[d] for d in train.rows[r]))
+    if run.device.type == "cuda":
+        longest = sorted(range(len(trainset)), key=lambda r: -sum(trainset.lens[d] for d in trainset.rows[r]))
         while rows > 1:
             try:
-                loss, _ = forward_loss(model, train.collate(longest[:rows]), device, dtype)
+                loss, _ = forward_loss(model, trainset.collate(longest[:rows]), run)
                 loss.backward()
                 model.zero_grad(set_to_none=True)
                 return rows
@@ -444,229 +476,201 @@ def auto_micro_rows(cfg, model, train, rows_per_rank, device, dtype, opt_bytes) 
                 torch.cuda.empty_cache()
                 rows //= 2
         return 1
-    # CPU: memory first. One 512-token row per micro-batch takes 2.4x less peak RSS than four (2.4 vs 5.9 GiB for
-    # SmolLM2 in bf16) for about 15% fewer tokens/s; set micro_batch_tokens to trade the other way.
+    # CPU: memory first. Several rows per micro-batch buy a little speed for a much larger resident set (the README's
+    # ladder measures both); set micro_batch_tokens to trade the other way.
     import psutil
 
     budget = 0.6 * psutil.virtual_memory().available
     key = "activations_ckpt" if cfg.activation_checkpointing else "activations"
-    rows = min(rows, max(1, CPU_MICRO_TOKENS // train.context_length))
-    while rows > 1 and memory_estimate(model, rows * train.context_length, dtype, opt_bytes)[key] > budget:
+    rows = min(rows, max(1, CPU_MICRO_TOKENS // trainset.context_length))
+    ctx = trainset.context_length
+    while rows > 1 and memory_estimate(model, rows * ctx, run.dtype, optimizer_bytes(cfg))[key] > budget:
         rows //= 2
     return rows
 
 
 @torch.no_grad()
-def evaluate(model, valid, rows: int, device, dtype) -> float:
+def evaluate(model, valset, rows: int, run: Run) -> float:
+    """Mean loss per supervised token over the first `rows` validation rows (0 = all), 4 rows per forward."""
     model.eval()
     total, count = torch.zeros((), dtype=torch.float64), 0
-    end = min(rows or len(valid), len(valid))
+    end = min(rows or len(valset), len(valset))
     for i in range(0, end, 4):
-        loss, n = forward_loss(model, valid.collate(range(i, min(i + 4, end))), device, dtype)
+        loss, n = forward_loss(model, valset.collate(range(i, min(i + 4, end))), run)
         total += loss.double().cpu()
         count += n
     model.train()
     return total.item() / max(1, count)
 
 
-def sample(model, tok, example, cfg, device, dtype) -> str:
-    text, _, bos = pack.render(example, tok, cfg.template or None)
-    prompt = tok.encode(text, bos=bos)
-    with autocast(device, dtype):
-        out = generate(model, prompt, cfg.sample_tokens, eos_id=tok.eos_id)
+def sample(model, tok, example, run: Run) -> str:
+    text, _, bos = render(example, tok, run.cfg.template or None)
+    with run.autocast():
+        out = generate(model, tok.encode(text, bos=bos), run.cfg.sample_tokens, eos_id=tok.eos_id)
     return tok.decode(out)
 
 
-def peak_memory(device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    import resource
+def train_step(run: Run, model, params, opt, scaler, batch, micro_rows) -> dict:
+    """One optimizer step over `batch` (this rank's rows): forward/backward per micro-batch, the loss normalised by
+    the global supervised-token count, gradients summed over ranks, clipping and the update."""
+    micro = [{k: v[i : i + micro_rows] for k, v in batch.items()} for i in range(0, len(batch["labels"]), micro_rows)]
+    n_sup = torch.tensor(float(sum(int((b["labels"] != -100).sum()) for b in micro)), device=run.device)
+    if run.world > 1:
+        dist.all_reduce(n_sup)  # on `device`: NCCL reduces only CUDA tensors
+    rec = {"fwd_s": 0.0, "bwd_s": 0.0}
+    loss_sum = torch.zeros((), dtype=torch.float64, device=run.device)
+    for b in micro:
+        t = time.perf_counter()
+        loss, _ = forward_loss(model, b, run)
+        rec["fwd_s"] += time.perf_counter() - t
+        t = time.perf_counter()
+        scaler.scale(loss / n_sup.clamp(min=1)).backward()
+        rec["bwd_s"] += time.perf_counter() - t
+        loss_sum += loss.detach().double()
+    t = time.perf_counter()
+    if run.world > 1:
+        flat = torch.cat([p.grad.flatten() for p in params])
+        dist.all_reduce(flat)  # the sum over ranks: each rank already divided by the global count
+        for p, g in zip(params, flat.split([p.numel() for p in params]), strict=True):
+            p.grad.copy_(g.view_as(p))
+        dist.all_reduce(loss_sum)
+    scaler.unscale_(opt)
+    norm = torch.nn.utils.clip_grad_norm_(params, run.cfg.grad_clip) if run.cfg.grad_clip else torch.zeros(())
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad(set_to_none=True)
+    rec |= {"loss": loss_sum.item() / max(1.0, n_sup.item()), "grad_norm": float(norm), "supervised": n_sup.item()}
+    rec["opt_s"] = time.perf_counter() - t
+    return rec
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
-
-def fmt_bytes(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
-def train(cfg: Config):
-    rank, world, device = setup_distributed(cfg)
-    master = rank == 0
-    dtype = pick_precision(cfg, device)
-    if device.type == "cuda":
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    check_writable(cfg.out_dir)
-    ckpt_path = os.path.join(cfg.out_dir, "checkpoint.pt")
-    if cfg.resume and not os.path.isfile(ckpt_path):
-        raise FileNotFoundError(f"{ckpt_path}: no checkpoint to resume from")
-    model_dir = cfg.model or convert.smollm2_dir()
-    for key, path, source, kind in [
-        ("model", os.path.join(model_dir, "config.json"), cfg.model_source, ""),
-        ("data", cfg.data, cfg.data_source, " --repo-type dataset"),
-    ]:
-        if path and not os.path.exists(path):
-            where = os.path.dirname(path) or "."
-            how = f"`huggingface-cli download {source}{kind} --local-dir {where}`" if source else "a local copy"
-            raise FileNotFoundError(f"{key}: {path} not found; put {how} there")
-    tok = pack.Tokenizer(model_dir)
-    config = LlamaConfig.from_json(os.path.join(model_dir, "config.json"))
-    trainset, valid, held_out = build_data(cfg, tok, config.max_position_embeddings, rank)
-
-    model = build_model(cfg, model_dir, device, dtype)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = make_optimizer(cfg, params, device)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
-    scaler = torch.amp.GradScaler("cuda", enabled=dtype == torch.float16)
-    rows_per_step = max(world, cfg.batch_tokens // trainset.context_length // world * world)
-    opt_bytes = 2 if "8bit" in cfg.optimizer else 8
-    micro_rows = auto_micro_rows(cfg, model, trainset, rows_per_step // world, device, dtype, opt_bytes)
-    micro_tokens = micro_rows * trainset.context_length
-    est = memory_estimate(model, micro_tokens, dtype, opt_bytes)
-    skip = "activations" if cfg.activation_checkpointing else "activations_ckpt"
-    if master:
+def report_layout(run: Run, model, trainset, rows, micro_rows) -> int:
+    """Print how a step is split and the memory estimate; returns the estimated total bytes."""
+    est = memory_estimate(model, micro_rows * trainset.context_length, run.dtype, optimizer_bytes(run.cfg))
+    if run.master:
         print(
-            f"batch: {rows_per_step} rows x {trainset.context_length} tokens per step = "
-            f"{world} rank(s) x {math.ceil(rows_per_step / world / micro_rows)} micro-batch(es) x {micro_rows} rows"
+            f"batch: {rows * run.world} rows x {trainset.context_length} tokens per step = {run.world} rank(s) x "
+            f"{math.ceil(rows / micro_rows)} micro-batch(es) x {micro_rows} rows"
         )
         print("memory estimate: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in est.items()))
-    estimate_total = sum(v for k, v in est.items() if k != skip)
-    step = load_checkpoint(ckpt_path, model, opt, sched, cfg) if cfg.resume else 0
-    metrics_path = os.path.join(cfg.out_dir, "metrics.jsonl")
-    history = [json.loads(line) for line in open(metrics_path)] if cfg.resume and os.path.exists(metrics_path) else []
-    history = [h for h in history if h["step"] <= step]
-    flops_token, peak = model_flops_per_token(config, trainset.context_length), peak_flops(device, dtype)
+    skip = "activations" if run.cfg.activation_checkpointing else "activations_ckpt"
+    return sum(v for k, v in est.items() if k != skip)
 
-    sample_before = sample(model, tok, held_out, cfg, device, dtype) if cfg.sample and master and not cfg.resume else ""
-    if master and not cfg.resume and cfg.eval_every:
-        history.append({"step": 0, "val_loss": evaluate(model, valid, cfg.eval_rows, device, dtype)})
+
+def start(run: Run, model, tok, valset, held_out):
+    """A fresh run's (history, sample before training): the step-0 validation loss and the held-out answer."""
+    cfg, history = run.cfg, []
+    if not run.master:
+        return history, ""
+    before = sample(model, tok, held_out, run) if cfg.sample else ""
+    if cfg.eval_every:
+        history.append({"step": 0, "val_loss": evaluate(model, valset, cfg.eval_rows, run)})
         print(f"step 0: val loss {history[-1]['val_loss']:.4f}")
+    return history, before
+
+
+def log_step(run: Run, model, valset, rec, bar, estimate):
+    """Evaluation when it is due, the progress bar, and once, after step 2, the measured peak beside the estimate."""
+    cfg, step = run.cfg, rec["step"]
+    if run.device.type == "cuda":
+        rec["peak_mem"] = peak_memory(run.device)
+    if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+        rec["val_loss"] = evaluate(model, valset, cfg.eval_rows, run)
+        rec["val_ppl"] = math.exp(min(rec["val_loss"], 50))
+    bar.set_postfix_str(
+        f"loss {rec['loss']:.3f} lr {rec['lr']:.1e} tok/s {rec['tokens_per_s']:.0f} sup/s "
+        f"{rec['supervised_per_s']:.0f} mfu {100 * rec['mfu']:.1f}% fwd/bwd/opt "
+        f"{rec['fwd_s']:.2f}/{rec['bwd_s']:.2f}/{rec['opt_s']:.2f}s"
+        + (f" val {rec['val_loss']:.3f}" if "val_loss" in rec else "")
+    )
+    bar.update(1)
+    if step == min(2, cfg.max_steps):  # the estimate, checked against what the first steps really took
+        peak = fmt_bytes(peak_memory(run.device))
+        bar.write(f"measured peak memory after {step} steps: {peak} (estimated {fmt_bytes(estimate)})")
+
+
+def fit(cfg: Config) -> list[dict]:
+    """Fine-tune as `cfg` says; returns the metrics history (step 0's evaluation, then one record per step)."""
+    run = setup(cfg)
+    model_dir = check_inputs(cfg)
+    tok = Tokenizer(model_dir)
+    trainset, valset, held_out = build_data(cfg, tok, hf.read_config(model_dir)[0].max_position_embeddings, run.master)
+    model = build_model(run, model_dir)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = make_optimizer(cfg, params, run.device)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
+    scaler = torch.amp.GradScaler("cuda", enabled=run.dtype == torch.float16)
+    rows = max(1, cfg.batch_tokens // trainset.context_length // run.world)  # this rank's rows per step
+    micro_rows = auto_micro_rows(run, model, trainset, rows)
+    estimate = report_layout(run, model, trainset, rows, micro_rows)
+    if cfg.resume:
+        step = last_good = load_checkpoint(os.path.join(cfg.out_dir, "checkpoint.pt"), model, opt, sched, cfg)
+        history, sample_before = read_metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), step), ""
+    else:
+        step = last_good = 0
+        history, sample_before = start(run, model, tok, valset, held_out)
+    flops, peak = flops_per_token(model.config, trainset.context_length), peak_flops(run.device, run.dtype)
     from tqdm import tqdm
 
-    bar = tqdm(total=cfg.max_steps, initial=step, disable=not master, dynamic_ncols=True)
-    last_good = step
+    bar = tqdm(total=cfg.max_steps, initial=step, disable=not run.master, dynamic_ncols=True)
     try:
         while step < cfg.max_steps:
-            t0 = time.perf_counter()
-            full = step_batch(trainset, step, rows_per_step // world, rank, world)
-            batches = [
-                {k: v[i : i + micro_rows] for k, v in full.items()} for i in range(0, len(full["labels"]), micro_rows)
-            ]
-            # on `device`: NCCL reduces only CUDA tensors
-            n_sup = torch.tensor(float(sum(int((b["labels"] != -100).sum()) for b in batches)), device=device)
-            if world > 1:
-                dist.all_reduce(n_sup)  # the global count of supervised tokens normalises the loss exactly
-            t_fwd = t_bwd = 0.0
-            loss_sum = torch.zeros((), dtype=torch.float64, device=device)
-            for batch in batches:
-                t = time.perf_counter()
-                loss, _ = forward_loss(model, batch, device, dtype)
-                t_fwd += time.perf_counter() - t
-                t = time.perf_counter()
-                scaler.scale(loss / n_sup.clamp(min=1)).backward()
-                t_bwd += time.perf_counter() - t
-                loss_sum += loss.detach().double()
-            t = time.perf_counter()
-            if world > 1:
-                flat = torch.cat([p.grad.flatten() for p in params])
-                dist.all_reduce(flat)  # the sum over ranks: each rank already divided by the global count
-                for p, g in zip(params, flat.split([p.numel() for p in params]), strict=True):
-                    p.grad.copy_(g.view_as(p))
-                dist.all_reduce(loss_sum)
-            loss_val = loss_sum.item() / max(1.0, n_sup.item())
-            if not math.isfinite(loss_val):
+            t0, batch = time.perf_counter(), trainset.step_batch(step, rows, run.rank, run.world)
+            rec = {"step": step + 1, "lr": sched.get_last_lr()[0]}
+            rec |= train_step(run, model, params, opt, scaler, batch, micro_rows)
+            if not math.isfinite(rec["loss"]):
                 raise FloatingPointError(
-                    f"loss is {loss_val} at step {step + 1}; stopped, the last good checkpoint "
+                    f"loss is {rec['loss']} at step {step + 1}; stopped, the last good checkpoint "
                     f"(step {last_good}) in {cfg.out_dir} is intact"
                 )
-            scaler.unscale_(opt)
-            norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip) if cfg.grad_clip else torch.zeros(())
-            scaler.step(opt)
-            scaler.update()
-            opt.zero_grad(set_to_none=True)
-            lr = sched.get_last_lr()[0]
             sched.step()
-            step += 1
-            t_opt = time.perf_counter() - t
-            dt = time.perf_counter() - t0
-            tokens = full["input_ids"].numel() * world  # slots processed, padding included
-            rec = {
-                "step": step,
-                "loss": loss_val,
-                "lr": lr,
-                "grad_norm": float(norm),
-                "tokens_per_s": tokens / dt,
-                "supervised_per_s": n_sup.item() / dt,
-                "mfu": flops_token * tokens / dt / world / peak,
-                "fwd_s": t_fwd,
-                "bwd_s": t_bwd,
-                "opt_s": t_opt,
-            }
-            if device.type == "cuda":
-                rec["peak_mem"] = peak_memory(device)
-            if master:
-                if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps):
-                    rec["val_loss"] = evaluate(model, valid, cfg.eval_rows, device, dtype)
-                    rec["val_ppl"] = math.exp(min(rec["val_loss"], 50))
+            step, dt, tokens = step + 1, time.perf_counter() - t0, batch["input_ids"].numel() * run.world
+            rec |= {"tokens_per_s": tokens / dt, "supervised_per_s": rec.pop("supervised") / dt}
+            rec["mfu"] = flops * tokens / dt / run.world / peak
+            if run.master:
+                log_step(run, model, valset, rec, bar, estimate)
                 history.append(rec)
-                bar.set_postfix_str(
-                    f"loss {loss_val:.3f} lr {lr:.1e} tok/s {rec['tokens_per_s']:.0f} sup/s "
-                    f"{rec['supervised_per_s']:.0f} mfu {100 * rec['mfu']:.1f}% fwd/bwd/opt "
-                    f"{t_fwd:.2f}/{t_bwd:.2f}/{t_opt:.2f}s"
-                    + (f" val {rec['val_loss']:.3f}" if "val_loss" in rec else "")
-                )
-                bar.update(1)
-                if step == min(2, cfg.max_steps):  # the estimate, checked against what the first steps really took
-                    bar.write(
-                        f"measured peak memory after {step} steps: {fmt_bytes(peak_memory(device))} "
-                        f"(estimated {fmt_bytes(estimate_total)})"
-                    )
                 if cfg.save_every and step % cfg.save_every == 0:
-                    save_checkpoint(ckpt_path, model, opt, sched, step, cfg)
-                    write_metrics(metrics_path, history)
-                    last_good = step
+                    last_good = save_state(run, model, opt, sched, step, history)
     except KeyboardInterrupt:
-        if master:
-            save_checkpoint(ckpt_path, model, opt, sched, step, cfg)
-            write_metrics(metrics_path, history)
-            print(f"\ninterrupted: checkpoint at step {step} written to {ckpt_path}; continue with --resume")
+        if run.master:
+            save_state(run, model, opt, sched, step, history)
+            path = os.path.join(cfg.out_dir, "checkpoint.pt")
+            print(f"\ninterrupted: checkpoint at step {step} written to {path}; continue with --resume")
         raise SystemExit(130) from None
     finally:
         bar.close()  # so that an error message starts on a line of its own
-    if master:
-        finish(cfg, model, tok, held_out, history, sample_before, model_dir, device, dtype)
-        save_checkpoint(ckpt_path, model, opt, sched, step, cfg)
-        write_metrics(metrics_path, history)
-        print(f"peak {'RSS' if device.type == 'cpu' else 'GPU memory'}: {fmt_bytes(peak_memory(device))}")
-    if world > 1:
+    if run.master:
+        finish(run, model, tok, held_out, history, sample_before, model_dir)
+        save_state(run, model, opt, sched, step, history)
+        print(f"peak {'RSS' if run.device.type == 'cpu' else 'GPU memory'}: {fmt_bytes(peak_memory(run.device))}")
+    if run.world > 1:
         dist.destroy_process_group()
     return history
 
 
-def write_metrics(path, history):
-    lora.atomic_write(path, lambda tmp: Path(tmp).write_text("".join(json.dumps(h) + "\n" for h in history)))
-
-
-def finish(cfg, model, tok, held_out, history, sample_before, model_dir, device, dtype):
+def finish(run: Run, model, tok, held_out, history, sample_before, model_dir):
     """The adapter, the loss plot, a sample after training and, on request, a merged export."""
+    cfg = run.cfg
     adapter_dir = os.path.join(cfg.out_dir, "adapter")
-    lora.save_adapter(model, adapter_dir, base_model_name_or_path=os.path.abspath(model_dir))
+    hf.save_adapter(model, adapter_dir, base_model_name_or_path=os.path.abspath(model_dir))
     print(f"adapter written to {adapter_dir}")
     plot_losses(history, os.path.join(cfg.out_dir, "loss.png"))
     vals = [h["val_loss"] for h in history if "val_loss" in h]
     if len(vals) > 1:
         print(f"val loss: {vals[0]:.4f} -> {vals[-1]:.4f}")
-    prompt, ref, bos = pack.render(held_out, tok, cfg.template or None)
+    prompt, ref, bos = render(held_out, tok, cfg.template or None)
     if cfg.sample and sample_before:
-        after = sample(model, tok, held_out, cfg, device, dtype)
+        after = sample(model, tok, held_out, run)
         sim = lambda s: difflib.SequenceMatcher(None, s, ref).ratio()  # noqa: E731
         print(f"--- held-out prompt ---\n{prompt}\n--- reference ---\n{ref}")
         print(f"--- before training (similarity {sim(sample_before):.3f}) ---\n{sample_before}")
         print(f"--- after training (similarity {sim(after):.3f}) ---\n{after}")
     if cfg.export_merged:
         merged_dir = os.path.join(cfg.out_dir, "merged")
-        prompts = [tok.encode(prompt, bos=bos)]
-        sources, diff = lora.merge_and_check_(model, prompts, original=Checkpoint(model_dir) if cfg.quantize else None)
-        lora.export_merged(model, merged_dir, tokenizer_dir=model_dir)
+        original = hf.Checkpoint(model_dir) if cfg.quantize else None
+        sources, diff = lora.merge_and_check_(model, [tok.encode(prompt, bos=bos)], original=original)
+        hf.export_merged(model, merged_dir, tokenizer_dir=model_dir)
         used = sorted(set(sources.values()))
         print(f"merged model written to {merged_dir} (merged into {'/'.join(used)} weights; max logit diff {diff:.2e})")
 
@@ -687,13 +691,13 @@ def plot_losses(history, path):
     ax.set(xlabel="step", ylabel="loss (nats / supervised token)", title="nanoqlora")
     ax.legend()
     fig.tight_layout()
-    lora.atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
+    hf.atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
     plt.close(fig)
 
 
 def main(argv=None):
     try:
-        train(load_config(sys.argv[1:] if argv is None else argv))
+        fit(load_config(sys.argv[1:] if argv is None else argv))
     except (ValueError, OSError, FloatingPointError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

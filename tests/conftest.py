@@ -1,10 +1,19 @@
-"""Shared test set-up: the repository root on sys.path, fixed seeds, and the converted SmolLM2 checkpoint."""
+"""Shared test set-up: the repository root on sys.path, fixed seeds, the converted SmolLM2 checkpoint, and the small
+tokenizers (byte-level BPE tokenizer.json, Llama-style tokenizer.json, sentencepiece tokenizer.model) trained here
+with the chat templates and conversations that the tokenizer, pack and examples tests share."""
 
+import io
+import json
 import os
 import sys
+import sysconfig
+from pathlib import Path
 
 import pytest
+import sentencepiece as spm
+import tokenizers
 import torch
+from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -21,3 +30,122 @@ def smollm2_dir():
     import convert
 
     return convert.smollm2_dir()
+
+
+CHATML = """{%- set ns = namespace(system=false) -%}
+{% for m in messages %}
+  {% if m['role'] not in ['system', 'user', 'assistant'] %}{{ raise_exception('unknown role ' + m['role']) }}{% endif %}
+  {% if m['role'] == 'system' %}{% set ns.system = true %}{% endif %}
+  {% if loop.first and not ns.system %}
+<|im_start|>system
+You are a helpful assistant.<|im_end|>
+  {% endif %}
+<|im_start|>{{ m['role'] }}{% if m.get('name') %} {{ m['name'] | tojson }}{% endif %}
+
+{{ m['content'] }}<|im_end|>
+{% endfor %}
+{% if add_generation_prompt %}
+<|im_start|>assistant
+{% endif %}"""
+
+LLAMA2 = """{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST] {{ m['content'] | trim }} [/INST]\
+{% elif m['role'] == 'assistant' %} {{ m['content'] | trim }} {{ eos_token }}{% else %}{% continue %}{% endif %}\
+{% endfor %}"""
+
+CONVERSATIONS = [
+    [
+        {"role": "user", "content": "Write a function that adds two numbers."},
+        {"role": "assistant", "content": "def add(a, b):\n    return a + b"},
+    ],
+    [
+        {"role": "system", "content": "Answer tersely & <exactly>."},
+        {"role": "user", "content": "Hi", "name": "<b>O'Neil & co</b>"},
+        {"role": "assistant", "content": "  Hello!  "},
+        {"role": "user", "content": "Sort [3, 1, 2]\n\n"},
+        {"role": "assistant", "content": "sorted([3, 1, 2])"},
+    ],
+]
+
+TEXTS = [
+    "def foo(x):\n    return x + 1\n",
+    "Hello world, this is a test.",
+    " leading space and  double  spaces\n\n\ttab",
+    "ünïcødé 日本語 🙂 — “quotes”",
+    "digits 1234567890 and 3.14159",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "special in the middle<|im_end|>after",
+    "",
+    "\r\nwindows\r\nlines",
+    "x<s>y </s> z <unk>",
+]
+
+
+def corpus():
+    """Three stdlib source files: real text to train and check tokenizers on."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    return [
+        p.read_text(encoding="utf-8") for p in (root / "json" / "decoder.py", root / "textwrap.py", root / "bisect.py")
+    ]
+
+
+@pytest.fixture(scope="session")
+def bpe_dir(tmp_path_factory):
+    """A byte-level BPE tokenizer.json (SmolLM2-style special tokens) trained here, with a ChatML template."""
+    d = tmp_path_factory.mktemp("bpe")
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=1500, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
+    tok.train_from_iterator(corpus() + TEXTS, trainer)
+    tok.save(str(d / "tokenizer.json"))
+    cfg = dict(tokenizer_class="PreTrainedTokenizerFast", bos_token="<|im_start|>", eos_token="<|im_end|>")
+    cfg |= dict(pad_token="<|endoftext|>", unk_token="<|endoftext|>", chat_template=CHATML)
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return d
+
+
+@pytest.fixture(scope="session")
+def llama_json_dir(tmp_path_factory, bpe_dir):
+    """The same BPE with a post-processor that prepends BOS (as Llama tokenizer.json files do), no add_bos_token."""
+    d = tmp_path_factory.mktemp("llama_json")
+    tok = tokenizers.Tokenizer.from_file(str(bpe_dir / "tokenizer.json"))
+    bos = tok.token_to_id("<|endoftext|>")
+    tok.post_processor = processors.TemplateProcessing(
+        single="<|endoftext|> $A", pair="<|endoftext|> $A $B", special_tokens=[("<|endoftext|>", bos)]
+    )
+    tok.save(str(d / "tokenizer.json"))
+    cfg = dict(tokenizer_class="PreTrainedTokenizerFast", bos_token="<|endoftext|>", eos_token="<|im_end|>")
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg | {"chat_template": LLAMA2}))
+    return d
+
+
+@pytest.fixture(scope="session")
+def sp_dir(tmp_path_factory):
+    """A sentencepiece BPE tokenizer.model with Llama's settings (byte fallback, no normalization), trained here, plus
+    a pad token added after the sentencepiece vocabulary and a Llama-2 style chat template."""
+    d = tmp_path_factory.mktemp("sp")
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter("\n".join(corpus()).splitlines()),
+        model_writer=buf,
+        vocab_size=1000,
+        model_type="bpe",
+        byte_fallback=True,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        user_defined_symbols=["<|im_start|>", "<|im_end|>"],
+        minloglevel=2,
+    )
+    (d / "tokenizer.model").write_bytes(buf.getvalue())
+    pad = {"content": "<pad>", "lstrip": False, "rstrip": False, "normalized": False, "special": True}
+    cfg = dict(bos_token="<s>", eos_token={"content": "</s>"}, unk_token="<unk>", pad_token="<pad>")
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg | {"added_tokens_decoder": {"1000": pad}}))
+    (d / "chat_template.jinja").write_text(LLAMA2)
+    return d

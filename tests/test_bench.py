@@ -1,8 +1,8 @@
 """What this file proves about bench.py's training comparison (nothing here is timed):
 
 - the peer (transformers + PEFT) trains on exactly the token tensors train.py trains on: for the equal-work file and
-  for the stdlib dataset one example per row, bench.step_batch(bench.peer_dataset(...)) equals
-  train.step_batch(train.build_data(...)) tensor for tensor, step after step and across the epoch boundary;
+  for the stdlib dataset one example per row, bench.peer_dataset(...).step_batch equals train.build_data(...)'s
+  step_batch tensor for tensor, step after step and across the epoch boundary;
 - every row of the equal-work file is a full 512-token row with all 511 targets supervised, so neither side pads;
 - bench.hf_batch turns our pre-shifted labels and per-document position ids into inputs on which transformers'
   LlamaForCausalLM computes our loss: its mean cross-entropy on a padded batch equals our Llama's summed loss over
@@ -10,7 +10,6 @@
 """
 
 import json
-import os
 
 import pytest
 import torch
@@ -18,25 +17,26 @@ import transformers
 from safetensors.torch import save_file
 
 import bench
-import pack
 import train
+from hf import read_config
 from model import Llama, LlamaConfig
+from tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
 def setup(smollm2_dir, tmp_path_factory):
     """(tokenizer, cache dir, equal-work JSONL) shared by the tests: the stdlib dataset is tokenized once."""
     tmp = tmp_path_factory.mktemp("bench")
-    tok, cache = pack.Tokenizer(smollm2_dir), str(tmp / "cache")
+    tok, cache = Tokenizer(smollm2_dir), str(tmp / "cache")
     path = str(tmp / "padded.jsonl")
     bench.write_padded_jsonl(path, tok, cache_dir=cache)
-    return tok, cache, path, LlamaConfig.from_json(os.path.join(smollm2_dir, "config.json"))
+    return tok, cache, path, read_config(smollm2_dir)[0]
 
 
 def train_batches(cfg, tok, steps):
-    trainset, _, _ = train.build_data(cfg, tok, 8192, rank=0)
+    trainset, _, _ = train.build_data(cfg, tok, 8192, master=True)
     rows = cfg.batch_tokens // trainset.context_length
-    return [train.step_batch(trainset, s, rows, 0, 1) for s in steps]
+    return [trainset.step_batch(s, rows) for s in steps]
 
 
 @pytest.mark.parametrize("workload", ["padded", "stdlib"])
@@ -56,7 +56,7 @@ def test_peer_sees_train_py_tensors(setup, workload):
     ds = bench.peer_dataset(data, tok, bool(data), cache_dir=cache)
     steps = [0, 1, 2, ds.steps_per_epoch(bench.ROWS) + 1]  # the last one is in the second epoch
     for step, ours in zip(steps, train_batches(cfg, tok, steps), strict=True):
-        peer = bench.step_batch(ds, step)
+        peer = ds.step_batch(step, bench.ROWS)
         assert peer.keys() == ours.keys()
         for k in ours:
             assert torch.equal(peer[k], ours[k]), (workload, step, k)
@@ -77,7 +77,7 @@ def test_hf_batch_gives_our_loss(setup, tmp_path):
     json.dump(cfg.to_hf(), open(tmp_path / "config.json", "w"))
     ref = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
 
-    batch = bench.step_batch(bench.peer_dataset("", tok, False, cache_dir=cache), 0)
+    batch = bench.peer_dataset("", tok, False, cache_dir=cache).step_batch(0, bench.ROWS)
     inputs = bench.hf_batch(batch)
     assert (inputs["attention_mask"] == 0).any(), "the batch should hold padding"
     with torch.no_grad():

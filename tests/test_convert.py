@@ -106,9 +106,9 @@ def test_transformers_logits_match(smollm2_dir, ref_model, prompt):
 
 
 def test_our_model_logits_match(smollm2_dir, ref_model, prompt):
-    from model import Llama
+    from hf import load_model
 
-    model = Llama.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    model = load_model(smollm2_dir, torch.float32).eval()
     with torch.no_grad():
         torch.testing.assert_close(model(prompt).float(), ref_model(prompt).logits, atol=1e-3, rtol=0)
 

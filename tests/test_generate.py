@@ -4,16 +4,18 @@ answers a coding request greedily with Python that parses and runs, and the NF4-
 import re
 
 import pytest
+import torch
 
 import generate
-import pack
+from hf import load_model
 from model import generate as model_generate
+from tokenizer import Tokenizer
 
 
 @pytest.mark.parametrize("quantize", [False, True])
 def test_smollm2_writes_a_string_reverser(smollm2_dir, quantize):
-    tok = pack.Tokenizer(smollm2_dir)
-    model = generate.load(smollm2_dir, quantize=quantize)
+    tok = Tokenizer(smollm2_dir)
+    model = load_model(smollm2_dir, torch.float32, quantize=quantize).eval()
     ids = generate.chat_prompt(tok, "Write a Python function that reverses a string.")
     assert tok.decode(ids).endswith("<|im_start|>assistant\n")
     answer = tok.decode(model_generate(model, ids, 40, eos_id=tok.eos_id))

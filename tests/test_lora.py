@@ -1,4 +1,5 @@
-"""lora.py against PEFT and transformers on a tiny random Llama (built and saved by transformers, loaded by ours).
+"""lora.py against PEFT and transformers on a tiny random Llama (built and saved by transformers, loaded by ours);
+adapters and merged models go through hf.py's PEFT and Hugging Face writers and readers.
 
 What this file proves:
 - with B = 0 the adapted model's logits equal the base's bit for bit (dense and NF4, dropout active), base tensors are
@@ -30,7 +31,8 @@ from transformers import LlamaForCausalLM
 
 import lora
 import quant
-from model import Checkpoint, Llama, LlamaConfig
+from hf import Checkpoint, export_merged, load_adapter_, load_model, save_adapter
+from model import Llama, LlamaConfig
 
 IDS = torch.tensor([[1, 5, 9, 17, 33, 2, 60, 7, 100, 3], [4, 4, 8, 15, 16, 23, 42, 0, 99, 1]])
 HF_CONFIG = dict(
@@ -60,7 +62,7 @@ def base_dir(tmp_path_factory):
 
 
 def ours(base_dir):
-    return Llama.from_pretrained(base_dir).eval()
+    return load_model(base_dir).eval()
 
 
 def hf_logits(model):
@@ -120,7 +122,7 @@ def test_optimizer_step_moves_only_lora(base_dir, nf4):
 
 
 def test_fp32_lora_params_on_bf16_base(base_dir):
-    model = Llama.from_pretrained(base_dir, dtype=torch.bfloat16)
+    model = load_model(base_dir, torch.bfloat16)
     lora.add_lora_(model, ["q_proj", "o_proj"], r=4, alpha=8, dropout=0.0, lora_dtype=torch.float32)
     randomize_B(model)
     loss, n = model(IDS, labels=IDS)
@@ -145,7 +147,7 @@ def test_our_adapter_loads_in_peft(base_dir, tmp_path, targets, use_rslora, drop
     model.eval()
     with torch.no_grad():
         logits = model(IDS)
-    lora.save_adapter(model, tmp_path / "ours", base_model_name_or_path=str(base_dir))
+    save_adapter(model, tmp_path / "ours", base_model_name_or_path=str(base_dir))
 
     # Same config through PEFT itself: identical tensor names and shapes, identical config values.
     cfg = LoraConfig(
@@ -201,7 +203,7 @@ def test_peft_adapter_loads_in_ours(base_dir, tmp_path, style):
         (tmp_path / "adapter_config.json").write_text(json.dumps({k: cfg[k] for k in keep}))
     if style == "lora_already_added":
         lora.add_lora_(model, ["k_proj", "o_proj", "up_proj"], r=4, alpha=16, dropout=0.2, use_rslora=True)
-    lora.load_adapter_(model, tmp_path)
+    load_adapter_(model, tmp_path)
     model.eval()
     with torch.no_grad():
         logits = model(IDS)
@@ -220,7 +222,7 @@ def test_merged_export_loads_in_transformers(base_dir, tmp_path):
     assert set(sources.values()) == {"dense"} and len(sources) == 14 and diff < 1e-4
     assert not any(isinstance(m, (lora.LoRALinear, quant.NF4Linear)) for m in model.modules())
     out = tmp_path / "merged"
-    lora.export_merged(model, out, tokenizer_dir=base_dir, shard_size=100_000)
+    export_merged(model, out, tokenizer_dir=base_dir, shard_size=100_000)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # really sharded
     for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
@@ -244,9 +246,9 @@ def test_nf4_merge_into_original_weights(base_dir, tmp_path):
     randomize_B(model)
     with torch.no_grad():
         adapter4 = model(IDS)
-    lora.save_adapter(model, tmp_path)
+    save_adapter(model, tmp_path)
     adapter16 = ours(base_dir)  # the same adapter on the unquantized base: what a merge into the original must equal
-    lora.load_adapter_(adapter16, tmp_path)
+    load_adapter_(adapter16, tmp_path)
     with torch.no_grad():
         adapter16 = adapter16(IDS)
 
@@ -274,7 +276,7 @@ def test_nf4_merge_into_original_weights(base_dir, tmp_path):
 def saved_adapter(base_dir, path, targets=("q_proj", "v_proj")):
     model = ours(base_dir)
     lora.add_lora_(model, list(targets), r=4, alpha=8, dropout=0.0)
-    lora.save_adapter(model, path, base_model_name_or_path=str(base_dir))
+    save_adapter(model, path, base_model_name_or_path=str(base_dir))
     return path
 
 
@@ -307,7 +309,7 @@ def test_mismatched_adapter_errors(base_dir, tmp_path, case, error, match):
     if case == "missing_file":
         (path / "adapter_model.safetensors").unlink()
     with pytest.raises(error, match=match) as e:
-        lora.load_adapter_(model, path)
+        load_adapter_(model, path)
     assert "\n" not in str(e.value)
 
 

@@ -1,10 +1,13 @@
-"""model.py against references: transformers' LlamaForCausalLM for logits and greedy generation, single-document runs
-for packed rows, full-logit cross-entropy for the chunked loss, a stand-in flash_attn module for the varlen contract,
-and malformed checkpoints for the loader's errors.
+"""model.py against references: transformers' LlamaForCausalLM for logits and greedy generation (loaded through
+hf.load_model), single-document runs for packed rows, full-logit cross-entropy for the chunked loss, a stand-in
+flash_attn module for the varlen contract, a full recompute for the KV cache; config.json round trips with only
+Hugging Face keys; the one target-matching rule that quant.quantize_ and lora.add_lora_ share; and an adapted
+lm_head, which the chunked loss refuses in one line.
 
 Every comparison runs in fp32 on tiny random models, so it is fast and exact up to float rounding.
 """
 
+import dataclasses
 import json
 import math
 import sys
@@ -14,10 +17,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from safetensors.torch import load_file, save_file
 
+import lora
 import model as M
-from model import Llama, LlamaConfig, generate
+import quant
+from hf import load_model
+from model import KVCache, Llama, LlamaConfig, generate
 
 LLAMA3 = dict(
     rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16
@@ -75,7 +80,7 @@ def test_logits_match_transformers(tmp_path, name, form):
     assert (tmp_path / "model.safetensors.index.json").exists() == sharded
     if form == "classic":
         to_classic_form(tmp_path)
-    ours = Llama.from_pretrained(tmp_path)
+    ours = load_model(tmp_path)
     assert ours.lm_head.weight.dtype == torch.float32
     assert (ours.lm_head.weight is ours.model.embed_tokens.weight) == hf.config.tie_word_embeddings
     ids = torch.randint(0, 97, (2, 40))
@@ -173,14 +178,14 @@ def test_flash_varlen_contract(monkeypatch):
         sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=fake_flash_attn_varlen_func)
     )
     _, pos, _ = packed_batch()
-    cu, max_len = M.doc_bounds(pos)
+    docs = M.doc_bounds(pos)
     q, k, v = torch.randn(30, 4, 8), torch.randn(30, 2, 8), torch.randn(30, 2, 8)
-    out = M.flash_varlen(q, k, v, cu, max_len)
+    out = M.flash_varlen(q, k, v, docs)
     (cu_q, cu_k, max_q, max_k, causal, qs, ks, vs) = calls[0]
     assert cu_q.dtype == cu_k.dtype == torch.int32 and cu_q.tolist() == cu_k.tolist() == [0, 5, 8, 15, 19, 30]
     assert type(max_q) is int and max_q == max_k == 11 and causal is True
     assert qs == (30, 4, 8) and ks == vs == (30, 2, 8)
-    assert (out - M.sdpa_varlen(q, k, v, cu, max_len)).abs().max() < 1e-5
+    assert (out - M.sdpa_varlen(q, k, v, docs)).abs().max() < 1e-5
 
 
 def test_kv_cache_generation_matches_full_recompute():
@@ -192,11 +197,14 @@ def test_kv_cache_generation_matches_full_recompute():
             ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
     new = ids[len(prompt) :]
     assert generate(model, prompt, 12) == new
-    # the cache contract itself: a sequence fed in two chunks (the second at start=9) gives the full-pass logits
-    cache = [(torch.zeros(1, 17, 2, 8), torch.zeros(1, 17, 2, 8)) for _ in range(2)]
+    # the cache contract itself: a sequence fed in two chunks (the second after 9 cached tokens) gives the full-pass
+    # logits
+    cache = KVCache(model.config, 17)
     seq = torch.tensor([ids])
     with torch.no_grad():
-        chunked = torch.cat([model(seq[:, :9], cache=cache), model(seq[:, 9:], cache=cache, start=9)], dim=1)
+        first = model(seq[:, :9], cache=cache)
+        assert cache.length == 9
+        chunked = torch.cat([first, model(seq[:, 9:], cache=cache)], dim=1)
         assert (chunked - model(seq)).abs().max() < 1e-5
     assert generate(model, prompt, 12, eos_id=[96, new[3]]) == new[: new.index(new[3]) + 1]
     # nucleus sampling with a vanishing top_p keeps only the most likely token
@@ -208,87 +216,54 @@ def test_kv_cache_generation_matches_full_recompute():
 def test_greedy_generation_matches_transformers(tmp_path):
     hf = hf_model(num_attention_heads=4, num_key_value_heads=2, eos_token_id=7)
     hf.save_pretrained(tmp_path)
-    ours = Llama.from_pretrained(tmp_path)
+    ours = load_model(tmp_path)
     prompt = [1, 40, 41, 9, 13, 77]
     ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, pad_token_id=0)[0, len(prompt) :]
     assert generate(ours, prompt, 20, eos_id=ours.config.eos_token_id) == ref.tolist()
 
 
-@pytest.fixture
-def saved(tmp_path):
-    hf_model(num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path)
-    return tmp_path
+def test_to_hf_writes_only_config_keys():
+    """config.json carries the Hugging Face keys and nothing a fork stores on the config object."""
+    cfg = tiny_config(rope_scaling=dict(rope_type="linear", factor=2.0))
+    cfg.my_experiment = "not a config key"
+    d = cfg.to_hf()
+    assert "my_experiment" not in d
+    fields = {f.name for f in dataclasses.fields(LlamaConfig)}
+    assert set(d) == fields | {"architectures", "model_type", "hidden_act"}
+    assert LlamaConfig.from_hf(d) == tiny_config(rope_scaling=dict(rope_type="linear", factor=2.0))
+    hf_cfg = transformers.LlamaConfig.from_dict(d)  # transformers reads every key it needs
+    assert (hf_cfg.head_dim, hf_cfg.num_key_value_heads, hf_cfg.rope_parameters["factor"]) == (8, 2, 2.0)
 
 
-def edit_config(path, **changes):
-    d = json.loads((path / "config.json").read_text())
-    (path / "config.json").write_text(json.dumps({**d, **changes}))
+@pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "layers.1.mlp.up_proj"], ["o_proj", "lm_head"]])
+def test_quantize_and_lora_pick_the_same_linears(targets):
+    """quant.quantize_ and lora.add_lora_ follow the one rule of model.find_linears."""
+    quantized = quant.quantize_(Llama(tiny_config()), targets, compute_dtype=torch.float32)
+    adapted = Llama(tiny_config())
+    lora.add_lora_(adapted, targets, r=2, alpha=4, dropout=0.0)
+    nf4 = {n for n, m in quantized.named_modules() if isinstance(m, quant.NF4Linear)}
+    assert nf4 == set(lora.lora_modules(adapted)) == set(M.find_linears(Llama(tiny_config()), targets))
+    assert ("lm_head" in nf4) == ("lm_head" in targets)
+    for typo in (["q_prj"], ["layers.7.mlp.up_proj"]):  # a name that matches nothing is an error in both
+        with pytest.raises(ValueError, match=f"target module '{typo[0]}' matches no linear layer"):
+            quant.quantize_(Llama(tiny_config()), typo)
+        with pytest.raises(ValueError, match=f"add_lora_: target module '{typo[0]}' matches no linear layer"):
+            lora.add_lora_(Llama(tiny_config()), typo, r=2, alpha=4, dropout=0.0)
 
 
-def test_error_missing_model_file(saved):
-    (saved / "model.safetensors").unlink()
-    with pytest.raises(FileNotFoundError, match=f"{saved}.*model.safetensors"):
-        Llama.from_pretrained(saved)
-
-
-def test_error_missing_shard(tmp_path):
-    hf_model(num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path, max_shard_size="20KB")
-    shard = sorted(tmp_path.glob("model-*.safetensors"))[-1]
-    shard.unlink()
-    with pytest.raises(FileNotFoundError, match=f"{shard}: checkpoint shard not found"):
-        Llama.from_pretrained(tmp_path)
-
-
-def test_error_corrupt_safetensors(saved):
-    (saved / "model.safetensors").write_bytes(b"\x13\x37 definitely not a safetensors header" * 3)
-    with pytest.raises(ValueError, match="model.safetensors: not a valid safetensors file"):
-        Llama.from_pretrained(saved)
-
-
-def test_error_unsupported_architecture(saved):
-    edit_config(saved, architectures=["MistralForCausalLM"], model_type="mistral")
-    with pytest.raises(ValueError, match=r"config.json: architectures.*MistralForCausalLM.*not supported"):
-        Llama.from_pretrained(saved)
-
-
-@pytest.mark.parametrize(
-    "key, rope, message",
-    [
-        ("rope_parameters", {"rope_type": "yarn", "factor": 2.0}, "rope_parameters type 'yarn' is not supported"),
-        ("rope_scaling", {"type": "dynamic", "factor": 2.0}, "rope_scaling type 'dynamic' is not supported"),
-        ("rope_scaling", {"type": "linear"}, "rope_scaling of type 'linear' lacks factor"),
-    ],
-)
-def test_error_unsupported_rope(saved, key, rope, message):
-    edit_config(saved, **{"rope_parameters": None, "rope_theta": 500.0, key: rope})
-    with pytest.raises(ValueError, match=f"config.json: {message}"):
-        Llama.from_pretrained(saved)
-
-
-def test_error_missing_config_key(saved):
-    d = json.loads((saved / "config.json").read_text())
-    del d["vocab_size"]
-    (saved / "config.json").write_text(json.dumps(d))
-    with pytest.raises(ValueError, match="config.json: missing key.s. vocab_size"):
-        LlamaConfig.from_json(saved / "config.json")
-
-
-def test_error_shape_mismatch(saved):
-    edit_config(saved, intermediate_size=64)
-    with pytest.raises(ValueError, match=r"model.safetensors: tensor model.layers.0.mlp.gate_proj.weight has shape"):
-        Llama.from_pretrained(saved)
-
-
-def test_error_missing_and_unexpected_tensors(saved):
-    tensors = load_file(saved / "model.safetensors")
-    save_file({k: v for k, v in tensors.items() if k != "model.norm.weight"}, saved / "model.safetensors")
-    with pytest.raises(KeyError, match="tensor model.norm.weight is missing"):
-        Llama.from_pretrained(saved)
-    # old checkpoints carry RoPE frequencies (tolerated); a layer the config does not have is an error
-    extra = {
-        "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4),
-        "model.layers.5.mlp.up_proj.weight": torch.zeros(48, 32),
-    }
-    save_file({**tensors, **extra}, saved / "model.safetensors")
-    with pytest.raises(ValueError, match=r"tensors the model lacks: model.layers.5.mlp.up_proj.weight$"):
-        Llama.from_pretrained(saved)
+def test_adapted_lm_head_needs_the_full_logits_loss():
+    """LoRA on lm_head: the chunked loss refuses it in one line; with loss_chunk=0 it trains (lm_head's A and B get
+    gradients) and gives the full-logits loss."""
+    model = Llama(tiny_config())
+    lora.add_lora_(model, ["lm_head", "q_proj"], r=2, alpha=4, dropout=0.0)
+    ids, pos, _ = packed_batch()
+    labels = torch.randint(0, 97, (2, 15))
+    with pytest.raises(ValueError, match="lm_head is a LoRALinear: the chunked loss needs a plain nn.Linear head") as e:
+        model(ids, pos, labels=labels)
+    assert "\n" not in str(e.value)
+    model.loss_chunk = 0
+    loss, n = model(ids, pos, labels=labels)
+    loss.backward()
+    ref = F.cross_entropy(model(ids, pos).flatten(0, 1), labels.flatten(), reduction="sum")
+    assert n == 30 and torch.allclose(loss, ref)
+    assert model.lm_head.lora_A.weight.grad is not None and model.lm_head.lora_B.weight.grad.abs().max() > 0

@@ -20,9 +20,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-import pack
 import train
+from examples import stdlib_examples
+from hf import load_model, read_config
 from model import Llama, LlamaConfig
+from pack import PackedDataset, build_dataset
+from tokenizer import Tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -31,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def tiny_dir(smollm2_dir, tmp_path_factory):
     """A 2-layer random Llama with SmolLM2's vocabulary, tokenizer files and chat template."""
     out = tmp_path_factory.mktemp("tiny-llama")
-    src = LlamaConfig.from_json(os.path.join(smollm2_dir, "config.json"))
+    src, _ = read_config(smollm2_dir)
     cfg = LlamaConfig.from_hf(
         {
             **src.to_hf(),
@@ -75,7 +78,7 @@ def run(argv):
     cwd = os.getcwd()
     os.chdir(ROOT)
     try:
-        return train.train(train.load_config(argv))
+        return train.fit(train.load_config(argv))
     finally:
         os.chdir(cwd)
 
@@ -112,18 +115,18 @@ def test_accumulation_equals_one_batch(tiny_dir, tmp_path):
 
 def test_resume_is_step_exact(tiny_dir, tmp_path, monkeypatch):
     full = run(args(tiny_dir, tmp_path / "full"))
-    real_step_batch = train.step_batch
+    real_step_batch = PackedDataset.step_batch
 
     def interrupt_at_2(ds, step, *a):
         if step == 2:
             raise KeyboardInterrupt
         return real_step_batch(ds, step, *a)
 
-    monkeypatch.setattr(train, "step_batch", interrupt_at_2)
+    monkeypatch.setattr(PackedDataset, "step_batch", interrupt_at_2)
     with pytest.raises(SystemExit):
         run(args(tiny_dir, tmp_path / "resumed"))
     assert torch.load(tmp_path / "resumed" / "out" / "checkpoint.pt", weights_only=False)["step"] == 2
-    monkeypatch.setattr(train, "step_batch", real_step_batch)
+    monkeypatch.setattr(PackedDataset, "step_batch", real_step_batch)
     resumed = run(args(tiny_dir, tmp_path / "resumed", "--resume"))
     losses = lambda h: [(r["step"], r["loss"]) for r in h if "loss" in r]  # noqa: E731
     assert losses(resumed) == losses(full)
@@ -230,10 +233,11 @@ def test_smollm2_qlora_run_lowers_val_loss(smollm2_dir, tmp_path):
 
 
 def test_evaluate_covers_exactly_the_requested_rows(tiny_dir):
-    model = Llama.from_pretrained(tiny_dir)
-    valid = pack.build_dataset(pack.stdlib_examples("val")[:60], pack.Tokenizer(tiny_dir), 128)
-    assert len(valid) > 10
-    got = train.evaluate(model, valid, 10, torch.device("cpu"), torch.float32)  # batches of 4, 4 and 2 rows
+    model = load_model(tiny_dir)
+    valset = build_dataset(stdlib_examples("val")[:60], Tokenizer(tiny_dir), 128)
+    assert len(valset) > 10
+    run = train.Run(train.Config(), 0, 1, torch.device("cpu"), torch.float32)
+    got = train.evaluate(model, valset, 10, run)  # batches of 4, 4 and 2 rows
     with torch.no_grad():
-        loss, n = model(**{k: v for k, v in valid.collate(range(10)).items()})
+        loss, n = model(**{k: v for k, v in valset.collate(range(10)).items()})
     assert abs(got - loss.item() / n) < 1e-5

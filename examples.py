@@ -1,0 +1,171 @@
+"""Training examples: instruction datasets read from files, and a real code dataset that ships with Python.
+
+An example is an {"instruction", "response"} pair or a chat {"messages": [{"role", "content"}, ...]} conversation
+ending with the assistant's turn. `load_examples` reads JSON lines, a JSON array or Parquet and recognises the common
+layouts by their keys: Magicoder (problem, solution), Alpaca (instruction, input, output), plain pairs (instruction,
+response) and chat messages. A malformed row stops the run with one line naming the file and line (or is skipped and
+counted with skip_bad_rows); a JSON array is walked item by item so that its errors name a line too.
+
+The stdlib dataset is the default: every documented function and method of this Python's standard library becomes a
+"complete this function" example, signature + docstring -> body, verbatim from the source. A few thousand examples of
+real code of every length from one line to hundreds, available offline on any machine. One function in 20, chosen by a
+hash of its qualified name (so the split never changes), is held out for validation.
+"""
+
+import ast
+import functools
+import hashlib
+import json
+import os
+import re
+import sys
+import sysconfig
+from pathlib import Path
+
+import numpy as np
+
+FORMATS = {
+    "magicoder": ("problem", "solution"),
+    "alpaca": ("instruction", "output"),
+    "pairs": ("instruction", "response"),
+}
+
+
+def _rows(path):
+    """(line, row or ValueError) pairs from JSON lines, a JSON array, or Parquet."""
+    if path.suffix == ".parquet":
+        import pyarrow.parquet  # optional: only Parquet inputs need it
+
+        yield from enumerate(pyarrow.parquet.read_table(path).to_pylist(), 1)
+        return
+    text = path.read_text(encoding="utf-8")
+    if not text.lstrip().startswith("["):
+        for line, s in enumerate(text.splitlines(), 1):
+            try:
+                yield from [(line, json.loads(s))] if s.strip() else []
+            except json.JSONDecodeError as e:
+                yield line, ValueError(f"{path}:{line}: invalid JSON ({e.msg} at column {e.colno})")
+        return
+    dec, sep = json.JSONDecoder(), re.compile(r"[\s,]*")  # walk the array item by item to know each item's line
+    i, line = text.index("[") + 1, 1
+    while (j := sep.match(text, i).end()) < len(text) and text[j] != "]":
+        line += text.count("\n", i, j)
+        try:
+            row, i = dec.raw_decode(text, j)
+        except json.JSONDecodeError as e:  # the array cannot be resynchronised: fatal even with skip_bad_rows
+            raise ValueError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+        yield line, row
+        line += text.count("\n", j, i)
+
+
+def _example(row, fmt, where):
+    if isinstance(row, Exception):
+        raise row
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+    if fmt == "messages":
+        msgs = row.get("messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise ValueError(f"{where}: field 'messages' must be a non-empty list of {{role, content}} objects")
+        for k, m in enumerate(msgs):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+                raise ValueError(f"{where}: messages[{k}] needs string 'role' and 'content'")
+        if msgs[-1]["role"] != "assistant":
+            raise ValueError(f"{where}: the last message must be the assistant's, got '{msgs[-1]['role']}'")
+        return {"messages": [{"role": m["role"], "content": m["content"]} for m in msgs]}
+    src, dst = FORMATS[fmt]
+    extra = ("input",) if fmt == "alpaca" and row.get("input") is not None else ()
+    for k in (src, dst, *extra):
+        if k not in row:
+            raise ValueError(f"{where}: missing field '{k}'")
+        if not isinstance(row[k], str):
+            raise ValueError(f"{where}: field '{k}' must be a string, got {type(row[k]).__name__}")
+    instruction = row[src] + ("\n\n" + row["input"] if extra and row["input"] else "")
+    return {"instruction": instruction, "response": row[dst]}
+
+
+def _detect(row, where):
+    keys = set(row) if isinstance(row, dict) else set()
+    found = ["messages"] * ("messages" in keys) + [f for f, (a, b) in FORMATS.items() if {a, b} <= keys]
+    if not found:
+        known = "'messages', 'problem'+'solution', 'instruction'+'output' or 'instruction'+'response'"
+        raise ValueError(f"{where}: cannot tell the format from keys {sorted(keys)}; expected {known}")
+    return found[0]
+
+
+def load_examples(path, fmt="auto", skip_bad_rows=False):
+    """Rows of a .jsonl / .json (array) / .parquet file as {"instruction", "response"} or {"messages"} dicts;
+    fmt is "auto", "magicoder", "alpaca", "pairs" or "messages"."""
+    path, examples, bad = Path(path), [], []
+    if not path.exists():
+        raise FileNotFoundError(f"{path}: no such data file")
+    for line, row in _rows(path):
+        try:
+            if fmt == "auto" and not isinstance(row, Exception):
+                fmt = _detect(row, f"{path}:{line}")
+            examples.append(_example(row, fmt, f"{path}:{line}"))
+        except ValueError as e:
+            if not skip_bad_rows:
+                raise
+            bad.append(str(e))
+    if bad:
+        print(f"{path}: skipped {len(bad)} bad rows (first: {bad[0]})", file=sys.stderr)
+    if not examples:
+        raise ValueError(f"{path}: no examples (empty file{' or only bad rows' if bad else ''})")
+    return examples
+
+
+def split_examples(examples, val_fraction, seed=0):
+    """(train, val): a seeded random `val_fraction` of the examples held out, both in their original order."""
+    order = np.random.default_rng(seed).permutation(len(examples))
+    n_val = int(round(len(examples) * val_fraction))
+    return [examples[i] for i in sorted(order[n_val:])], [examples[i] for i in sorted(order[:n_val])]
+
+
+def _functions(body, lines, prefix):
+    """(qualified name, signature + docstring, body) for documented functions and methods, not nested functions."""
+    out = []
+    for node in body:
+        if isinstance(node, ast.ClassDef):
+            out += _functions(node.body, lines, f"{prefix}.{node.name}")
+        if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or len(node.body) < 2:
+            continue
+        doc, first, rest = ast.get_docstring(node), node.body[0], node.body[1:]
+        if not doc or len(doc) < 40 or ". " not in doc + " " or doc.lstrip().upper().startswith(("TODO", "XXX")):
+            continue
+        if first.end_lineno >= rest[0].lineno or all(isinstance(s, ast.Pass | ast.Expr) for s in rest):
+            continue  # the docstring shares a line with code, or the body is only `pass` / `...`
+        d = lines[node.lineno - 1][: node.col_offset]  # the def's indentation, removed from every line
+        if any(s.strip() and not s.startswith(d) for s in lines[node.lineno - 1 : node.end_lineno]):
+            continue  # a string literal runs out to the left margin: dedenting would change it
+        head, tail = lines[node.lineno - 1 : first.end_lineno], lines[first.end_lineno : node.end_lineno]
+        out.append((f"{prefix}.{node.name}", *("\n".join(s[len(d) :] for s in p).rstrip() for p in (head, tail))))
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _stdlib_functions():
+    root, out = Path(sysconfig.get_paths()["stdlib"]), []
+    for dirpath, dirs, files in os.walk(root):
+        dirs[:] = sorted(
+            d for d in dirs if d not in {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages"}
+        )
+        for path in sorted(Path(dirpath, f) for f in files if f.endswith(".py")):
+            try:
+                lines = path.read_text(encoding="utf-8").splitlines()
+                tree = ast.parse("\n".join(lines))
+            except (SyntaxError, UnicodeDecodeError, ValueError):
+                continue  # a few stdlib files are deliberately invalid or not UTF-8
+            out += _functions(tree.body, lines, ".".join(path.relative_to(root).with_suffix("").parts))
+    return out
+
+
+def stdlib_examples(split="train"):
+    """Signature + docstring -> body pairs from this Python's standard library, real code available offline.
+    One function in 20, chosen by a hash of its qualified name, is held out as "val"."""
+    out = []
+    for name, head, body in _stdlib_functions():
+        if (int(hashlib.sha1(name.encode()).hexdigest()[:8], 16) % 20 == 0) == (split == "val"):
+            instruction = f"Complete this Python function from `{name.rsplit('.', 1)[0]}`.\n\n{head}"
+            out.append({"instruction": instruction, "response": body, "name": name})
+    return out

@@ -1,0 +1,325 @@
+"""hf.py against its references: the Hugging Face files it reads and writes.
+
+- Loading: malformed model directories (missing file or shard, corrupt safetensors, unsupported architecture or RoPE,
+  missing config keys, wrong shapes, missing or unexpected tensors) fail with one line naming the file and the tensor.
+- bnb-4bit: our pre-quantized checkpoints reload bit-exactly and load in transformers + bitsandbytes with the same
+  logits; checkpoints written by transformers + bitsandbytes load in ours with theirs; mismatched files fail in one
+  line.
+- Writing: every file comes out with the permissions of an ordinary write (0666 minus the umask, never mkstemp's
+  0600), config.json carries the dtype under both keys transformers reads, and a write that fails half-way leaves the
+  old file and no temporary file behind.
+
+(PEFT adapters and merged exports are proven against PEFT and transformers in test_lora.py.)
+"""
+
+import json
+import os
+import stat
+
+import bitsandbytes as bnb
+import pytest
+import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+import lora
+import quant
+from hf import (
+    atomic_write,
+    config_json,
+    export_merged,
+    load_model,
+    read_config,
+    save_adapter,
+    save_quantized,
+    write_json,
+)
+from model import Llama, LlamaConfig
+
+TINY = dict(
+    vocab_size=128,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    tie_word_embeddings=True,
+)
+
+
+def tiny_llama(dtype=torch.float32):
+    return Llama(LlamaConfig(**TINY)).to(dtype)
+
+
+def buffers(layer):
+    return [layer.weight, layer.absmax, layer.nested_absmax, layer.offset]
+
+
+def load_quantized(path):
+    return load_model(path, torch.float32, quantize=True)
+
+
+def hf_model(**kw):
+    """A tiny random transformers Llama (transformers' own initialisation)."""
+    cfg = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, max_position_embeddings=256, **kw
+    )
+    return transformers.LlamaForCausalLM(cfg).eval()
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+@pytest.fixture
+def saved(tmp_path):
+    hf_model(num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def edit_config(path, **changes):
+    """Rewrite keys of the config.json in `path`."""
+    d = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**d, **changes}))
+
+
+def test_error_missing_model_file(saved):
+    (saved / "model.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=f"{saved}.*model.safetensors"):
+        load_model(saved)
+
+
+def test_error_missing_shard(tmp_path):
+    hf_model(num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path, max_shard_size="20KB")
+    shard = sorted(tmp_path.glob("model-*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(FileNotFoundError, match=f"{shard}: checkpoint shard not found"):
+        load_model(tmp_path)
+
+
+def test_error_corrupt_safetensors(saved):
+    (saved / "model.safetensors").write_bytes(b"\x13\x37 definitely not a safetensors header" * 3)
+    with pytest.raises(ValueError, match="model.safetensors: not a valid safetensors file"):
+        load_model(saved)
+
+
+def test_error_unsupported_architecture(saved):
+    edit_config(saved, architectures=["MistralForCausalLM"], model_type="mistral")
+    with pytest.raises(ValueError, match=r"config.json: architectures.*MistralForCausalLM.*not supported"):
+        load_model(saved)
+
+
+@pytest.mark.parametrize(
+    "key, rope, message",
+    [
+        ("rope_parameters", {"rope_type": "yarn", "factor": 2.0}, "rope_parameters type 'yarn' is not supported"),
+        ("rope_scaling", {"type": "dynamic", "factor": 2.0}, "rope_scaling type 'dynamic' is not supported"),
+        ("rope_scaling", {"type": "linear"}, "rope_scaling of type 'linear' lacks factor"),
+    ],
+)
+def test_error_unsupported_rope(saved, key, rope, message):
+    edit_config(saved, **{"rope_parameters": None, "rope_theta": 500.0, key: rope})
+    with pytest.raises(ValueError, match=f"config.json: {message}"):
+        load_model(saved)
+
+
+def test_error_missing_config_key(saved):
+    d = json.loads((saved / "config.json").read_text())
+    del d["vocab_size"]
+    (saved / "config.json").write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="config.json: missing key.s. vocab_size"):
+        read_config(saved)
+
+
+def test_error_shape_mismatch(saved):
+    edit_config(saved, intermediate_size=64)
+    with pytest.raises(ValueError, match=r"model.safetensors: tensor model.layers.0.mlp.gate_proj.weight has shape"):
+        load_model(saved)
+
+
+def test_error_missing_and_unexpected_tensors(saved):
+    tensors = load_file(saved / "model.safetensors")
+    save_file({k: v for k, v in tensors.items() if k != "model.norm.weight"}, saved / "model.safetensors")
+    with pytest.raises(KeyError, match="tensor model.norm.weight is missing"):
+        load_model(saved)
+    # old checkpoints carry RoPE frequencies (tolerated); a layer the config does not have is an error
+    extra = {
+        "model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(4),
+        "model.layers.5.mlp.up_proj.weight": torch.zeros(48, 32),
+    }
+    save_file({**tensors, **extra}, saved / "model.safetensors")
+    with pytest.raises(ValueError, match=r"tensors the model lacks: model.layers.5.mlp.up_proj.weight$"):
+        load_model(saved)
+
+
+# ----------------------------------------------------------------------------- bnb-4bit
+
+
+def test_save_and_reload_prequantized_is_bit_exact(tmp_path):
+    """save_quantized -> load_model reloads bit-identical buffers and identical logits without
+    re-quantizing; transformers + bitsandbytes load the same directory to the same logits (fp32 compute)."""
+    from transformers import AutoModelForCausalLM
+
+    model = quant.quantize_(tiny_llama(), compute_dtype=torch.float32)
+    save_quantized(model, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["quantization_config"]["bnb_4bit_quant_type"] == "nf4"
+    reloaded = load_quantized(str(tmp_path))
+    for (name, a), (_, b) in zip(model.named_modules(), reloaded.named_modules(), strict=True):
+        if isinstance(a, quant.NF4Linear):
+            assert all(map(torch.equal, buffers(a), buffers(b))), name
+    ids = torch.randint(0, 128, (2, 9))
+    logits = model(ids)
+    assert torch.equal(reloaded(ids), logits)
+    ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), device_map="cpu")
+    ref.train()  # eval mode on an AVX-512-BF16 CPU would switch Linear4bit to a bf16 kernel
+    assert isinstance(ref.model.layers[0].mlp.down_proj, bnb.nn.Linear4bit)
+    torch.testing.assert_close(ref(ids).logits, logits, atol=1e-5, rtol=1e-5)
+
+
+def test_transformers_bnb_4bit_checkpoint_loads(tmp_path):
+    """A checkpoint written by transformers + bitsandbytes (BitsAndBytesConfig nf4, double quant, CPU) loads into our
+    Llama as is and gives transformers' logits (fp32 compute)."""
+    from transformers import BitsAndBytesConfig, LlamaForCausalLM
+    from transformers import LlamaConfig as HFConfig
+
+    cfg = dict(TINY, max_position_embeddings=64, rms_norm_eps=1e-6)
+    LlamaForCausalLM(HFConfig(**cfg)).save_pretrained(tmp_path / "dense")
+    bnb_config = BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.float32,
+    )
+    ref = LlamaForCausalLM.from_pretrained(tmp_path / "dense", quantization_config=bnb_config, device_map="cpu")
+    ref.save_pretrained(tmp_path / "q4")
+    assert "model.layers.0.self_attn.q_proj.weight.quant_state.bitsandbytes__nf4" in load_file(
+        tmp_path / "q4/model.safetensors"
+    )
+    ours = load_quantized(str(tmp_path / "q4"))
+    ref.train()
+    ids = torch.randint(0, 128, (2, 9))
+    torch.testing.assert_close(ours(ids), ref(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def _corrupt(src, dst, edit):
+    os.makedirs(dst)
+    tensors = load_file(os.path.join(src, "model.safetensors"))
+    edit(tensors)
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+    with open(os.path.join(src, "config.json")) as f, open(os.path.join(dst, "config.json"), "w") as g:
+        g.write(f.read())
+
+
+def _with_state(**changes):
+    key = "model.layers.1.mlp.up_proj.weight.quant_state.bitsandbytes__nf4"
+
+    def edit(tensors):
+        state = json.loads(bytes(tensors[key].tolist()))
+        tensors[key] = torch.tensor(list(json.dumps(state | changes).encode()), dtype=torch.uint8)
+
+    return edit
+
+
+BAD = {
+    "missing absmax": (lambda t: t.pop("model.layers.1.mlp.up_proj.weight.absmax"), "up_proj.weight"),
+    "missing nested absmax": (
+        lambda t: t.pop("model.layers.1.mlp.up_proj.weight.nested_absmax"),
+        "up_proj.weight.nested_absmax",
+    ),
+    "short absmax": (
+        lambda t: t.update({"model.layers.0.self_attn.k_proj.weight.absmax": torch.zeros(3, dtype=torch.uint8)}),
+        "k_proj.weight.absmax",
+    ),
+    "short codes": (
+        lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(10, 1, dtype=torch.uint8)}),
+        "k_proj.weight",
+    ),
+    "wrong shape": (_with_state(shape=[64, 128]), "up_proj.weight.quant_state"),
+    "wrong blocksize": (_with_state(blocksize=128), "up_proj.weight.quant_state"),
+    "fp4": (_with_state(quant_type="fp4"), "up_proj.weight.quant_state"),
+    "other code book": (
+        lambda t: t["model.layers.0.mlp.gate_proj.weight.quant_map"].mul_(0.5),
+        "gate_proj.weight.quant_map",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_prequantized_file_fails_with_one_line_error(tmp_path, case):
+    """A mismatched pre-quantized file (missing or short tensors, wrong shape, blocksize, quant type or code book)
+    raises one line naming the file and the tensor instead of loading garbage."""
+    good = tmp_path / "good"
+    save_quantized(quant.quantize_(tiny_llama()), good)
+    edit, tensor = BAD[case]
+    _corrupt(good, tmp_path / "bad", edit)
+    with pytest.raises((ValueError, KeyError)) as err:
+        load_quantized(str(tmp_path / "bad"))
+    message = str(err.value)
+    assert "\n" not in message and "model.safetensors" in message and tensor in message, message
+
+
+def test_truncated_prequantized_file_fails_with_one_line_error(tmp_path):
+    """A truncated model.safetensors fails with one line naming the file."""
+    save_quantized(quant.quantize_(tiny_llama()), tmp_path)
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    with pytest.raises(ValueError) as err:
+        load_quantized(str(tmp_path))
+    assert "\n" not in str(err.value) and "model.safetensors" in str(err.value)
+
+
+# ----------------------------------------------------------------------------- writing
+
+
+@pytest.fixture
+def umask_027():
+    old = os.umask(0o027)
+    yield
+    os.umask(old)
+
+
+def mode(path):
+    return stat.S_IMODE(os.stat(path).st_mode)
+
+
+def test_written_files_have_ordinary_permissions(tmp_path, umask_027):
+    """Adapter, bnb-4bit checkpoint, merged export and JSON files are created 0666 & ~umask, as open() would make
+    them: with umask 027, 0640 (mkstemp would have left 0600)."""
+    with open(tmp_path / "plain.txt", "w") as f:
+        f.write("x")
+    model = tiny_llama()
+    lora.add_lora_(model, "all-linear", r=2, alpha=4, dropout=0.0)
+    save_adapter(model, tmp_path / "adapter")
+    save_quantized(quant.quantize_(tiny_llama()), tmp_path / "nf4")
+    lora.merge_lora_(model)
+    export_merged(model, tmp_path / "merged")
+    write_json(tmp_path / "metrics.json", {"a": 1})
+    files = [p for p in tmp_path.rglob("*") if p.is_file()]
+    assert len(files) == 8 and {mode(p) for p in files} == {mode(tmp_path / "plain.txt")} == {0o640}
+
+
+def test_failed_write_keeps_the_old_file(tmp_path):
+    """A write that raises half-way (a full disk, say) leaves the old bytes and no temporary file."""
+    path = tmp_path / "config.json"
+    write_json(path, {"old": True})
+
+    def half(tmp):
+        with open(tmp, "w") as f:
+            f.write('{"new": ')
+        raise OSError(28, "No space left on device")
+
+    with pytest.raises(OSError, match="No space left"):
+        atomic_write(path, half)
+    assert json.loads(path.read_text()) == {"old": True} and os.listdir(tmp_path) == ["config.json"]
+
+
+def test_config_json_dtype_keys(tmp_path):
+    """config.json names the stored dtype as transformers 5 ("dtype") and older releases ("torch_dtype") read it,
+    and read_config understands either."""
+    d = config_json(LlamaConfig(**TINY), torch.bfloat16)
+    assert d["dtype"] == d["torch_dtype"] == "bfloat16"
+    assert transformers.LlamaConfig.from_dict(d).dtype == torch.bfloat16
+    for key in ("dtype", "torch_dtype"):
+        tmp_path.joinpath("config.json").write_text(json.dumps(LlamaConfig(**TINY).to_hf() | {key: "float16"}))
+        assert read_config(tmp_path) == (LlamaConfig(**TINY), torch.float16)

@@ -1,0 +1,144 @@
+"""Tokenizers and chat templates: text to token ids, and conversations to the text a chat model expects.
+
+`Tokenizer(dir)` reads a Hugging Face tokenizer directory: tokenizer.json (the `tokenizers` library: BPE, byte-level
+BPE, WordPiece...) or tokenizer.model (`sentencepiece`), plus tokenizer_config.json for the special tokens and the chat
+template (or a chat_template.jinja file). Both libraries encode a list of texts in parallel native threads.
+
+The sentencepiece path cuts text at special-token strings and encodes each span on its own, so sentencepiece's dummy
+prefix applies per span, as in the original Llama/Mistral tokenizers and transformers' sentencepiece tokenizers with
+legacy=True. Ids that sentencepiece does not know (tokens added after its vocabulary, such as a pad token) come from
+tokenizer_config.json's added_tokens_decoder.
+
+A chat template is a Jinja program over a list of {"role", "content"} messages that renders the exact text a chat
+model was trained on, e.g. SmolLM2's ChatML "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n". It is
+rendered the way transformers renders it: a sandboxed environment with trim_blocks and lstrip_blocks, the
+loopcontrols extension, a `raise_exception` function, a `tojson` filter that does not escape HTML, and
+bos_token/eos_token/... and add_generation_prompt as variables.
+
+`render` turns one training example into (prompt text, response text, prepend BOS?): through the chat template, or
+through a plain format string with {instruction} and {response} for base models without one.
+"""
+
+import json
+import re
+from datetime import datetime
+from pathlib import Path
+
+DEFAULT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n{response}"
+SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+
+
+def _token_str(v):
+    return v.get("content") if isinstance(v, dict) else v  # tokenizer_config stores AddedToken as a dict
+
+
+def _compile_chat_template(source):
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        # Jinja's own tojson HTML-escapes <, > and &, which would change the prompt text.
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = tojson
+    env.globals.update(raise_exception=raise_exception, strftime_now=lambda fmt: datetime.now().strftime(fmt))
+    return env.from_string(source)
+
+
+class Tokenizer:
+    """tokenizer.json or tokenizer.model behind encode/decode, special ids and the chat template."""
+
+    def __init__(self, path):
+        self.path = d = Path(path) if Path(path).is_dir() else Path(path).parent
+        cfg_file = d / "tokenizer_config.json"
+        cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+        self.special_tokens = {k: _token_str(cfg[k]) for k in SPECIAL_NAMES if cfg.get(k)}
+        template = cfg.get("chat_template")
+        if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+            template = {t["name"]: t["template"] for t in template}.get("default")
+        if template is None and (d / "chat_template.jinja").exists():
+            template = (d / "chat_template.jinja").read_text()
+        self.chat_template, self._compiled = template, None
+        if (d / "tokenizer.json").exists():
+            import tokenizers
+
+            self.files, self._sp = [d / "tokenizer.json"], None
+            self._tok = tokenizers.Tokenizer.from_file(str(self.files[0]))
+            self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+            ids = {s: self._tok.token_to_id(s) for s in self.special_tokens.values()}
+        elif (d / "tokenizer.model").exists():
+            import sentencepiece
+
+            self.files, self._tok = [d / "tokenizer.model"], None
+            self._sp = sp = sentencepiece.SentencePieceProcessor(model_file=str(self.files[0]))
+            for name, i in (("bos_token", sp.bos_id()), ("eos_token", sp.eos_id()), ("unk_token", sp.unk_id())):
+                if i >= 0:  # a bare .model still names its own specials
+                    self.special_tokens.setdefault(name, sp.id_to_piece(i))
+            n = sp.get_piece_size()
+            ids = {
+                s: i for s in self.special_tokens.values() if (i := sp.piece_to_id(s)) < n and sp.id_to_piece(i) == s
+            }
+            ids |= {_token_str(t): int(i) for i, t in cfg.get("added_tokens_decoder", {}).items()}
+            self._special, self._special_of = ids, {i: s for s, i in ids.items()}
+            self._split = re.compile("(" + "|".join(map(re.escape, sorted(ids, key=len, reverse=True))) + ")")
+            self.vocab_size = max([n - 1, *ids.values()]) + 1
+        else:
+            raise FileNotFoundError(f"{d}: no tokenizer.json or tokenizer.model")
+        self.files += [f for f in (cfg_file, d / "chat_template.jinja") if f.exists()]
+        self.bos_id, self.eos_id, pad = (
+            ids.get(self.special_tokens.get(k)) for k in SPECIAL_NAMES[:2] + ("pad_token",)
+        )
+        self.pad_id = pad if pad is not None else self.eos_id
+        # Whether plain (non-chat) prompts start with BOS: the config says so, else what the tokenizer does by itself.
+        default = self._sp is not None or self._tok.encode("a").ids[:1] == [self.bos_id]
+        self.add_bos = self.bos_id is not None and bool(cfg.get("add_bos_token", default))
+
+    def encode_batch(self, texts):
+        """Token ids of many texts without BOS/EOS; both libraries encode a list in parallel native threads."""
+        if self._sp is None:
+            return [e.ids for e in self._tok.encode_batch_fast(list(texts), add_special_tokens=False)]
+        parts = [[p for p in self._split.split(t) if p] if self._special else [t] for t in texts]
+        plain = iter(self._sp.encode([p for ps in parts for p in ps if p not in self._special]))
+        return [[i for p in ps for i in ([self._special[p]] if p in self._special else next(plain))] for ps in parts]
+
+    def encode(self, text, bos=False, eos=False):
+        return [self.bos_id] * bos + self.encode_batch([text])[0] + [self.eos_id] * eos
+
+    def decode(self, ids):
+        if self._sp is None:
+            return self._tok.decode(list(ids), skip_special_tokens=False)
+        out, run = [], []
+        for i in ids:  # sentencepiece drops control pieces and knows no added ids: those are spelled out here
+            if i in self._special_of:
+                out += [self._sp.decode(run), self._special_of[i]]
+                run = []
+            else:
+                run.append(i)
+        return "".join(out) + self._sp.decode(run)
+
+    def apply_chat_template(self, messages, add_generation_prompt=False):
+        if self.chat_template is None:
+            raise ValueError(f"{self.path}: the tokenizer has no chat_template")
+        self._compiled = self._compiled or _compile_chat_template(self.chat_template)
+        kw = dict(messages=messages, tools=None, documents=None, add_generation_prompt=add_generation_prompt)
+        return self._compiled.render(**kw, **self.special_tokens)
+
+
+def render(ex, tok, template):
+    """(prompt text, response text, prepend BOS?) for one example."""
+    if "messages" not in ex and (template is not None or tok.chat_template is None):
+        head, _, tail = (template or DEFAULT_TEMPLATE).partition("{response}")
+        if tail or "{instruction}" not in head:
+            raise ValueError(f"template must contain {{instruction}} and end with {{response}}: {template!r}")
+        return head.replace("{instruction}", ex["instruction"]), ex["response"], tok.add_bos
+    msgs = ex.get("messages") or [{"role": "user", "content": ex["instruction"]}]
+    msgs = msgs if "messages" in ex else [*msgs, {"role": "assistant", "content": ex["response"]}]
+    prompt, whole = tok.apply_chat_template(msgs[:-1], add_generation_prompt=True), tok.apply_chat_template(msgs)
+    if not whole.startswith(prompt):
+        msg = "the prompt rendered with add_generation_prompt=True is not a prefix of the whole conversation"
+        raise ValueError(f"chat template: {msg}, so the prompt cannot be masked: {prompt[-60:]!r} vs {whole[-60:]!r}")
+    return prompt, msgs[-1]["content"], False
