@@ -71,22 +71,41 @@ NF4_STATE = ".quant_state.bitsandbytes__nf4"
 
 
 def atomic_write(path, write):
-    """write(tmp) into a fresh temp file in path's folder, flush it to disk, then os.replace it onto `path`. On any
-    error the temp file is removed and `path` keeps its old content."""
+    """write(tmp) into a fresh temp file in path's folder, flush it to disk, then os.replace it onto `path`. A failed
+    write (a full disk, a folder that became read-only) removes the temp file, leaves `path` as it was, and raises one
+    OSError line that names the file, the reason and what was kept."""
     path = str(path)
+    kept = "the previous file is kept" if os.path.exists(path) else "nothing was written"
     tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
-    os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # mode 0666 & ~umask, like open(path, "w")
-    mode = os.stat(tmp).st_mode
     try:
+        os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # 0666 & ~umask, as open(path, "w")
+        mode = os.stat(tmp).st_mode
         write(tmp)
         os.chmod(tmp, mode)  # a writer that recreates the file (safetensors does, as 0600) gets the ordinary mode back
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
+    except (OSError, RuntimeError, SafetensorError) as e:  # RuntimeError: torch.save's zip writer
+        reason = _why(e, tmp)
+        with contextlib.suppress(OSError):  # the temp file may never have been created
+            os.remove(tmp)
+        raise OSError(f"{path}: could not write it ({reason}); {kept}") from None
     except BaseException:
-        with contextlib.suppress(FileNotFoundError):
+        with contextlib.suppress(OSError):
             os.remove(tmp)
         raise
+
+
+def _why(e, tmp):
+    """The OS's reason for a failed write; for writers that hide it (torch's zip writer says "unexpected pos"), "no
+    space left on device" when the disk holds less than the partial file plus 1 MiB, else their own first line."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    with contextlib.suppress(OSError):
+        written = os.path.getsize(tmp) if os.path.exists(tmp) else 0
+        if shutil.disk_usage(os.path.dirname(tmp)).free <= written + 2**20:
+            return "no space left on device"
+    return str(e).splitlines()[0][:160]
 
 
 def write_json(path, obj):
@@ -247,7 +266,7 @@ def load_model(path, dtype=None, device="cpu", quantize=False, add_lora=None, ad
     dtype, device = dtype or stored or torch.float32, torch.device(device)
     ckpt = Checkpoint(path)
     with torch.device("meta"):
-        model = Llama(config, varlen_attention(device, dtype))
+        model = Llama(config, varlen_attention(device, dtype, config.head_dim, windowed=bool(config.sliding_layers)))
     shapes = {n: p.shape for n, p in model.named_parameters()}
 
     def weights(key):  # one block weight at a time: a bnb-4bit entry as it is, or a 16-bit tensor to quantize

@@ -92,11 +92,12 @@ class LoRANF4Linear(LoRA, quant.NF4Linear):
 
 
 def with_lora(base, r, alpha, dropout, use_rslora, lora_dtype):
-    """A LoRA linear built on meta that takes over `base`'s own tensors (no copy), plus fresh A, B on its device."""
+    """A LoRA linear built on meta that takes over `base`'s own tensors (no copy), plus fresh A, B on its device, in
+    `base`'s train/eval mode (an adapter loaded into a model in eval mode must not start with live dropout)."""
     has_bias = base.bias is not None
     if isinstance(base, quant.NF4Linear):
         m = LoRANF4Linear(base.in_features, base.out_features, has_bias, base.compute_dtype, device="meta")
-        dtype = base.compute_dtype
+        m.rel_error, dtype = base.rel_error, base.compute_dtype  # the quantization error survives the swap
     else:
         m = LoRALinear(base.in_features, base.out_features, bias=has_bias, device="meta")
         dtype = base.weight.dtype
@@ -104,7 +105,7 @@ def with_lora(base, r, alpha, dropout, use_rslora, lora_dtype):
     state = base.state_dict(keep_vars=True)
     m.load_state_dict(state, assign=True)
     m.init_lora(r, alpha, dropout, use_rslora, lora_dtype or dtype, next(iter(state.values())).device)
-    return m
+    return m.train(base.training)
 
 
 def lora_modules(model):
@@ -139,6 +140,22 @@ def add_lora_(model, targets, r, alpha, dropout, use_rslora=False, lora_dtype=No
         f"({100 * trainable / total:.3f}%)"
     )
     return trainable, total
+
+
+@torch.no_grad()
+def adapter_health(model):
+    """{module: (||scale * B A|| / ||W||, share of B's entries that moved from zero)}, Frobenius norms: how far each
+    adapter has moved its layer, and whether it is training at all (B starts at zero, so a B still all zero after
+    some steps means no gradient reaches it). ||B A||^2 = trace((B^T B)(A A^T)) is an (r, r) product, so no (out, in)
+    matrix is formed; ||W|| is computed once per module (W is frozen) and kept on it."""
+    health = {}
+    for name, m in lora_modules(model).items():
+        if not hasattr(m, "base_norm"):
+            m.base_norm = float((m.dequantize() if isinstance(m, quant.NF4Linear) else m.weight).float().norm())
+        a, b = m.lora_A.weight.float(), m.lora_B.weight.float()
+        delta = m.scaling * float(torch.trace((b.t() @ b) @ (a @ a.t())).clamp(min=0).sqrt())
+        health[name] = (delta / max(m.base_norm, 1e-30), float((b != 0).float().mean()))
+    return health
 
 
 @torch.no_grad()

@@ -58,6 +58,7 @@ Shapes: B batch rows, T tokens per row, N = B*T flattened tokens, H / Hkv query 
 """
 
 import importlib.util
+import inspect
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -70,6 +71,21 @@ from torch.utils.checkpoint import checkpoint
 LOSS_CHUNK = 1024  # supervised tokens per lm_head + cross-entropy chunk
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 ROPE_KEYS = {"default": (), "linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
+# The families this Llama reads, by config.json model_type, and the class name transformers gives each.
+FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+FAMILIES["mistral"] = "MistralForCausalLM"
+# Near relatives that need more than a switch: what each would add.
+MISSING = {
+    "gemma": "embeddings scaled by sqrt(hidden), (1 + w) RMSNorm weights and a GeGLU MLP",
+    "gemma2": "Gemma's changes plus logit soft-capping, extra feed-forward norms and alternating window layers",
+    "gemma3_text": "Gemma 2's changes plus two RoPE bases",
+    "phi": "LayerNorm, a parallel attention + MLP block and partial rotary embeddings",
+    "phi3": "fused qkv_proj and gate_up_proj weights",
+    "mixtral": "a mixture-of-experts MLP",
+    "qwen2_moe": "a mixture-of-experts MLP with a shared expert",
+    "qwen3_moe": "a mixture-of-experts MLP",
+    "ministral": "a sliding window that varies by layer type",
+}
 
 
 @dataclass
@@ -88,30 +104,31 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # The family switches (Qwen2/2.5, Qwen3 and Mistral are Llamas with these set; config.json says which):
+    model_type: str = "llama"  # llama | qwen2 | qwen3 | mistral
+    qkv_bias: bool = False  # biases on q_proj/k_proj/v_proj (always in Qwen2; attention_bias elsewhere)
+    o_bias: bool = False  # a bias on o_proj (attention_bias of Llama and Qwen3)
+    qk_norm: bool = False  # RMSNorm over each head of q and k, before RoPE (Qwen3)
+    sliding_window: int | None = None  # W: a query in a sliding layer sees its own key and the W - 1 before it
+    sliding_layers: list[int] | None = None  # the layers that slide (Mistral: all; Qwen: those >= max_window_layers)
 
     @classmethod
     def from_hf(cls, d, path="config.json"):
         """Read a Hugging Face config.json dict; `path` names the file in errors."""
-        if d.get("model_type") != "llama" or "LlamaForCausalLM" not in d.get("architectures", ["LlamaForCausalLM"]):
-            arch = d.get("architectures", d.get("model_type"))
-            raise ValueError(f"{path}: architectures/model_type {arch!r} is not supported (expected LlamaForCausalLM)")
-        missing = [k for k in REQUIRED_KEYS if k not in d]
-        if missing:
+        kind = d.get("model_type")
+        if kind not in FAMILIES:
+            why = f": it needs {MISSING[kind]}" if kind in MISSING else ""
+            raise ValueError(f"{path}: model_type {kind!r} is not supported{why} (expected {', '.join(FAMILIES)})")
+        if FAMILIES[kind] not in (d.get("architectures") or [FAMILIES[kind]]):
+            raise ValueError(
+                f"{path}: architectures {d['architectures']!r} is not supported (expected {FAMILIES[kind]})"
+            )
+        if missing := [k for k in REQUIRED_KEYS if k not in d]:
             raise ValueError(f"{path}: missing key(s) {', '.join(missing)}")
-        for key, want in (("hidden_act", "silu"), ("attention_bias", False), ("mlp_bias", False)):
+        for key, want in (("hidden_act", "silu"), ("mlp_bias", False)):
             if d.get(key, want) != want:
                 raise ValueError(f"{path}: {key} = {d[key]!r} is not supported (expected {want!r})")
-        # transformers 5 writes rope_parameters (with rope_theta inside); published checkpoints carry a top-level
-        # rope_theta plus rope_scaling, whose kind is under "rope_type" (or "type" in older files).
-        key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
-        rope = dict(d.get(key) or {})
-        theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
-        kind = rope.pop("rope_type", rope.pop("type", "default"))
-        if kind not in ROPE_KEYS:
-            raise ValueError(f"{path}: {key} type {kind!r} is not supported (expected default, linear or llama3)")
-        if missing := [k for k in ROPE_KEYS[kind] if k not in rope]:
-            raise ValueError(f"{path}: {key} of type {kind!r} lacks {', '.join(missing)}")
-        heads = d["num_attention_heads"]
+        heads, bias = d["num_attention_heads"], bool(d.get("attention_bias")) and kind != "mistral"
         cfg = cls(
             vocab_size=d["vocab_size"],
             hidden_size=d["hidden_size"],
@@ -119,28 +136,83 @@ class LlamaConfig:
             num_hidden_layers=d["num_hidden_layers"],
             num_attention_heads=heads,
             num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            head_dim=d.get("head_dim") or (128 if kind == "qwen3" else d["hidden_size"] // heads),  # transformers'
             rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            rope_scaling=None if kind == "default" else {"rope_type": kind, **rope},
             max_position_embeddings=d.get("max_position_embeddings", 2048),
             tie_word_embeddings=d.get("tie_word_embeddings", False),
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
+            model_type=kind,
+            qkv_bias=bias or kind == "qwen2",
+            o_bias=bias and kind != "qwen2",
+            qk_norm=kind == "qwen3",
         )
-        if kind == "llama3":  # as in transformers: the pre-training length defaults to the context length
-            cfg.rope_scaling.setdefault("original_max_position_embeddings", cfg.max_position_embeddings)
+        cfg.rope_theta, cfg.rope_scaling = _rope(d, path, cfg.max_position_embeddings)
+        cfg.sliding_window, cfg.sliding_layers = _windows(d, path, kind)
         return cfg
 
+    def window(self, layer):
+        """Layer `layer`'s sliding window, or None for plain causal attention."""
+        return self.sliding_window if self.sliding_layers and layer in self.sliding_layers else None
+
     def to_hf(self):
-        """A config.json dict in the classic form (top-level rope_theta + rope_scaling) every transformers reads.
-        Only the keys of a Hugging Face Llama config are written, whatever else a fork stores on the object."""
+        """A config.json dict in the classic form (top-level rope_theta + rope_scaling) every transformers reads, as
+        the family's own config class spells it. Only Hugging Face keys are written, whatever else a fork stores."""
         keys = [*REQUIRED_KEYS, "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta"]
         keys += ["max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id"]
-        d = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_act": "silu"}
+        kind, layers = self.model_type, self.num_hidden_layers
+        d = {"architectures": [FAMILIES[kind]], "model_type": kind, "hidden_act": "silu"}
         d |= {k: getattr(self, k) for k in keys}
         d["rope_scaling"] = dict(self.rope_scaling) if self.rope_scaling else None
+        if kind in ("llama", "qwen3"):
+            d["attention_bias"] = self.o_bias
+        if kind == "mistral":  # written even when None: absent, transformers would assume 4096
+            d["sliding_window"] = self.sliding_window
+        if kind in ("qwen2", "qwen3"):
+            sliding = self.sliding_layers or []
+            d |= dict(use_sliding_window=bool(sliding), sliding_window=self.sliding_window)
+            d["max_window_layers"] = sliding[0] if sliding else layers
+            d["layer_types"] = ["sliding_attention" if i in sliding else "full_attention" for i in range(layers)]
         return d
+
+
+def _rope(d, path, context):
+    """(rope_theta, rope_scaling or None) of a config.json dict. transformers 5 writes rope_parameters (with
+    rope_theta inside); published checkpoints carry a top-level rope_theta plus rope_scaling, whose kind is under
+    "rope_type" (or "type" in older files)."""
+    key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
+    rope = dict(d.get(key) or {})
+    theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
+    kind = rope.pop("rope_type", rope.pop("type", "default"))
+    if kind not in ROPE_KEYS:
+        raise ValueError(f"{path}: {key} type {kind!r} is not supported (expected default, linear or llama3)")
+    if missing := [k for k in ROPE_KEYS[kind] if k not in rope]:
+        raise ValueError(f"{path}: {key} of type {kind!r} lacks {', '.join(missing)}")
+    if kind == "llama3":  # as in transformers: the pre-training length defaults to the context length
+        rope.setdefault("original_max_position_embeddings", context)
+    return float(theta), None if kind == "default" else {"rope_type": kind, **rope}
+
+
+def _windows(d, path, kind):
+    """(sliding_window, sliding layers) as transformers reads them: Mistral slides every layer (its window defaults to
+    4096 when the key is absent); Qwen only with use_sliding_window, in the layers from max_window_layers on (or as
+    layer_types lists them); Llama never."""
+    layers = d["num_hidden_layers"]
+    if kind == "mistral":
+        window = d.get("sliding_window", 4096)
+        return window, None if window is None else list(range(layers))
+    if kind not in ("qwen2", "qwen3"):
+        return None, None
+    window = d.get("sliding_window") if d.get("use_sliding_window") else None
+    if d.get("layer_types"):
+        sliding = [i for i, t in enumerate(d["layer_types"]) if t == "sliding_attention"]
+    else:
+        sliding = [] if window is None else list(range(d.get("max_window_layers", 28), layers))
+    if sliding and window is None:
+        raise ValueError(
+            f"{path}: layer_types lists sliding layers but use_sliding_window/sliding_window set no window"
+        )
+    return (window, sliding) if sliding else (None, None)
 
 
 def rope_inv_freq(cfg, device=None):
@@ -168,47 +240,146 @@ def rotate_half(x):
 class Docs(NamedTuple):
     """Packed-document bounds over the N = B*T flattened tokens: document i is tokens cu_seqlens[i]:cu_seqlens[i+1]."""
 
-    cu_seqlens: torch.Tensor  # int32 (docs + 1,), on the tokens' device
+    cu_seqlens: torch.Tensor  # int32 (docs + 1,), on the tokens' device, for the varlen kernels
     max_seqlen: int  # the longest document
+    bounds: torch.Tensor  # the same cu_seqlens on the CPU, for the per-document loop (read without a device sync)
 
 
 def doc_bounds(position_ids):
-    """(B, T) position ids -> Docs. A document starts where position_ids == 0 and at every row start."""
+    """(B, T) position ids -> Docs. A document starts where position_ids == 0 and at every row start. One host sync
+    per forward (the CPU copy), shared by every layer."""
     B, T = position_ids.shape
     starts = position_ids == 0
     starts[:, 0] = True  # a row that opens mid-document still starts a new attention span
     idx = starts.flatten().nonzero().flatten()
     cu_seqlens = torch.cat([idx, idx.new_tensor([B * T])]).to(torch.int32)
-    return Docs(cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
+    bounds = cu_seqlens.cpu()
+    return Docs(cu_seqlens, int((bounds[1:] - bounds[:-1]).max()), bounds)
 
 
-def flash_varlen(q, k, v, docs):
-    """FlashAttention-2 over packed documents. q (N, H, D), k/v (N, Hkv, D) -> (N, H, D); GQA handled by the kernel."""
-    from flash_attn import flash_attn_varlen_func
+def causal_sdpa(q, k, v, window=None, start=0):
+    """softmax(q k^T / sqrt(D)) v with q (B, H, T, D) at positions start.., k/v (B, Hkv, S, D) at positions 0..S-1.
+    Query i sees the keys at or before its own position and, with a window W, only the W most recent of them."""
+    T, S = q.shape[-2], k.shape[-2]
+    if start == 0 and (window is None or T <= window):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    i, j = torch.arange(start, start + T, device=q.device)[:, None], torch.arange(S, device=q.device)
+    mask = (j <= i) & (i - j < (window or S + 1))  # (T, S)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
-    c, m = docs
-    return flash_attn_varlen_func(q, k, v, c, c, m, m, causal=True)
 
-
-def sdpa_varlen(q, k, v, docs):
-    """Same contract as flash_varlen: one causal SDPA call per document, each (1, heads, len, D)."""
-    b = docs.cu_seqlens.tolist()
-    # 4-D inputs: with 3-D ones PyTorch's CPU attention skips its fused kernel and keeps the whole (heads, len, len)
-    # attention matrix of every document for backward.
+def sdpa_varlen(q, k, v, docs, window=None):
+    """Packed attention as one causal SDPA call per document. q (N, H, D), k/v (N, Hkv, D) -> (N, H, D)."""
+    b = docs.bounds.tolist()
+    # 4-D inputs (1, heads, len, D): with 3-D ones PyTorch's CPU attention skips its fused kernel and keeps the whole
+    # (heads, len, len) attention matrix of every document for backward.
     doc = lambda t, s, e: t[s:e].transpose(0, 1)[None]  # noqa: E731
     outs = [
-        F.scaled_dot_product_attention(doc(q, s, e), doc(k, s, e), doc(v, s, e), is_causal=True, enable_gqa=True)[0]
-        for s, e in zip(b[:-1], b[1:], strict=True)
+        causal_sdpa(doc(q, s, e), doc(k, s, e), doc(v, s, e), window)[0] for s, e in zip(b[:-1], b[1:], strict=True)
     ]
-    return torch.cat(outs, dim=1).transpose(0, 1)
+    return torch.cat(outs, dim=1).transpose(0, 1).contiguous()
 
 
-def varlen_attention(device, dtype):
-    """The packed-document attention for a model on `device` computing in `dtype`: flash_varlen where flash-attn is
-    installed and the tensors are 16-bit CUDA ones (its only kernels), sdpa_varlen elsewhere."""
-    cuda = torch.device(device).type == "cuda"
-    if cuda and dtype in (torch.float16, torch.bfloat16) and importlib.util.find_spec("flash_attn") is not None:
+@torch.library.custom_op("nanoqlora::sdpa_varlen", mutates_args=())
+def sdpa_varlen_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor, window: int
+) -> torch.Tensor:
+    """sdpa_varlen as one opaque op, for torch.compile: the per-document loop depends on the data, so traced as Python
+    it would break the graph in every layer and recompile for every document count. window 0 = none."""
+    return sdpa_varlen(q, k, v, Docs(bounds, 0, bounds), window or None)
+
+
+@sdpa_varlen_op.register_fake
+def _(q, k, v, bounds, window):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("nanoqlora::sdpa_varlen_backward", mutates_args=())
+def sdpa_varlen_backward_op(
+    grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor, window: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of sdpa_varlen_op, opaque too: each document's attention recomputed and differentiated with
+    torch.func.vjp (an opaque forward keeps no graph to reuse, and inside an op autograd's own recording is off)."""
+    docs = Docs(bounds, 0, bounds)
+    _, vjp = torch.func.vjp(lambda q, k, v: sdpa_varlen(q, k, v, docs, window or None), q, k, v)
+    return tuple(g.contiguous() for g in vjp(grad))
+
+
+@sdpa_varlen_backward_op.register_fake
+def _(grad, q, k, v, bounds, window):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _sdpa_varlen_setup(ctx, inputs, output):
+    q, k, v, bounds, ctx.window = inputs
+    ctx.save_for_backward(q, k, v, bounds)
+
+
+def _sdpa_varlen_backward(ctx, grad):
+    return *sdpa_varlen_backward_op(grad, *ctx.saved_tensors, ctx.window), None, None
+
+
+sdpa_varlen_op.register_autograd(_sdpa_varlen_backward, setup_context=_sdpa_varlen_setup)
+
+
+def sdpa_varlen_opaque(q, k, v, docs, window=None):
+    return sdpa_varlen_op(q, k, v, docs.bounds, window or 0)
+
+
+def flash_varlen(q, k, v, docs, window=None):
+    """FlashAttention-2 over packed documents: the same contract in one kernel call, GQA handled by the kernel."""
+    from flash_attn import flash_attn_varlen_func
+
+    c, m, _ = docs
+    left = -1 if window is None else window - 1  # flash-attn's window counts the keys left of the query
+    return flash_attn_varlen_func(q, k, v, c, c, m, m, causal=True, window_size=(left, 0))
+
+
+def torch_varlen(q, k, v, docs, window=None):
+    """torch's own FlashAttention varlen kernel (torch.nn.attention.varlen), the same contract. Its signature grew
+    over releases: causal became window_size=(-1, 0), and enable_gqa came later still (without it, k/v heads are
+    repeated up to the query heads)."""
+    from torch.nn.attention.varlen import varlen_attn
+
+    c, m, _ = docs
+    params = inspect.signature(varlen_attn).parameters
+    kw = {"enable_gqa": True} if "enable_gqa" in params else {}
+    if not kw and k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    kw["window_size"] = (-1 if window is None else window - 1, 0)
+    return varlen_attn(q, k, v, c, c, m, m, **kw)
+
+
+def _flash_attn_imports():
+    """Whether flash-attn's varlen function really imports. A wheel built for another torch fails with "undefined
+    symbol", and flash-attn 4's namespace package has no such function: both mean "not available", not a crash."""
+    try:
+        from flash_attn import flash_attn_varlen_func  # noqa: F401
+    except Exception as e:  # an ImportError or an OSError from a broken binary
+        if importlib.util.find_spec("flash_attn") is not None:
+            print(f"flash_attn is installed but does not import ({type(e).__name__}: {e}); using another kernel")
+        return False
+    return True
+
+
+def varlen_attention(device, dtype, head_dim=128, windowed=False):
+    """The packed-document attention for a model on `device` computing in `dtype`, chosen once when it is built:
+    flash-attn where it imports and the GPU and shapes suit its kernels (compute capability 8.0+, fp16/bf16,
+    head_dim <= 256), else torch's own varlen kernel (the same limits, head_dim a multiple of 8, and a torch that
+    takes a window when the model slides), else one SDPA call per document, which runs anywhere."""
+    device = torch.device(device)
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or head_dim > 256:
+        return sdpa_varlen
+    if torch.cuda.get_device_capability(device)[0] < 8:  # pre-Ampere (T4, V100): no FlashAttention kernels
+        return sdpa_varlen
+    if _flash_attn_imports():
         return flash_varlen
+    varlen = importlib.util.find_spec("torch.nn.attention.varlen")
+    if varlen is not None and head_dim % 8 == 0 and torch.backends.cuda.is_flash_attention_available():
+        from torch.nn.attention.varlen import varlen_attn
+
+        if "window_size" in inspect.signature(varlen_attn).parameters or not windowed:
+            return torch_varlen
     return sdpa_varlen
 
 
@@ -280,28 +451,30 @@ class Attention(nn.Module):
     def __init__(self, cfg, layer_idx, varlen=sdpa_varlen):
         super().__init__()
         self.head_dim, self.layer_idx, self.varlen = cfg.head_dim, layer_idx, varlen
+        self.window = cfg.window(layer_idx)
         h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=False)
-        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=cfg.o_bias)
+        if cfg.qk_norm:  # one (D,) weight shared by every head, as Qwen3 has it
+            self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, docs=None, cache=None):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, -1, self.head_dim)  # (B, T, H, D)
         k = self.k_proj(x).view(B, T, -1, self.head_dim)  # (B, T, Hkv, D)
         v = self.v_proj(x).view(B, T, -1, self.head_dim)
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin  # cos/sin (B, T, 1, D)
         if docs is not None:  # packed rows: attention confined to each document, over (N, heads, D)
-            o = self.varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), docs)
+            o = self.varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), docs, self.window)
             return self.o_proj(o.reshape(B, T, -1))
         start = 0 if cache is None else cache.length
         if cache is not None:  # generation: store this step's keys/values, attend to everything so far
             k, v = cache.update(self.layer_idx, k, v)
-        # query i sits at absolute position start + i and sees keys 0 .. start + i
-        mask = None if start == 0 else torch.ones(T, start + T, dtype=torch.bool, device=x.device).tril(start)
-        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # (B, heads, len, D)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=start == 0, enable_gqa=True)
+        o = causal_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.window, start)  # (B, H, T, D)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -346,6 +519,17 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.compiled_block = None  # set by compile_blocks
+
+    def compile_blocks(self):
+        """torch.compile the blocks' training forward (and so their backward). Every block runs the same code, so one
+        graph serves them all; the per-document SDPA loop becomes its opaque twin, so nothing inside a block breaks the
+        graph; shapes are dynamic, so batches with other document counts or lengths do not recompile. Evaluation and
+        generation (no grad) run the eager blocks and are never traced."""
+        for block in self.model.layers:
+            if block.self_attn.varlen is sdpa_varlen:
+                block.self_attn.varlen = sdpa_varlen_opaque
+        self.compiled_block = torch.compile(Block.forward, dynamic=True)
 
     def forward(self, input_ids, position_ids=None, labels=None, cache=None):
         """input_ids (B, T) -> logits (B, T, vocab), or (loss_sum, n_tokens) when labels (B, T) are given.
@@ -362,11 +546,13 @@ class Llama(nn.Module):
         angles = position_ids[..., None].float() * rope_inv_freq(self.config, input_ids.device)  # (B, T, D/2)
         angles = torch.cat((angles, angles), dim=-1)[:, :, None]  # (B, T, 1, D): broadcast over heads
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+        training = torch.is_grad_enabled()
+        block = self.compiled_block if self.compiled_block is not None and training else Block.__call__
         for layer in self.model.layers:
-            if self.activation_checkpointing and torch.is_grad_enabled():
-                x = checkpoint(layer, x, cos, sin, docs, use_reentrant=False)
+            if self.activation_checkpointing and training:
+                x = checkpoint(block, layer, x, cos, sin, docs, use_reentrant=False)
             else:
-                x = layer(x, cos, sin, docs, cache)
+                x = block(layer, x, cos, sin, docs, cache)
         if cache is not None:
             cache.length += T
         x = self.model.norm(x)

@@ -104,8 +104,11 @@ def test_error_corrupt_safetensors(saved):
 
 
 def test_error_unsupported_architecture(saved):
-    edit_config(saved, architectures=["MistralForCausalLM"], model_type="mistral")
-    with pytest.raises(ValueError, match=r"config.json: architectures.*MistralForCausalLM.*not supported"):
+    edit_config(saved, architectures=["GemmaForCausalLM"], model_type="gemma")
+    with pytest.raises(ValueError, match=r"config.json: model_type 'gemma' is not supported: it needs embeddings"):
+        load_model(saved)
+    edit_config(saved, architectures=["LlamaForSequenceClassification"], model_type="llama")
+    with pytest.raises(ValueError, match=r"config.json: architectures.*LlamaForSequenceClassification.*not supported"):
         load_model(saved)
 
 

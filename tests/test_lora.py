@@ -14,7 +14,12 @@ What this file proves:
   stays within the base's own quantization error of the adapter-on-NF4 model, and each module reports which weights it
   started from (original, or the exact merge into the dequantized copy);
 - fp32 LoRA parameters on a bf16 base (lora_dtype) give bf16 outputs and fp32 gradients on the LoRA parameters only;
-- mismatched adapters (rank, unknown module, other base shapes, unsupported options, missing file) fail in one line.
+- an adapter loaded into a model in eval mode has no live dropout (PEFT's logits without calling eval again), and
+  adapter_health's norms equal the explicitly formed ||scale * B @ A|| / ||W||;
+- mismatched adapters (rank, unknown module, other base shapes, unsupported options, missing file) fail in one line;
+- for Qwen2 (biased q/k/v), Qwen3 (q/k norms, biased o_proj) and Mistral bases, adapters load in PEFT on the
+  family's own transformers class with our logits and merged exports load in that class, from a QLoRA model whose
+  biases stayed 16-bit and frozen.
 """
 
 import copy
@@ -190,10 +195,15 @@ def save_peft_adapter(base_dir, path):
     return base, hf_logits(peft)
 
 
-@pytest.mark.parametrize("style", ["as_saved", "default_names_stripped_config", "lora_already_added"])
+@pytest.mark.parametrize("style", ["as_saved", "default_names_stripped_config", "lora_already_added", "into_eval"])
 def test_peft_adapter_loads_in_ours(base_dir, tmp_path, style):
     base, ref = save_peft_adapter(base_dir, tmp_path)
     model = ours(base_dir)
+    if style == "into_eval":  # new adapter modules follow the model's mode: no live dropout in an eval model
+        load_adapter_(model.eval(), tmp_path)
+        with torch.no_grad():
+            assert (model(IDS) - ref).abs().max() < 1e-5
+        return
     if style == "default_names_stripped_config":  # PEFT's in-memory names and only the fields that matter
         tensors = load_file(tmp_path / "adapter_model.safetensors")
         tensors = {k.replace(".weight", ".default.weight"): v for k, v in tensors.items()}
@@ -313,6 +323,27 @@ def test_mismatched_adapter_errors(base_dir, tmp_path, case, error, match):
     assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("nf4", [False, True])
+def test_adapter_health_equals_direct_norms(base_dir, nf4):
+    """adapter_health's (r, r) trace trick equals ||scale * B @ A|| / ||W|| formed explicitly, and B's moved share
+    is 0 at initialisation and the true fraction after some entries move."""
+    model = ours(base_dir)
+    if nf4:
+        quant.quantize_(model, compute_dtype=torch.float32)
+    lora.add_lora_(model, ["q_proj", "down_proj"], r=4, alpha=8, dropout=0.0)
+    assert all(v == (0.0, 0.0) for v in lora.adapter_health(model).values())
+    randomize_B(model)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.q_proj.lora_B.weight[:10] = 0  # 10 of 64 rows still at zero
+    health = lora.adapter_health(model)
+    assert len(health) == 4
+    for name, m in lora.lora_modules(model).items():
+        w = m.dequantize() if nf4 else m.weight
+        want = (m.scaling * m.lora_B.weight @ m.lora_A.weight).norm() / w.norm()
+        assert abs(health[name][0] - want.item()) < 1e-5 * want.item()
+    assert health["model.layers.0.self_attn.q_proj"][1] == 1 - 10 / 64
+
+
 def test_cheap_dropout_drops_p_and_keeps_the_mean():
     torch.manual_seed(0)
     x = torch.ones(1_000_000, dtype=torch.bfloat16)
@@ -322,3 +353,46 @@ def test_cheap_dropout_drops_p_and_keeps_the_mean():
         assert abs(dropped - p) < 0.003, (p, dropped)
         assert set(y.unique().tolist()) == {0.0, torch.tensor(1 / (1 - p), dtype=torch.bfloat16).item()}
         assert abs(y.mean().item() - 1) < 0.01
+
+
+FAMILY = {
+    "qwen2": dict(),
+    "qwen3": dict(head_dim=24, attention_bias=True),
+    "mistral": dict(sliding_window=6, tie_word_embeddings=True),
+}
+
+
+@pytest.mark.parametrize("family", FAMILY)
+def test_family_adapter_and_merged_export(tmp_path, family):
+    import transformers
+
+    name = {"qwen2": "Qwen2", "qwen3": "Qwen3", "mistral": "Mistral"}[family]
+    cfg = getattr(transformers, f"{name}Config")(**{**HF_CONFIG, "tie_word_embeddings": False, **FAMILY[family]})
+    ref_cls = getattr(transformers, f"{name}ForCausalLM")
+    torch.manual_seed(0)
+    base = ref_cls(cfg)
+    with torch.no_grad():
+        for n, p in base.named_parameters():
+            if n.endswith("bias"):
+                p.normal_(0, 0.5)
+    base.save_pretrained(tmp_path / "base")
+    model = load_model(tmp_path / "base", quantize=True)
+    lora.add_lora_(model, "all-linear", r=4, alpha=8, dropout=0.0)
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    assert bool(biases) == (family != "mistral")
+    assert all(not p.requires_grad and p.dtype == torch.float32 for p in biases)  # frozen, in the compute dtype
+    randomize_B(model)
+    model.eval()
+    save_adapter(model, tmp_path / "adapter")
+    dense = load_model(tmp_path / "base").eval()  # the adapter on the 16-bit base, as PEFT will run it
+    load_adapter_(dense, tmp_path / "adapter")
+    with torch.no_grad():
+        ours16 = dense(IDS)
+    peft = PeftModel.from_pretrained(ref_cls.from_pretrained(tmp_path / "base"), tmp_path / "adapter").eval()
+    assert (hf_logits(peft) - ours16).abs().max() < 1e-5
+    sources, _ = lora.merge_and_check_(model, [[1, 2, 3]], original=Checkpoint(tmp_path / "base"))
+    assert set(sources.values()) == {"original"}
+    export_merged(model, tmp_path / "merged")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    assert type(merged) is ref_cls
+    assert (hf_logits(merged) - ours16).abs().max() < 1e-4

@@ -1,22 +1,27 @@
-"""model.py against references: transformers' LlamaForCausalLM for logits and greedy generation (loaded through
-hf.load_model), single-document runs for packed rows, full-logit cross-entropy for the chunked loss, a stand-in
-flash_attn module for the varlen contract, a full recompute for the KV cache; config.json round trips with only
-Hugging Face keys; the one target-matching rule that quant.quantize_ and lora.add_lora_ share; and an adapted
-lm_head, which the chunked loss refuses in one line.
+"""model.py against references: transformers' LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and
+MistralForCausalLM for logits (sliding windows included) and greedy generation (loaded through hf.load_model);
+single-document runs for packed rows; full-logit cross-entropy for the chunked loss; a full recompute for the KV
+cache; config.json round trips with only Hugging Face keys; the one target-matching rule that quant.quantize_ and
+lora.add_lora_ share; an adapted lm_head, which the chunked loss refuses in one line.
+
+Attention backends: every backend that runs on CPU equals an fp64 per-document reference (forward and gradients, GQA,
+windows); flash-attn and torch's varlen kernel are checked by contract against stand-ins that enforce their own input
+checks and signatures; the backend choice is right for simulated GPUs (pre-Ampere, fp32, big heads) and broken
+flash-attn installs; a compiled packed QLoRA step has no graph break, does not recompile for other document counts,
+and equals eager.
 
 Every comparison runs in fp32 on tiny random models, so it is fast and exact up to float rounding.
 """
 
-import dataclasses
 import json
 import math
 import sys
-import types
 
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers
+from torch._dynamo.utils import counters
 
 import lora
 import model as M
@@ -95,6 +100,94 @@ def test_logits_match_transformers(tmp_path, name, form):
         assert (hf2(ids, position_ids=far).logits - ref).abs().max() < 1e-4
 
 
+FAMILIES = {
+    "qwen2_gqa_untied": ("Qwen2", dict(num_key_value_heads=2)),
+    "qwen2_tied_sliding": (
+        "Qwen2",
+        dict(
+            num_key_value_heads=1,
+            tie_word_embeddings=True,
+            use_sliding_window=True,
+            sliding_window=6,
+            max_window_layers=1,
+        ),
+    ),
+    "qwen3_head_dim_bias": ("Qwen3", dict(num_key_value_heads=2, head_dim=12, attention_bias=True)),
+    "qwen3_tied": ("Qwen3", dict(num_key_value_heads=4, head_dim=8, tie_word_embeddings=True)),
+    "mistral_sliding": ("Mistral", dict(num_key_value_heads=2, head_dim=12, sliding_window=6)),
+    "mistral_full_tied": ("Mistral", dict(num_key_value_heads=1, sliding_window=None, tie_word_embeddings=True)),
+}
+
+
+def family_model(name):
+    """A tiny random transformers model of a family, with norms and biases far from their initial values."""
+    family, kw = FAMILIES[name]
+    cfg = getattr(transformers, f"{family}Config")(
+        vocab_size=97,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=256,
+        initializer_range=0.3,
+        attn_implementation="eager",
+        rope_parameters={"rope_type": "default", "rope_theta": 500.0},
+        **kw,
+    )
+    ref = getattr(transformers, f"{family}ForCausalLM")(cfg).eval()
+    with torch.no_grad():
+        for name, p in ref.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            if name.endswith("bias"):
+                p.normal_(0, 0.5)
+    return ref
+
+
+@pytest.mark.parametrize("name", FAMILIES)
+def test_family_logits_match_transformers(tmp_path, name):
+    """Qwen2/2.5 (q/k/v biases), Qwen3 (per-head q/k RMSNorm, explicit head_dim, attention_bias) and Mistral
+    (sliding window) from their own config.json: logits within 1e-4 of transformers, including 40-token sequences
+    far longer than a window of 6; packed documents equal each document alone and transformers on it; greedy
+    generation through the KV cache (window applied to the cached keys) equals transformers' generate; and to_hf
+    gives back a config transformers builds the same model from."""
+    ref = family_model(name)
+    ref.save_pretrained(tmp_path)
+    ours = load_model(tmp_path)
+    assert ours.config.model_type == ref.config.model_type
+    ids = torch.randint(0, 97, (2, 40))
+    with torch.no_grad():
+        for pos in (None, torch.arange(100, 140).expand(2, 40)):
+            assert (ours(ids, pos) - ref(ids, position_ids=pos).logits).abs().max() < 1e-4
+        packed_ids, pos, spans = packed_batch()
+        packed = ours(packed_ids, pos)
+        for row, s, e in spans:
+            alone = packed_ids[row : row + 1, s:e]
+            assert (packed[row, s:e] - ours(alone, pos[row : row + 1, s:e])[0]).abs().max() < 1e-5
+            assert (packed[row, s:e] - ref(alone, position_ids=pos[row : row + 1, s:e]).logits[0]).abs().max() < 1e-4
+        again = type(ref)(type(ref.config).from_dict(ours.config.to_hf())).eval()
+        again.load_state_dict(ours.state_dict())
+        assert (again(ids).logits - ours(ids)).abs().max() < 1e-4
+    prompt = [1, 40, 41, 9, 13, 77]
+    want = ref.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, pad_token_id=0)[0, len(prompt) :]
+    assert generate(ours, prompt, 20, eos_id=ref.generation_config.eos_token_id) == want.tolist()
+
+
+def test_unsupported_family_names_what_is_missing():
+    """A model_type that is not a Llama with switches fails in one line saying what it would need."""
+    d = tiny_config().to_hf() | {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}
+    with pytest.raises(ValueError, match="model_type 'mixtral' is not supported: it needs a mixture-of-experts MLP"):
+        LlamaConfig.from_hf(d)
+    with pytest.raises(
+        ValueError, match="model_type 'gpt2' is not supported \\(expected llama, qwen2, qwen3, mistral\\)"
+    ):
+        LlamaConfig.from_hf(d | {"model_type": "gpt2"})
+    with pytest.raises(ValueError, match="layer_types lists sliding layers but use_sliding_window/sliding_window set"):
+        LlamaConfig.from_hf(
+            d | {"model_type": "qwen2", "architectures": None, "layer_types": ["sliding_attention"] * 2}
+        )
+
+
 def tiny_config(**kw):
     base = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4)
     return LlamaConfig(**{**base, "num_key_value_heads": 2, "head_dim": 8, "eos_token_id": 2, **kw})
@@ -159,33 +252,170 @@ def test_chunked_loss_and_grads():
     assert n == 0 and loss.item() == 0.0
 
 
-def test_flash_varlen_contract(monkeypatch):
-    calls = []
+def naive_varlen(q, k, v, cu_seqlens, window=None):
+    """The reference: per document, scores (H, len, len) in fp64, causal (and windowed) mask, softmax, times v."""
+    out, b = torch.empty_like(q, dtype=torch.float64), cu_seqlens.tolist()
+    rep = q.shape[1] // k.shape[1]
+    for s, e in zip(b[:-1], b[1:], strict=True):
+        qd, kd, vd = (t[s:e].double().repeat_interleave(r, 1).transpose(0, 1) for t, r in ((q, 1), (k, rep), (v, rep)))
+        i, j = torch.arange(e - s)[:, None], torch.arange(e - s)
+        allowed = (j <= i) & (i - j < (window or e - s + 1))
+        scores = (qd @ kd.transpose(1, 2) / math.sqrt(q.shape[-1])).masked_fill(~allowed, float("-inf"))
+        out[s:e] = (scores.softmax(-1) @ vd).transpose(0, 1)
+    return out
 
-    def fake_flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=False):
-        calls.append((cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal, q.shape, k.shape, v.shape))
-        out = torch.empty_like(q)
-        b = cu_seqlens_q.tolist()
-        for s, e in zip(b[:-1], b[1:], strict=True):  # per document: causal softmax, k/v heads shared by groups
-            rep = q.shape[1] // k.shape[1]
-            qd, kd, vd = q[s:e].transpose(0, 1), k[s:e].repeat_interleave(rep, 1), v[s:e].repeat_interleave(rep, 1)
-            scores = qd @ kd.permute(1, 2, 0) / math.sqrt(q.shape[-1])
-            scores = scores.masked_fill(~torch.ones(e - s, e - s, dtype=torch.bool).tril(), float("-inf"))
-            out[s:e] = (scores.softmax(-1) @ vd.transpose(0, 1)).transpose(0, 1)
-        return out
 
-    monkeypatch.setitem(
-        sys.modules, "flash_attn", types.SimpleNamespace(flash_attn_varlen_func=fake_flash_attn_varlen_func)
-    )
-    _, pos, _ = packed_batch()
-    docs = M.doc_bounds(pos)
-    q, k, v = torch.randn(30, 4, 8), torch.randn(30, 2, 8), torch.randn(30, 2, 8)
-    out = M.flash_varlen(q, k, v, docs)
-    (cu_q, cu_k, max_q, max_k, causal, qs, ks, vs) = calls[0]
-    assert cu_q.dtype == cu_k.dtype == torch.int32 and cu_q.tolist() == cu_k.tolist() == [0, 5, 8, 15, 19, 30]
-    assert type(max_q) is int and max_q == max_k == 11 and causal is True
-    assert qs == (30, 4, 8) and ks == vs == (30, 2, 8)
-    assert (out - M.sdpa_varlen(q, k, v, docs)).abs().max() < 1e-5
+class FakeFlashAttn:
+    """A stand-in for the flash_attn package whose varlen function enforces flash-attn 2's own checks and computes
+    the naive reference; `capability` plays the GPU's compute capability."""
+
+    def __init__(self, capability=(8, 0)):
+        self.capability, self.calls = capability, []
+
+    def flash_attn_varlen_func(self, q, k, v, cu_q, cu_k, max_q, max_k, causal=False, window_size=(-1, -1)):
+        if self.capability < (8, 0):
+            raise RuntimeError("FlashAttention only supports Ampere GPUs or newer.")
+        if q.dtype not in (torch.float16, torch.bfloat16) or k.dtype != q.dtype or v.dtype != q.dtype:
+            raise RuntimeError("FlashAttention only support fp16 and bf16 data type")
+        if cu_q.dtype != torch.int32 or cu_k.dtype != torch.int32:
+            raise RuntimeError("cu_seqlens_q must have dtype int32")
+        if any(t.stride(-1) != 1 for t in (q, k, v)) or q.shape[-1] > 256 or q.shape[1] % k.shape[1]:
+            raise RuntimeError("Input tensor must have contiguous last dimension / head_dim <= 256 / GQA groups")
+        assert torch.equal(cu_q, cu_k) and max_q == max_k == int((cu_q[1:] - cu_q[:-1]).max()) and causal
+        self.calls.append(window_size)
+        window = None if window_size[0] < 0 else window_size[0] + 1
+        return naive_varlen(q, k, v, cu_q, window).to(q.dtype)
+
+
+def packed_qkv(dtype=torch.float32, hkv=2, d=8):
+    """q (30, 4, D), k/v (30, Hkv, D) over the documents of packed_batch (the longest, 11 tokens, is in row 1)."""
+    docs = M.doc_bounds(packed_batch()[1])
+    return (torch.randn(30, h, d).to(dtype) for h in (4, hkv, hkv)), docs
+
+
+@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize("hkv", [4, 2, 1])
+def test_cpu_backends_equal_the_reference(hkv, window):
+    """sdpa_varlen and its opaque twin (the compile path) equal the per-document reference in fp32, forward and
+    gradients, for MHA and GQA, with and without a window shorter than the longest document."""
+    (q, k, v), docs = packed_qkv(hkv=hkv)
+    assert docs.cu_seqlens.tolist() == [0, 5, 8, 15, 19, 30] and docs.max_seqlen == 11
+    grad = torch.randn_like(q)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = naive_varlen(*leaves, docs.cu_seqlens, window)
+    want = torch.autograd.grad(ref, leaves, grad.double())
+    for fn in (M.sdpa_varlen, M.sdpa_varlen_opaque):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves, docs, window)
+        assert (out - ref).abs().max() < 1e-5
+        for g, w in zip(torch.autograd.grad(out, leaves, grad), want, strict=True):
+            assert (g - w).abs().max() < 1e-5
+
+
+def test_flash_attn_contract_and_selection(monkeypatch, tmp_path):
+    """flash_varlen passes flash-attn's own checks (16-bit, int32 cu_seqlens, contiguous last dim, head_dim <= 256)
+    and equals the reference, window included; varlen_attention picks it only where those checks would pass (CUDA,
+    compute capability 8.0+, fp16/bf16), and a broken install (a wheel for another torch, flash-attn 4's namespace
+    package) falls back to another kernel with one line instead of failing at the first forward."""
+    fake = FakeFlashAttn()
+    monkeypatch.setitem(sys.modules, "flash_attn", fake)
+    (q, k, v), docs = packed_qkv(torch.bfloat16)
+    for window in (None, 3):
+        out = M.flash_varlen(q, k, v, docs, window)
+        assert (out.float() - naive_varlen(q, k, v, docs.cu_seqlens, window)).abs().max() < 1e-2
+    assert fake.calls == [(-1, 0), (2, 0)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: fake.capability)
+    monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
+    pick = lambda dtype=torch.bfloat16, d=128: M.varlen_attention("cuda", dtype, d)  # noqa: E731
+    assert pick() is M.flash_varlen and pick(torch.float16) is M.flash_varlen
+    assert M.varlen_attention("cpu", torch.bfloat16) is M.sdpa_varlen and pick(torch.float32) is M.sdpa_varlen
+    assert pick(d=512) is M.sdpa_varlen
+    fake.capability = (7, 5)  # a T4: no FlashAttention kernels at all
+    assert pick() is M.sdpa_varlen
+    fake.capability = (9, 0)
+    for name, init in [
+        ("broken", "raise ImportError('flash_attn_2_cuda.so: undefined symbol: _ZN3c104cuda9SetDevice')")
+    ]:
+        pkg = tmp_path / name / "flash_attn"
+        pkg.mkdir(parents=True)
+        (pkg / "__init__.py").write_text(init)
+    (tmp_path / "fa4" / "flash_attn" / "cute").mkdir(parents=True)  # flash-attn 4: a namespace package only
+    for root in ("broken", "fa4"):
+        monkeypatch.delitem(sys.modules, "flash_attn")
+        monkeypatch.syspath_prepend(str(tmp_path / root))
+        assert pick() is M.torch_varlen  # torch's own kernel takes over
+        monkeypatch.setitem(sys.modules, "flash_attn", fake)
+        monkeypatch.syspath_prepend(str(tmp_path))  # pushes the fake package's folder back down the path
+
+
+@pytest.mark.parametrize("gqa_flag", [False, True])
+def test_torch_varlen_contract(monkeypatch, gqa_flag):
+    """torch_varlen against a stand-in of torch.nn.attention.varlen.varlen_attn in both signatures seen in releases:
+    window_size=(left, 0) for causal attention, and enable_gqa only in newer ones (without it, k/v heads must be
+    repeated up to the query heads, which the stand-in checks)."""
+    import torch.nn.attention.varlen as varlen
+
+    def check(q, k, v, cu_q, cu_k, max_q, max_k, window_size, enable_gqa):
+        assert q.shape[1] == k.shape[1] or enable_gqa, "k/v heads differ without enable_gqa"
+        assert window_size[1] == 0 and cu_q.dtype == torch.int32 and max_q == max_k == 11
+        return naive_varlen(q, k, v, cu_q, None if window_size[0] < 0 else window_size[0] + 1).to(q.dtype)
+
+    def older(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)):
+        return check(q, k, v, cu_q, cu_k, max_q, max_k, window_size, False)
+
+    def newer(
+        q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1), enable_gqa=False
+    ):
+        return check(q, k, v, cu_q, cu_k, max_q, max_k, window_size, enable_gqa)
+
+    monkeypatch.setattr(varlen, "varlen_attn", newer if gqa_flag else older)
+    (q, k, v), docs = packed_qkv(hkv=2)
+    for window in (None, 4):
+        out = M.torch_varlen(q, k, v, docs, window)
+        assert (out - naive_varlen(q, k, v, docs.cu_seqlens, window)).abs().max() < 1e-5
+
+
+def qlora_tiny(seed=0):
+    torch.manual_seed(seed)
+    model = quant.quantize_(Llama(tiny_config()), compute_dtype=torch.float32)
+    lora.add_lora_(model, "all-linear", r=2, alpha=4, dropout=0.0)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    return model
+
+
+def test_compiled_training_step_has_no_breaks_and_no_recompiles():
+    """compile_blocks on packed QLoRA training steps (CPU inductor): no graph break anywhere in a block (NF4
+    dequantization and the per-document attention are opaque ops), the graphs of the first step serve every later
+    batch whatever its document count and lengths, and loss and LoRA gradients equal eager; evaluation and generation
+    never reach the compiler."""
+    torch._dynamo.reset()
+    counters.clear()
+    eager, compiled = qlora_tiny(), qlora_tiny()
+    compiled.compile_blocks()
+    graphs = None
+    for lens in ([5, 3, 8], [4, 4, 4, 4], [16], [2, 2, 2, 2, 2, 6], [7, 9, 11, 3]):
+        pos = torch.cat([torch.arange(n) for n in lens])[None]
+        ids, labels = torch.randint(0, 97, pos.shape), torch.randint(0, 97, pos.shape)
+        results = []
+        for model in (eager, compiled):
+            model.zero_grad()
+            loss, _ = model(ids, pos, labels=labels)
+            loss.backward()
+            results.append((loss.detach(), [p.grad for p in model.parameters() if p.requires_grad]))
+        (le, ge), (lc, gc) = results
+        assert torch.allclose(lc, le, rtol=1e-5)
+        assert all(torch.allclose(c, e, rtol=1e-4, atol=1e-6) for c, e in zip(gc, ge, strict=True))
+        graphs = graphs or counters["stats"]["unique_graphs"]
+        assert counters["stats"]["unique_graphs"] == graphs  # no recompilation after the first step
+    assert graphs <= 2 and not counters["graph_break"], dict(counters["graph_break"])  # x needs grad after layer 0
+    frames = counters["frames"]["total"]
+    with torch.no_grad():
+        compiled(ids, pos)
+    generate(compiled, [1, 2, 3], 3)
+    assert counters["frames"]["total"] == frames
 
 
 def test_kv_cache_generation_matches_full_recompute():
@@ -222,17 +452,27 @@ def test_greedy_generation_matches_transformers(tmp_path):
     assert generate(ours, prompt, 20, eos_id=ours.config.eos_token_id) == ref.tolist()
 
 
-def test_to_hf_writes_only_config_keys():
-    """config.json carries the Hugging Face keys and nothing a fork stores on the config object."""
-    cfg = tiny_config(rope_scaling=dict(rope_type="linear", factor=2.0))
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])
+def test_to_hf_writes_only_config_keys(family):
+    """config.json carries keys of the family's Hugging Face config and nothing a fork stores on the config object;
+    it reads back to the same config, in ours and in transformers."""
+    extra = dict(
+        qwen2=dict(qkv_bias=True, sliding_window=5, sliding_layers=[1]),
+        qwen3=dict(qk_norm=True, qkv_bias=True, o_bias=True),
+    )
+    extra["mistral"] = dict(sliding_window=6, sliding_layers=[0, 1])
+    cfg = tiny_config(model_type=family, rope_scaling=dict(rope_type="linear", factor=2.0), **extra.get(family, {}))
     cfg.my_experiment = "not a config key"
     d = cfg.to_hf()
-    assert "my_experiment" not in d
-    fields = {f.name for f in dataclasses.fields(LlamaConfig)}
-    assert set(d) == fields | {"architectures", "model_type", "hidden_act"}
-    assert LlamaConfig.from_hf(d) == tiny_config(rope_scaling=dict(rope_type="linear", factor=2.0))
-    hf_cfg = transformers.LlamaConfig.from_dict(d)  # transformers reads every key it needs
-    assert (hf_cfg.head_dim, hf_cfg.num_key_value_heads, hf_cfg.rope_parameters["factor"]) == (8, 2, 2.0)
+    assert "my_experiment" not in d and LlamaConfig.from_hf(d) == cfg
+    theirs = transformers.AutoConfig.for_model(**d)
+    legacy = {"architectures", "rope_theta", "rope_scaling"}  # transformers 5 folds the RoPE keys into rope_parameters
+    assert set(d) - legacy <= set(theirs.to_dict()), set(d) - set(theirs.to_dict())
+    assert (theirs.head_dim, theirs.num_key_value_heads, theirs.rope_parameters["factor"]) == (8, 2, 2.0)
+    if family != "llama":
+        assert getattr(theirs, "layer_types", ["sliding_attention"] * 2) == [
+            "sliding_attention" if i in (cfg.sliding_layers or []) else "full_attention" for i in range(2)
+        ]
 
 
 @pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "layers.1.mlp.up_proj"], ["o_proj", "lm_head"]])
