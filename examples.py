@@ -1,15 +1,18 @@
 """Training examples: instruction datasets read from files, and a real code dataset that ships with Python.
 
 An example is an {"instruction", "response"} pair or a chat {"messages": [{"role", "content"}, ...]} conversation
-ending with the assistant's turn. `load_examples` reads JSON lines, a JSON array or Parquet and recognises the common
-layouts by their keys: Magicoder (problem, solution), Alpaca (instruction, input, output), plain pairs (instruction,
-response) and chat messages. A malformed row stops the run with one line naming the file and line (or is skipped and
-counted with skip_bad_rows); a JSON array is walked item by item so that its errors name a line too.
+ending with the assistant's turn (every assistant turn is trained on, see tokenizer.py). `load_examples` reads JSON
+lines, a JSON array or Parquet and recognises the common layouts by their keys: Magicoder (problem, solution), Alpaca
+(instruction, input, output), plain pairs (instruction, response) and chat messages. A malformed row stops the run
+with one line naming the file and line (or is skipped and counted with skip_bad_rows); a JSON array is walked item by
+item so that its errors name a line too.
 
 The stdlib dataset is the default: every documented function and method of this Python's standard library becomes a
-"complete this function" example, signature + docstring -> body, verbatim from the source. A few thousand examples of
-real code of every length from one line to hundreds, available offline on any machine. One function in 20, chosen by a
-hash of its qualified name (so the split never changes), is held out for validation.
+"complete this function" example, signature + docstring -> body, verbatim from the source. The body is answered in a
+```python block, as chat models answer: a bare body starts with indentation, which right after the chat header's
+newline would tokenize differently from the body alone. A few thousand examples of real code of every length from
+one line to hundreds, available offline on any machine. One function in 20, chosen by a hash of its qualified name
+(so the split never changes), is held out for validation.
 """
 
 import ast
@@ -38,7 +41,15 @@ def _rows(path):
 
         yield from enumerate(pyarrow.parquet.read_table(path).to_pylist(), 1)
         return
-    text = path.read_text(encoding="utf-8")
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:  # name the line, not just a byte offset into the file
+        line, column = raw.count(b"\n", 0, e.start) + 1, e.start - raw.rfind(b"\n", 0, e.start)
+        raise ValueError(
+            f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {column} of the line); "
+            "save the file as UTF-8"
+        ) from None
     if not text.lstrip().startswith("["):
         for line, s in enumerate(text.splitlines(), 1):
             try:
@@ -167,5 +178,5 @@ def stdlib_examples(split="train"):
     for name, head, body in _stdlib_functions():
         if (int(hashlib.sha1(name.encode()).hexdigest()[:8], 16) % 20 == 0) == (split == "val"):
             instruction = f"Complete this Python function from `{name.rsplit('.', 1)[0]}`.\n\n{head}"
-            out.append({"instruction": instruction, "response": body, "name": name})
+            out.append({"instruction": instruction, "response": f"```python\n{body}\n```", "name": name})
     return out

@@ -2,9 +2,18 @@
 
 Tokens and masks
 ----------------
-Each example becomes one document of token ids, [bos] prompt response eos, with a mask that is 1 where a token is
-supervised: by default only the response and its EOS, so the model learns to answer and to stop, not to write
-prompts. Prompt and response are tokenized separately and concatenated.
+Each example becomes one document of token ids with a mask that is 1 where a token is supervised: by default every
+assistant turn with its end-of-turn token and nothing else, so the model learns to answer and to stop, not to write
+prompts (train_on_prompt supervises everything). tokenizer.segments cuts the rendered text into prompt pieces and
+responses; each piece is tokenized on its own and the ids are concatenated, so a response's tokens are exactly the
+ones the model must generate after its prompt's tokens. A cut through what the tokenizer would merge (a prompt ending
+in a space, a response starting with spaces after a newline) makes the tokens at that cut differ from the joined
+text's.
+
+`preview` (and `python pack.py DATA --tokenizer DIR --preview N`) prints the first N documents decoded, BOS and EOS
+visible, the supervised text marked, and one warning line for each example without a supervised token, with a
+double BOS, with a response not ended by EOS, or with tokens that merge across a cut; `check_examples` runs the same
+checks over a whole dataset.
 
 Packing
 -------
@@ -44,48 +53,61 @@ Python-side work it would spread.
 
 import bisect
 import hashlib
+import itertools
 import json
 import os
+import sys
 import time
-from itertools import chain
 from pathlib import Path
 
 import numpy as np
 import torch
+from jinja2 import TemplateError
 
 from examples import load_examples, stdlib_examples
 from hf import atomic_write, write_json
-from tokenizer import Tokenizer, render
+from tokenizer import Tokenizer, segments
 
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: every assistant turn supervised, pieces tokenized one by one
 
 
-def _tokenize_chunk(examples, tokenizer, template, train_on_prompt):
-    rendered = [render(ex, tokenizer, template) for ex in examples]
-    prompts = tokenizer.encode_batch([p for p, _, _ in rendered])
-    responses = tokenizer.encode_batch([r for _, r, _ in rendered])
-    prompts = [[tokenizer.bos_id] + p if bos else p for p, (_, _, bos) in zip(prompts, rendered, strict=True)]
-    n_p = np.array([len(p) for p in prompts], dtype=np.int64)
-    n_r = np.array([len(r) + 1 for r in responses], dtype=np.int64)
-    stream = chain.from_iterable(chain(p, r, [tokenizer.eos_id]) for p, r in zip(prompts, responses, strict=True))
-    tokens = np.fromiter(stream, dtype=np.uint32, count=int(n_p.sum() + n_r.sum()))
-    spans = np.stack([n_p, n_r], 1).ravel()  # prompt, response, prompt, response, ...
-    mask = np.repeat(np.tile(np.array([int(train_on_prompt), 1], np.uint8), len(examples)), spans)
-    return tokens, mask, n_p + n_r
+def _encode(examples, tokenizer, template, first=0):
+    """Per example, its parts in order as (token ids, text, supervised): BOS (text None) where prepended, the pieces
+    of tokenizer.segments tokenized one by one, and EOS (text None) after each response where the template has none."""
+    docs = []
+    for i, ex in enumerate(examples, first):
+        try:
+            docs.append(segments(ex, tokenizer, template))
+        except (ValueError, TemplateError) as e:
+            raise ValueError(f"example {i}: {e}") from None
+    ids = iter(tokenizer.encode_batch([text for pieces, _, _ in docs for text, _ in pieces]))
+    bos, eos, out = ([tokenizer.bos_id], None, False), ([tokenizer.eos_id], None, True), []
+    for pieces, add_bos, add_eos in docs:
+        parts = [bos] if add_bos else []
+        for text, supervised in pieces:
+            parts += [(next(ids), text, supervised)] + ([eos] if supervised and add_eos else [])
+        out.append(parts)
+    return out
 
 
 def tokenize_examples(examples, tokenizer, template=None, train_on_prompt=False, chunk=4096):
     """Flat token stream (tokens uint32 (N,), mask uint8 (N,), offsets int64 (docs + 1,)): document i is
-    tokens[offsets[i]:offsets[i + 1]] = [bos] prompt response eos, mask 1 where a token is supervised."""
+    tokens[offsets[i]:offsets[i + 1]], its pieces tokenized one by one, mask 1 where a token is supervised."""
     if tokenizer.eos_id is None:
         raise ValueError(f"{tokenizer.path}: the tokenizer has no eos token, which ends every response")
     if not examples:
         raise ValueError("no examples to tokenize")
+    tokens, mask, lengths = [], [], []
     # chunks bound the peak of Python int lists (tens of bytes per token) to a few thousand examples
-    chunks = [examples[i : i + chunk] for i in range(0, len(examples), chunk)]
-    parts = [_tokenize_chunk(c, tokenizer, template, train_on_prompt) for c in chunks]
-    tokens, mask, lengths = (np.concatenate(p) for p in zip(*parts, strict=True))
-    return tokens, mask, np.concatenate([[0], np.cumsum(lengths)])
+    for first in range(0, len(examples), chunk):
+        docs = _encode(examples[first : first + chunk], tokenizer, template, first)
+        parts = [p for parts in docs for p in parts]
+        sizes = np.array([len(ids) for ids, _, _ in parts], dtype=np.int64)
+        ids = itertools.chain.from_iterable(ids for ids, _, _ in parts)
+        tokens.append(np.fromiter(ids, dtype=np.uint32, count=int(sizes.sum())))
+        mask.append(np.repeat(np.array([s or train_on_prompt for _, _, s in parts], dtype=np.uint8), sizes))
+        lengths += [sum(len(ids) for ids, _, _ in parts) for parts in docs]
+    return np.concatenate(tokens), np.concatenate(mask), np.concatenate([[0], np.cumsum(lengths)])
 
 
 def _save_npy(path, array):
@@ -266,19 +288,81 @@ def build_dataset(
     return PackedDataset(tokens, mask, offsets, context_length, pack, truncate, pad_to_max, seed, tokenizer.pad_id)
 
 
+def _merges(docs, tok, first):
+    """{example: its first cut between two text pieces where tokenizing them joined differs from apart}."""
+    pairs = [(i, a, b) for i, parts in enumerate(docs, first) for a, b in itertools.pairwise(parts)]
+    cuts = [(i, a, b) for i, a, b in pairs if a[1] and b[1]]  # BOS and EOS, ids without text, are not cut
+    out = {}
+    for (i, a, b), joined in zip(cuts, tok.encode_batch([a[1] + b[1] for _, a, b in cuts]), strict=True):
+        if joined != a[0] + b[0]:
+            out.setdefault(i, f"tokens merge across the cut {a[1][-20:]!r} | {b[1][:20]!r}")
+    return out
+
+
+def _warnings(docs, tok, train_on_prompt, first=0):
+    """One line per problem: no supervised token, a double BOS, a response not ended by EOS, tokens that merge across
+    a cut between pieces (the joined text tokenizes differently from its pieces tokenized one by one)."""
+    out, eos, merges = [], repr(tok.special_tokens.get("eos_token")), _merges(docs, tok, first)
+    for i, parts in enumerate(docs, first):
+        ids, mask = [t for p, _, _ in parts for t in p], [s or train_on_prompt for p, _, s in parts for _ in p]
+        if not any(mask[1:]):  # the first token is nobody's target
+            out.append(f"example {i}: no supervised token")
+        if ids[:2] == [tok.bos_id] * 2:
+            out.append(f"example {i}: double BOS {tok.decode(ids[:2])!r} at the start")
+        responses = [k for k, (_, text, s) in enumerate(parts) if s and text is not None]
+        for n, k in enumerate(responses, 1):
+            end = parts[k + 1][0] if k + 1 < len(parts) and parts[k + 1][1] is None else parts[k][0]
+            if end[-1:] != [tok.eos_id]:
+                tail = parts[k][1][-20:]
+                out.append(f"example {i}: response {n} ends with {tail!r}, not EOS {eos}: the model will not stop")
+        if i in merges:
+            out.append(f"example {i}: {merges[i]}; the joined text tokenizes differently from its pieces")
+    return out
+
+
+def check_examples(examples, tokenizer, template=None, train_on_prompt=False, chunk=4096):
+    """The warnings of `preview` over all examples."""
+    chunks = range(0, len(examples), chunk)
+    docs = [(f, _encode(examples[f : f + chunk], tokenizer, template, f)) for f in chunks]
+    return [w for f, d in docs for w in _warnings(d, tokenizer, train_on_prompt, f)]
+
+
+def preview(examples, tokenizer, template=None, train_on_prompt=False, n=3, color=None):
+    """The first n examples as training sees them: decoded with BOS/EOS visible, supervised text marked (green on a
+    terminal, in ⟦ ⟧ otherwise; color=None asks sys.stdout.isatty()), then one warning line per problem in them."""
+    on, off = ("\x1b[32m", "\x1b[0m") if (sys.stdout.isatty() if color is None else color) else ("⟦", "⟧")
+    docs, tok = _encode(examples[:n], tokenizer, template), tokenizer
+    name = lambda i: "none" if i is None else f"{tok.decode([i])!r} ({i})"
+    out = [f"BOS {name(tok.bos_id)}, EOS {name(tok.eos_id)}, pad {name(tok.pad_id)}; supervised: {on}text{off}"]
+    for i, parts in enumerate(docs):
+        runs = [(bool(s or train_on_prompt), ids) for ids, _, s in parts]
+        grouped = [(k, [t for _, ids in g for t in ids]) for k, g in itertools.groupby(runs, key=lambda r: r[0])]
+        n_sup = sum(len(ids) for k, ids in grouped if k)
+        out.append(f"--- example {i}: {sum(len(ids) for _, ids in grouped)} tokens, {n_sup} supervised ---")
+        out.append("".join(on + tok.decode(ids) + off if k else tok.decode(ids) for k, ids in grouped))
+    warnings = _warnings(docs, tok, train_on_prompt)
+    return "\n".join(out + ([f"warning: {w}" for w in warnings] or [f"no warnings in the {len(docs)} examples shown"]))
+
+
 if __name__ == "__main__":
     import argparse
 
     p = argparse.ArgumentParser(description="Tokenize and pack a dataset; print the packing report and the time.")
     p.add_argument("data", help="a .jsonl / .json / .parquet file, or 'stdlib' for the embedded dataset")
     p.add_argument("--tokenizer", required=True, help="a directory with tokenizer.json or tokenizer.model")
+    p.add_argument("--template", help="a format string with {instruction} and {response} (default: chat template)")
+    p.add_argument("--train-on-prompt", action="store_true")
     p.add_argument("--context", default="auto", help="'auto' or a number of tokens")
     p.add_argument("--cache-dir", default="data/cache")
     p.add_argument("--no-pack", action="store_true")
+    p.add_argument("--preview", type=int, default=0, metavar="N", help="then show the first N examples as tokenized")
     a = p.parse_args()
-    t0 = time.perf_counter()
+    t0, tok = time.perf_counter(), Tokenizer(a.tokenizer)
     data = stdlib_examples() if a.data == "stdlib" else a.data
     ctx = a.context if a.context == "auto" else int(a.context)
-    ds = build_dataset(data, Tokenizer(a.tokenizer), ctx, pack=not a.no_pack, cache_dir=a.cache_dir)
-    print(ds.report())
+    kw = dict(pack=not a.no_pack, template=a.template, train_on_prompt=a.train_on_prompt, cache_dir=a.cache_dir)
+    print(build_dataset(data, tok, ctx, **kw).report())
     print(f"built in {time.perf_counter() - t0:.2f}s")
+    if a.preview:
+        examples = data if a.data == "stdlib" else load_examples(data)
+        print(preview(examples, tok, a.template, a.train_on_prompt, a.preview))

@@ -15,11 +15,35 @@ rendered the way transformers renders it: a sandboxed environment with trim_bloc
 loopcontrols extension, a `raise_exception` function, a `tojson` filter that does not escape HTML, and
 bos_token/eos_token/... and add_generation_prompt as variables.
 
-`render` turns one training example into (prompt text, response text, prepend BOS?): through the chat template, or
-through a plain format string with {instruction} and {response} for base models without one.
+A training document is the whole conversation as the template renders it, cut into pieces by `segments`: every
+assistant turn is supervised, everything else (system and user turns, the template's headers) is prompt. The cuts
+come from rendering prefixes, so any template works. Assistant turn k starts where messages[:k] rendered with
+add_generation_prompt=True ends; that text must be a prefix of the whole render, else a one-line error names the
+turn (Mistral v0.3, for one, moves the system message to whichever user turn is last). The turn ends after the first
+eos token string that follows it, before the next assistant turn starts. Where the template renders none there (a
+tokenizer whose eos is not the template's end of turn, such as a base Qwen's <|endoftext|> under ChatML) the turn ends
+where the next message starts (the end of messages[:k + 1] rendered alone), nothing is added, and pack.preview warns
+that the model will not learn to stop. With SmolLM2's ChatML:
+
+    <|im_start|>system\n...<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n  prompt
+    Hello!<|im_end|>                                                                            supervised
+    \n<|im_start|>user\nAnd?<|im_end|>\n<|im_start|>assistant\n                                   prompt
+    Bye.<|im_end|>                                                                              supervised
+    \n                                                                                          prompt
+
+The supervised text is what the template renders for the turn, not the raw content: Qwen3 gives its final turn an
+empty "<think>\n\n</think>\n\n" and the model is trained to write it, as it will at inference. Nothing is added to a
+chat template's text: BOS and end-of-turn tokens are the template's own, as in transformers' apply_chat_template.
+
+A plain format string with {instruction} and {response}, for base models without a chat template, renders one
+instance per assistant turn, whose instruction is the system and user contents since the previous assistant turn
+joined by a blank line (so a system message leads the first instruction). The format has no end-of-turn token: EOS is
+appended after every response, and BOS prepended where the tokenizer adds it to plain text. `render` gives what
+generation needs: (prompt text, final response text, prepend BOS?).
 """
 
 import json
+import os
 import re
 from datetime import datetime
 from pathlib import Path
@@ -128,17 +152,72 @@ class Tokenizer:
         return self._compiled.render(**kw, **self.special_tokens)
 
 
-def render(ex, tok, template):
-    """(prompt text, response text, prepend BOS?) for one example."""
-    if "messages" not in ex and (template is not None or tok.chat_template is None):
-        head, _, tail = (template or DEFAULT_TEMPLATE).partition("{response}")
-        if tail or "{instruction}" not in head:
-            raise ValueError(f"template must contain {{instruction}} and end with {{response}}: {template!r}")
-        return head.replace("{instruction}", ex["instruction"]), ex["response"], tok.add_bos
-    msgs = ex.get("messages") or [{"role": "user", "content": ex["instruction"]}]
-    msgs = msgs if "messages" in ex else [*msgs, {"role": "assistant", "content": ex["response"]}]
-    prompt, whole = tok.apply_chat_template(msgs[:-1], add_generation_prompt=True), tok.apply_chat_template(msgs)
-    if not whole.startswith(prompt):
-        msg = "the prompt rendered with add_generation_prompt=True is not a prefix of the whole conversation"
-        raise ValueError(f"chat template: {msg}, so the prompt cannot be masked: {prompt[-60:]!r} vs {whole[-60:]!r}")
-    return prompt, msgs[-1]["content"], False
+def _plain_pieces(ex, template):
+    """[(text, supervised)] of a plain format string: one instance per assistant turn."""
+    head, _, tail = template.partition("{response}")
+    if tail or "{instruction}" not in head:
+        raise ValueError(f"template must contain {{instruction}} and end with {{response}}: {template!r}")
+    if "messages" not in ex:
+        return [(head.replace("{instruction}", ex["instruction"]), False), (ex["response"], True)]
+    pieces, said = [], []  # said: the system/user contents since the last assistant turn
+    for m in ex["messages"]:
+        if m["role"] != "assistant":
+            said.append(m["content"])
+            continue
+        pieces += [(head.replace("{instruction}", "\n\n".join(said)), False), (m["content"], True)]
+        said = []
+    return pieces
+
+
+def _chat_pieces(msgs, tok):
+    """[(text, supervised)] of the whole render, cut around every assistant turn found by rendering prefixes."""
+    whole, eos = tok.apply_chat_template(msgs), tok.special_tokens.get("eos_token")
+    turns = [k for k, m in enumerate(msgs) if m["role"] == "assistant"]
+    starts, pieces, cur = [], [], 0
+    for k in turns:
+        prefix = tok.apply_chat_template(msgs[:k], add_generation_prompt=True)
+        if not whole.startswith(prefix):
+            i = len(os.path.commonprefix([prefix, whole]))
+            raise ValueError(
+                f"chat template: messages[:{k}] rendered with add_generation_prompt=True is not a prefix of the whole "
+                f"conversation ({prefix[i : i + 30]!r} vs {whole[i : i + 30]!r}), so assistant turn {k} cannot be "
+                "masked: the template renders earlier turns differently depending on what follows"
+            )
+        starts.append(len(prefix))
+    for j, (k, s) in enumerate(zip(turns, starts, strict=True)):
+        bound = starts[j + 1] if j + 1 < len(turns) else len(whole)
+        e = whole.find(eos, s, bound) if eos else -1
+        end = e + len(eos) if e >= 0 else bound
+        if e < 0 and j + 1 < len(turns):  # no end-of-turn token: the turn ends where the next one starts
+            end = len(upto := tok.apply_chat_template(msgs[: k + 1]))
+            if not (whole.startswith(upto) and s <= end <= bound):
+                raise ValueError(
+                    f"chat template: assistant turn {k} renders no eos {eos!r} and the conversation ending with it "
+                    "is not a prefix of the whole, so the end of the turn cannot be found"
+                )
+        pieces += [(whole[cur:s], False), (whole[s:end], True)]
+        cur = end
+    return [*pieces, (whole[cur:], False)]
+
+
+def segments(ex, tok, template=None):
+    """The document of one example cut into pieces: ([(text, supervised), ...], prepend BOS?, append EOS after each
+    supervised piece?). `template` is a plain format string, or None for the tokenizer's chat template."""
+    if template is not None or tok.chat_template is None:
+        return _plain_pieces(ex, template or DEFAULT_TEMPLATE), tok.add_bos, True
+    msgs = ex.get("messages") or [
+        {"role": "user", "content": ex["instruction"]},
+        {"role": "assistant", "content": ex["response"]},
+    ]
+    return _chat_pieces(msgs, tok), False, False
+
+
+def render(ex, tok, template=None):
+    """(prompt text, final response text, prepend BOS?) to generate the last assistant turn from: the prompt is
+    everything the document holds before that turn, the response is its text without the end-of-turn token."""
+    pieces, bos, add_eos = segments(ex, tok, template)
+    eos = tok.special_tokens.get("eos_token") or ""
+    last = max(i for i, (_, supervised) in enumerate(pieces) if supervised)
+    prompt = "".join(t + eos * (s and add_eos) for t, s in pieces[:last])
+    response = pieces[last][0]
+    return prompt, response.removesuffix(eos) if eos and not add_eos else response, bos

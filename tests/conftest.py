@@ -1,10 +1,13 @@
 """Shared test set-up: the repository root on sys.path, fixed seeds, the converted SmolLM2 checkpoint, and the small
 tokenizers (byte-level BPE tokenizer.json, Llama-style tokenizer.json, sentencepiece tokenizer.model) trained here
-with the chat templates and conversations that the tokenizer, pack and examples tests share."""
+with the chat templates and conversations that the tokenizer, pack and examples tests share; `tokenizer_dir` dresses
+one of them as another model family (its special tokens and a published chat template from tests/data/templates),
+and `reference` loads the matching transformers tokenizer."""
 
 import io
 import json
 import os
+import shutil
 import sys
 import sysconfig
 from pathlib import Path
@@ -13,10 +16,13 @@ import pytest
 import sentencepiece as spm
 import tokenizers
 import torch
+import transformers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+DATA = Path(__file__).parent / "data"
+TEMPLATES = DATA / "templates"
 
 
 @pytest.fixture(autouse=True)
@@ -149,3 +155,82 @@ def sp_dir(tmp_path_factory):
     (d / "tokenizer_config.json").write_text(json.dumps(cfg | {"added_tokens_decoder": {"1000": pad}}))
     (d / "chat_template.jinja").write_text(LLAMA2)
     return d
+
+
+QWEN = dict(bos_token=None, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None)
+FAMILIES = {  # name: (the tokenizer fixture it is built on, its template in tests/data/templates, its special tokens)
+    "qwen2.5": ("bpe_dir", "Qwen-Qwen2.5-7B-Instruct", QWEN),
+    "qwen3": ("bpe_dir", "Qwen-Qwen3-0.6B", QWEN),
+    "qwen2.5-base": ("bpe_dir", "Qwen-Qwen2.5-7B-Instruct", QWEN | {"eos_token": "<|endoftext|>"}),  # no EOS in turns
+    "mistral-v0.1": ("sp_dir", "mistralai-Mistral-7B-Instruct-v0.1", {}),
+    "mistral-v0.3": ("sp_dir", "mistralai-Mistral-7B-Instruct-v0.3", {}),
+    "mistral-legacy": ("sp_dir", "mistral-v1-legacy-nosystem", {}),
+}
+
+
+def turn_text(family, msgs, k):
+    """What each template renders for assistant turn k, its end-of-turn token included, read off the templates."""
+    c, last = msgs[k]["content"], k == len(msgs) - 1
+    return {
+        "smollm2": c + "<|im_end|>",
+        "qwen2.5": c + "<|im_end|>",
+        "qwen2.5-base": c + "<|im_end|>\n",  # its eos is not rendered: the turn runs to the next message
+        "qwen3": ("<think>\n\n</think>\n\n" + c.lstrip("\n") if last else c) + "<|im_end|>",
+        "llama3-style": c.strip() + "<|eot_id|>",
+        "mistral-v0.1": " " + c + "</s>",
+        "mistral-v0.3": " " + c.strip() + "</s>",
+        "mistral-legacy": c + "</s>",
+    }[family]
+
+
+@pytest.fixture(scope="session")
+def family_dirs(tmp_path_factory, request, llama3_dir):
+    """{family: tokenizer directory}: the FAMILIES and the Llama-3-style tokenizer."""
+    root = tmp_path_factory.mktemp("families")
+    dirs = {
+        name: tokenizer_dir(root / name, request.getfixturevalue(base), template, **special)
+        for name, (base, template, special) in FAMILIES.items()
+    }
+    return dirs | {"llama3-style": llama3_dir}
+
+
+@pytest.fixture(scope="session")
+def llama3_dir(tmp_path_factory, bpe_dir):
+    """The BPE tokenizer with Llama 3's header and end-of-turn tokens added, and the Llama-3-style template."""
+    d = tmp_path_factory.mktemp("llama3")
+    tok = tokenizers.Tokenizer.from_file(str(bpe_dir / "tokenizer.json"))
+    tok.add_special_tokens(["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"])
+    tok.save(str(d / "tokenizer.json"))
+    cfg = dict(tokenizer_class="PreTrainedTokenizerFast", bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+    (d / "tokenizer_config.json").write_text(json.dumps(cfg | {"chat_template": read_template("llama3-style")}))
+    return d
+
+
+def read_template(name):
+    return (TEMPLATES / f"{name}.jinja").read_text()
+
+
+def tokenizer_dir(path, base, template=None, **special):
+    """A copy of the tokenizer in `base` at `path`, with `special` tokens changed (None removes one) and the chat
+    template tests/data/templates/{template}.jinja (None: no chat template)."""
+    path.mkdir(parents=True, exist_ok=True)
+    for name in ("tokenizer.json", "tokenizer.model"):
+        if (base / name).exists():
+            shutil.copy(base / name, path / name)
+    cfg = json.loads((base / "tokenizer_config.json").read_text()) | special
+    cfg["chat_template"] = read_template(template) if template else None
+    (path / "tokenizer_config.json").write_text(json.dumps({k: v for k, v in cfg.items() if v is not None}))
+    return path
+
+
+def reference(d):
+    """transformers' tokenizer for a tokenizer directory (its sentencepiece class built directly: loading a .model
+    through AutoTokenizer needs protobuf)."""
+    if not (d / "tokenizer.model").exists():
+        return transformers.AutoTokenizer.from_pretrained(str(d))
+    from transformers.tokenization_utils_sentencepiece import SentencePieceBackend
+
+    cfg = json.loads((d / "tokenizer_config.json").read_text())
+    names = ("bos_token", "eos_token", "unk_token", "pad_token")
+    special = {k: v["content"] if isinstance(v, dict) else v for k, v in cfg.items() if k in names}
+    return SentencePieceBackend(vocab_file=str(d / "tokenizer.model"), **special)

@@ -1,7 +1,7 @@
 """examples.py against its inputs: every supported file layout (JSON lines, JSON arrays, Magicoder, Alpaca, pairs,
 chat messages) reads to the same examples, malformed rows fail with one line naming the file and line (or are skipped
-and counted), the validation split is seeded, and the stdlib dataset's bodies are the real source of real functions
-with a deterministic held-out split.
+and counted), the validation split is seeded, and the stdlib dataset's bodies (answered in a ```python block) are the
+real source of real functions with a deterministic held-out split.
 """
 
 import ast
@@ -80,11 +80,12 @@ def test_stdlib_examples_are_real_code():
     assert stdlib_examples("val") == val  # a fresh walk gives the same split
     checked = 0
     for e in train + val:
-        head = e["instruction"].split("\n\n", 1)[1]
-        fn = ast.parse(head + "\n" + e["response"]).body[0]  # signature + docstring + body is a whole function
-        assert ast.get_docstring(fn) and e["response"].strip() and ast.get_docstring(fn) not in e["response"]
+        head, body = e["instruction"].split("\n\n", 1)[1], e["response"][len("```python\n") : -len("\n```")]
+        assert e["response"] == f"```python\n{body}\n```"  # the body, answered in a code block
+        fn = ast.parse(head + "\n" + body).body[0]  # signature + docstring + body is a whole function
+        assert ast.get_docstring(fn) and body.strip() and ast.get_docstring(fn) not in body
         if (obj := _resolve(e["name"])) is not None:  # and it is the function's real source, formatting and all
-            assert head + "\n" + e["response"] + "\n" in textwrap.dedent(inspect.getsource(obj))
+            assert head + "\n" + body + "\n" in textwrap.dedent(inspect.getsource(obj))
             checked += 1
     assert checked > 100
 

@@ -1,7 +1,16 @@
 """pack.py against references and invariants.
 
-- Masking: the prompt part of each document equals transformers' tokenization of the generation prompt, the
-  supervised part equals the response ids + EOS.
+- Masking (against transformers' chat templates and tokenizers): for seeded random conversations of 1-6 turns, with
+  and without a system message, under SmolLM2's real template, Qwen2.5, Qwen3, Mistral v0.1/v0.3/legacy and a
+  Llama-3-style template, each document is transformers' render cut around every assistant turn, each piece
+  tokenized by transformers, and exactly the assistant turns as rendered plus their end-of-turn token are
+  supervised (Qwen3's final think block included); train_on_prompt supervises every token. A plain format string
+  gives one instance per turn with EOS after each response and BOS as transformers' tokenizer adds it. Templates
+  that cannot be masked by prefixes (Mistral v0.3 with a system message) fail with one line naming the example.
+- Preview: the default data (stdlib + SmolLM2) shows its answers marked and raises no warning over all of it; a
+  double BOS (Llama-2 text passed through with a BOS-adding tokenizer), missing EOS (a base tokenizer under ChatML,
+  also through `python pack.py --preview`), merges across a cut (exactly where transformers' tokenizations of the
+  joined and the separate texts differ) and an example with nothing supervised are each flagged.
 - Packing (a seeded property test over a few hundred random length sets): no token lost or duplicated, documents
   whole and contiguous, no row longer than context_length, position_ids restarting at every document and every pad
   run, and labels[t] = input[t+1] exactly when t+1 is a supervised token of the same document, -100 elsewhere; BFD
@@ -13,55 +22,144 @@
 
 import json
 import random
+import re
+import subprocess
+import sys
+from functools import partial
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-import transformers
-from conftest import CONVERSATIONS
+from conftest import CONVERSATIONS, DATA, FAMILIES, QWEN, ROOT, reference, tokenizer_dir, turn_text
 
 import pack
-from examples import stdlib_examples
-from pack import PackedDataset, build_dataset, pack_bfd, tokenize_examples
+from examples import load_examples, stdlib_examples
+from pack import PackedDataset, build_dataset, check_examples, pack_bfd, preview, tokenize_examples
 from tokenizer import Tokenizer
 
+WORDS = [
+    "sort",
+    "the",
+    "list",
+    "x",
+    "=",
+    "[3, 1, 2]",
+    "déjà",
+    "日本語",
+    "42",
+    "\n",
+    "    return",
+    "{}",
+    "(a, b)",
+    "&",
+    "'q'",
+]
 
-def test_chat_masking_matches_transformers(bpe_dir):
-    """Document = transformers-tokenized generation prompt ++ response ids + EOS; only the latter supervised."""
-    tok, ref = Tokenizer(bpe_dir), transformers.AutoTokenizer.from_pretrained(str(bpe_dir))
-    examples = [{"instruction": "Reverse a list.", "response": "xs[::-1]"}] + [{"messages": c} for c in CONVERSATIONS]
+
+def random_conversation(rng, turns, system):
+    """Alternating user/assistant turns (after an optional system message) of random words, some with whitespace
+    around them that templates trim or keep."""
+
+    def say(who, t):
+        words = " ".join(rng.choices(WORDS, k=rng.randint(1, 12)))
+        return rng.choice(["", " ", "\n"]) + f"{who} {t}: {words}" + rng.choice(["", " ", "\n"])
+
+    msgs = [{"role": "system", "content": say("system", 0)}] if system else []
+    for t in range(turns):
+        msgs += [{"role": "user", "content": say("question", t)}, {"role": "assistant", "content": say("answer", t)}]
+    return msgs
+
+
+def expected_document(family, msgs, ref, template):
+    """(ids, mask) from transformers alone: its render of the conversation cut around each assistant turn's text,
+    every piece tokenized by transformers' tokenizer, the turns supervised."""
+    whole = ref.apply_chat_template(msgs, chat_template=template, tokenize=False)
+    pieces, cur = [], 0
+    for k in [k for k, m in enumerate(msgs) if m["role"] == "assistant"]:
+        turn = turn_text(family, msgs, k)
+        start = whole.index(turn, cur)
+        pieces += [(whole[cur:start], 0), (turn, 1)]
+        cur = start + len(turn)
+    pieces.append((whole[cur:], 0))
+    encoded = [(ref.encode(text, add_special_tokens=False), sup) for text, sup in pieces]
+    return [t for ids, _ in encoded for t in ids], [sup for ids, sup in encoded for _ in ids]
+
+
+def _dir(request, name):
+    if name in ("smollm2_dir", "llama_json_dir", "bpe_dir", "sp_dir"):
+        return Path(request.getfixturevalue(name))
+    return request.getfixturevalue("family_dirs")[name]
+
+
+@pytest.mark.parametrize("family", ["smollm2", *FAMILIES, "llama3-style"])
+def test_every_assistant_turn_supervised(request, family):
+    """Random conversations of 1-6 turns, with and without a system message: the supervised tokens are exactly the
+    assistant turns as the template renders them plus their end-of-turn token; train_on_prompt supervises all."""
+    d = _dir(request, "smollm2_dir" if family == "smollm2" else family)
+    tok, ref = Tokenizer(d), reference(d)
+    rng = random.Random(family)
+    convs = [random_conversation(rng, turns, system) for turns in range(1, 7) for system in (False, True)]
+    if family in ("mistral-v0.3", "mistral-legacy"):  # v0.3 drops the system message, the legacy one refuses it
+        for msgs in [c for c in convs if c[0]["role"] == "system"]:
+            with pytest.raises(ValueError) as e:
+                tokenize_examples([{"messages": msgs}], tok)
+            assert str(e.value).startswith("example 0: ") and "\n" not in str(e.value)
+        convs = [c for c in convs if c[0]["role"] != "system"]
     for train_on_prompt in (False, True):
-        tokens, mask, offsets = tokenize_examples(examples, tok, train_on_prompt=train_on_prompt)
-        for i, ex in enumerate(examples):
-            msgs = ex.get("messages") or [
-                {"role": "user", "content": ex["instruction"]},
-                {"role": "assistant", "content": ex["response"]},
-            ]
-            prompt = ref.encode(
-                ref.apply_chat_template(msgs[:-1], add_generation_prompt=True, tokenize=False), add_special_tokens=False
-            )
-            response = ref.encode(msgs[-1]["content"], add_special_tokens=False) + [ref.eos_token_id]
-            assert tokens[offsets[i] : offsets[i + 1]].tolist() == prompt + response
-            assert mask[offsets[i] : offsets[i + 1]].tolist() == [int(train_on_prompt)] * len(prompt) + [1] * len(
-                response
-            )
+        tokens, mask, offsets = tokenize_examples(
+            [{"messages": c} for c in convs], tok, train_on_prompt=train_on_prompt
+        )
+        for i, msgs in enumerate(convs):
+            ids, sup = expected_document(family, msgs, ref, tok.chat_template)
+            assert tokens[offsets[i] : offsets[i + 1]].tolist() == ids, (i, msgs)
+            assert mask[offsets[i] : offsets[i + 1]].tolist() == ([1] * len(ids) if train_on_prompt else sup)
 
 
-def test_plain_template_and_bos(llama_json_dir, bpe_dir):
-    tok = Tokenizer(llama_json_dir)
-    template = "Q: {instruction}\nA: {response}"
-    tokens, mask, offsets = tokenize_examples([{"instruction": "1+1?", "response": "2"}], tok, template=template)
-    prompt = [tok.bos_id] + tok.encode("Q: 1+1?\nA: ")
-    assert tokens.tolist() == prompt + tok.encode("2") + [tok.eos_id]
-    assert mask.tolist() == [0] * len(prompt) + [1] * (len(tokens) - len(prompt))
-    with pytest.raises(ValueError, match="end with"):
-        tokenize_examples([{"instruction": "a", "response": "b"}], tok, template="{response} then {instruction}")
+def test_unmaskable_template_is_one_clear_line(tmp_path, family_dirs, bpe_dir):
+    msgs = [{"role": "system", "content": "Be brief."}, *CONVERSATIONS[0]]
+    with pytest.raises(ValueError) as e:
+        tokenize_examples([{"messages": CONVERSATIONS[0]}, {"messages": msgs}], Tokenizer(family_dirs["mistral-v0.3"]))
+    want = r"example 1: chat template: messages\[:2\] rendered with add_generation_prompt=True is not a prefix of the "
+    want += r"whole conversation \(.*Be brief.*\), so assistant turn 2 cannot be masked: .*"
+    assert re.fullmatch(want, str(e.value)) and "\n" not in str(e.value)
+    qwen3_base = tokenizer_dir(tmp_path / "q3", bpe_dir, "Qwen-Qwen3-0.6B", **(QWEN | {"eos_token": "<|endoftext|>"}))
+    with pytest.raises(ValueError) as e:  # no eos to end turn 1, whose render alone differs (a final think block)
+        tokenize_examples([{"messages": CONVERSATIONS[1]}], Tokenizer(qwen3_base))
+    want = "example 0: chat template: assistant turn 2 renders no eos '<|endoftext|>' and the conversation ending "
+    assert str(e.value) == want + "with it is not a prefix of the whole, so the end of the turn cannot be found"
     bad = Tokenizer(bpe_dir)
     bad.chat_template = (
         "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if add_generation_prompt %}>>{% endif %}"
     )
     with pytest.raises(ValueError, match="not a prefix"):
         tokenize_examples([{"instruction": "a", "response": "b"}], bad)
+
+
+@pytest.mark.parametrize("base", ["llama_json_dir", "smollm2_dir"])
+def test_plain_format_every_turn_supervised(request, base):
+    """A plain format string: one instance per assistant turn (system and user contents since the last answer as
+    its instruction), each response followed by EOS; BOS where transformers' tokenizer adds it to plain text."""
+    d = _dir(request, base)
+    tok, ref = Tokenizer(d), reference(d)
+    fmt = "### Q:\n{instruction}\n### A:\n{response}"
+    rng = random.Random(base)
+    examples = [{"messages": random_conversation(rng, t, s)} for t in range(1, 7) for s in (False, True)]
+    examples.append({"instruction": "Reverse a list.", "response": "xs[::-1]"})
+    tokens, mask, offsets = tokenize_examples(examples, tok, template=fmt)
+    for i, ex in enumerate(examples):
+        user, answer = {"role": "user", "content": "Reverse a list."}, {"role": "assistant", "content": "xs[::-1]"}
+        ids, said = ref.encode(""), []  # BOS, if the tokenizer adds it
+        sup = [0] * len(ids)
+        for m in ex.get("messages") or [user, answer]:
+            if m["role"] != "assistant":
+                said.append(m["content"])
+                continue
+            head = ref.encode(fmt.format(instruction="\n\n".join(said), response=""), add_special_tokens=False)
+            reply = ref.encode(m["content"], add_special_tokens=False) + [ref.eos_token_id]
+            ids, sup, said = ids + head + reply, sup + [0] * len(head) + [1] * len(reply), []
+        assert tokens[offsets[i] : offsets[i + 1]].tolist() == ids and mask[offsets[i] : offsets[i + 1]].tolist() == sup
+    assert (tokens[0] == ref.bos_token_id) == (base == "llama_json_dir")
 
 
 # ---------------------------------------------------------------------------------------------- packing
@@ -227,9 +325,87 @@ def test_cache_reuse(tmp_path, bpe_dir, monkeypatch):
     assert not list((tmp_path / "cache").glob(".*tmp")) and len(list((tmp_path / "cache").glob("*.json"))) == 2
 
 
+@pytest.fixture(scope="module")
+def stdlib_cache(tmp_path_factory):
+    """One token cache for the stdlib tests: the dataset is tokenized once."""
+    return tmp_path_factory.mktemp("stdlib_cache")
+
+
 @pytest.mark.parametrize("context", [1024, 2048])
-def test_stdlib_packing_efficiency(smollm2_dir, context):
-    ds = build_dataset(stdlib_examples(), Tokenizer(smollm2_dir), context)
+def test_stdlib_packing_efficiency(smollm2_dir, stdlib_cache, context):
+    ds = build_dataset(stdlib_examples(), Tokenizer(smollm2_dir), context, cache_dir=stdlib_cache)
     report = ds.report()
     print(report)
     assert ds.num_tokens / (len(ds) * context) >= 0.97
+
+
+# ---------------------------------------------------------------------------------------------- preview
+
+
+def test_preview_default_data(smollm2_dir):
+    """The stdlib dataset with SmolLM2: each shown example's marked text is its answer as ChatML renders it, and the
+    whole dataset (train and val) raises no warning."""
+    tok, examples = Tokenizer(smollm2_dir), stdlib_examples()
+    text = preview(examples, tok, n=3)  # pytest captures stdout: not a terminal, so brackets
+    print(text)
+    assert text.count("--- example") == 3 and text.endswith("no warnings in the 3 examples shown")
+    assert "EOS '<|im_end|>'" in text.splitlines()[0] and text.count("⟦") == 1 + 3  # the legend, one per example
+    for ex in examples[:3]:
+        assert f"{ex['instruction']}<|im_end|>\n<|im_start|>assistant\n⟦{ex['response']}<|im_end|>⟧\n" in text
+    colored = preview(examples, tok, n=1, color=True)
+    assert f"\x1b[32m{examples[0]['response']}<|im_end|>\x1b[0m" in colored and "⟦" not in colored
+    assert check_examples(examples + stdlib_examples("val"), tok) == []
+
+
+def test_preview_flags_double_bos(sp_dir):
+    """Llama-2 data exported with its "<s>" and passed through as it is, with a tokenizer that prepends BOS."""
+    tok, ref = Tokenizer(sp_dir), reference(sp_dir)
+    examples = load_examples(DATA / "llama2_preformatted.jsonl")
+    text = preview(examples, tok, template="{instruction}{response}")
+    tokens, _, offsets = tokenize_examples(examples, tok, template="{instruction}{response}")
+    for i, ex in enumerate(examples):
+        assert tok.add_bos and ref.encode(ex["instruction"], add_special_tokens=False)[0] == ref.bos_token_id
+        assert tokens[offsets[i] : offsets[i] + 2].tolist() == [ref.bos_token_id] * 2
+        assert f"warning: example {i}: double BOS '<s><s>'" in text
+    clean = [{"instruction": ex["instruction"][3:], "response": ex["response"]} for ex in examples]
+    assert "double BOS" not in preview(clean, tok, template="{instruction}{response}")
+
+
+def test_preview_flags_missing_eos(tmp_path, family_dirs):
+    """A base model's tokenizer (eos <|endoftext|>) under the instruct model's ChatML template: no assistant turn
+    ends with EOS, so the model would never learn to stop. The instruct tokenizer (eos <|im_end|>) is clean."""
+    examples = load_examples(DATA / "chat.jsonl")
+    turns = sum(m["role"] == "assistant" for ex in examples for m in ex["messages"])
+    base = family_dirs["qwen2.5-base"]
+    ref = reference(base)
+    for ex in examples:  # transformers' own tokenization of the conversation holds no EOS either
+        assert ref.eos_token_id not in ref.apply_chat_template(ex["messages"], tokenize=True)["input_ids"]
+    text = preview(examples, Tokenizer(base), n=len(examples))
+    lines = re.findall(r"warning: example \d: response \d ends with '.*', not EOS '<\|endoftext\|>': .*", text)
+    assert len(lines) == turns and len(text.split("warning:")) == turns + 1
+    cli = [sys.executable, "pack.py", str(DATA / "chat.jsonl"), "--tokenizer", str(base), "--preview", "3"]
+    out = subprocess.run([*cli, "--cache-dir", str(tmp_path / "cache")], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and re.findall(r"warning: .*", out.stdout) == lines, out.stderr
+    instruct = preview(examples, Tokenizer(family_dirs["qwen2.5"]), n=len(examples))
+    assert instruct.endswith("no warnings in the 3 examples shown")
+
+
+def test_preview_flags_merges_and_unsupervised(bpe_dir, smollm2_dir):
+    """A format whose prompt ends with a space: warned exactly where transformers tokenizes the joined text
+    differently from prompt and response apart. ShareGPT roles (no "assistant"): nothing supervised."""
+    tok, ref = Tokenizer(bpe_dir), reference(bpe_dir)
+    fmt = "Q: {instruction}\nA: {response}"
+    examples = [{"instruction": "Add.", "response": r} for r in ["return x", "\nreturn x", "42", "(a, b)", " x"]]
+    text = preview(examples, tok, template=fmt, n=len(examples))
+    merged = []
+    for i, ex in enumerate(examples):
+        head, enc = (
+            fmt.format(instruction=ex["instruction"], response=""),
+            partial(ref.encode, add_special_tokens=False),
+        )
+        merged.append(enc(head + ex["response"]) != enc(head) + enc(ex["response"]))
+        assert (f"warning: example {i}: tokens merge across the cut 'Q: Add.\\nA: ' | " in text) == merged[-1]
+    assert any(merged) and not all(merged)
+    sharegpt = [{"messages": [{"role": "human", "content": "Hi"}, {"role": "gpt", "content": "Hello"}]}]
+    assert "warning: example 0: no supervised token" in preview(sharegpt, Tokenizer(smollm2_dir))
+    assert "no supervised" not in preview(sharegpt, Tokenizer(smollm2_dir), train_on_prompt=True)
