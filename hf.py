@@ -86,7 +86,7 @@ def atomic_write(path, write):
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except (OSError, RuntimeError, SafetensorError) as e:  # RuntimeError: torch.save's zip writer
-        reason = _why(e, tmp)
+        reason = _why(e)
         with contextlib.suppress(OSError):  # the temp file may never have been created
             os.remove(tmp)
         raise OSError(f"{path}: could not write it ({reason}); {kept}") from None
@@ -96,16 +96,9 @@ def atomic_write(path, write):
         raise
 
 
-def _why(e, tmp):
-    """The OS's reason for a failed write; for writers that hide it (torch's zip writer says "unexpected pos"), "no
-    space left on device" when the disk holds less than the partial file plus 1 MiB, else their own first line."""
-    if isinstance(e, OSError) and e.strerror:
-        return e.strerror
-    with contextlib.suppress(OSError):
-        written = os.path.getsize(tmp) if os.path.exists(tmp) else 0
-        if shutil.disk_usage(os.path.dirname(tmp)).free <= written + 2**20:
-            return "no space left on device"
-    return str(e).splitlines()[0][:160]
+def _why(e):
+    """The OS's words for a failed write, or the writer's own first line (safetensors wraps the OS error)."""
+    return e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0][:160]
 
 
 def write_json(path, obj):

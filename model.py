@@ -28,14 +28,25 @@ from hidden / H. softmax(q k^T / sqrt(D)) v is computed with a causal mask.
 
 The MLP is SwiGLU (Shazeer, https://arxiv.org/abs/2002.05202): down(silu(gate(x)) * up(x)), hidden -> inter -> hidden.
 
+The relatives. Qwen2/2.5, Qwen3 and Mistral are this Llama with a switch or two, read from config.json's model_type:
+Qwen2 adds biases to q/k/v (o_proj has none); Qwen3 normalises each head of q and k with an RMSNorm over the D channels
+(one (D,) weight shared by all heads) before RoPE, and its head size is set explicitly (H * D need not equal hidden);
+Mistral (v0.1) and Qwen with use_sliding_window attend within a sliding window of W tokens: query i sees keys
+i - W + 1 .. i, in every layer (Mistral) or in the layers from max_window_layers on (Qwen). Llama's attention_bias puts
+biases on all four projections. Families that need more than switches (Gemma's scaled embeddings, Phi's fused
+projections, mixtures of experts) are refused with what they would need.
+
 Packed rows
 -----------
 Fine-tuning packs several documents into one row. A document starts wherever position_ids == 0 and at every row
 start; tokens attend causally within their own document only. The boundaries are found once per forward as cumulative
 sequence lengths over the flattened (B*T) tokens (`Docs`), e.g. documents of lengths 5, 3, 7 give
 cu_seqlens = [0, 5, 8, 15]. The function that attends over them is chosen once, when the model is built
-(`varlen_attention`): FlashAttention-2 (Dao, https://arxiv.org/abs/2307.08691) consumes cu_seqlens directly in one
-kernel call; elsewhere each document runs through causal scaled_dot_product_attention on its own.
+(`varlen_attention`): FlashAttention-2 (Dao, https://arxiv.org/abs/2307.08691) where flash-attn really imports and
+the GPU can run it (compute capability 8.0+, 16-bit, head size <= 256); else torch's own FlashAttention varlen kernel
+(torch.nn.attention.varlen); else, on CPU and older GPUs, one causal scaled_dot_product_attention call per document.
+All three take the window. For torch.compile the per-document loop becomes one opaque op (a torch.library custom op
+whose backward recomputes each document's attention), so the compiler sees no data-dependent Python in a block.
 
 Loss
 ----

@@ -3,6 +3,8 @@
     python train.py                                  # the default: SmolLM2-135M on stdlib docstrings, minutes on CPU
     python train.py configs/magicoder.py --lr=1e-4   # a config file plus --key=value overrides
     python train.py configs/tiny.py --resume         # continue step-exactly from out_dir/checkpoint.pt
+    python train.py configs/qwen.py --preview        # the first examples as the model will see them, then stop
+    python train.py configs/magicoder.py --plan=L4   # what fits a 24 GB card for this model, then stop
     torchrun --nproc_per_node=2 train.py ...         # data parallel (nccl on CUDA, gloo on CPU)
 
 What happens, in order:
@@ -24,19 +26,26 @@ What happens, in order:
 5. Precision. bf16 autocast over 16-bit base weights with fp32 LoRA parameters (the optimizer updates fp32 masters),
    fp16 with a GradScaler on CUDA only, or plain fp32. fp16 is refused on CPU: its matmuls fall back to one slow thread.
 6. Bookkeeping. A progress bar with loss, lr, tokens/s, supervised tokens/s, MFU (model.flops_per_token over the
-   peak matmul rate) and time per phase; metrics.jsonl; eval loss and perplexity every `eval_every` steps; an atomic
-   checkpoint (adapter, optimizer, scheduler, RNG states; the data position follows from the step) every `save_every`
-   steps and on Ctrl-C; a NaN loss stops the run with the last good checkpoint intact. At the end: the PEFT-format
-   adapter, a loss-curve PNG, a sample before and after, and on request a merged Hugging Face export.
+   GPU's datasheet peak, or a measured matmul peak) and time per phase; metrics.jsonl; eval loss and perplexity every
+   `eval_every` steps; an atomic checkpoint (adapter, optimizer, scheduler; the data position and the dropout draws
+   follow from the step) every `save_every` steps and on Ctrl-C; a NaN loss stops the run with the last good
+   checkpoint intact. At the end: the PEFT-format adapter, a loss-curve PNG, a sample before and after, and on request
+   a merged Hugging Face export and a GGUF with its Ollama Modelfile.
+7. Diagnostics. Every setting is checked against its range before any work, and a run never silently replaces
+   another run's checkpoint. At load: NF4's quantization error per linear. After two steps: the measured peak memory
+   beside the estimate (memory.py). At every evaluation: each adapter's size relative to its layer and whether its B
+   has moved from zero at all. `--preview` shows the data as tokenized and `--plan=GPU` what fits, both without
+   loading a model.
 """
 
 import ast
 import dataclasses
 import difflib
+import importlib.util
 import json
 import math
 import os
-import random
+import re
 import sys
 import time
 from contextlib import nullcontext
@@ -49,6 +58,7 @@ import torch.distributed as dist
 import convert
 import hf
 import lora
+import memory
 import pack
 import quant
 from examples import load_examples, split_examples, stdlib_examples
@@ -94,7 +104,7 @@ class Config:
     optimizer: str = "adamw"  # adamw | adamw8bit | paged_adamw8bit (the last two need bitsandbytes; paged needs CUDA)
     grad_clip: float = 1.0  # max global gradient norm (0 = off)
     precision: str = "auto"  # auto | bf16 | fp16 | fp32 ("auto" = bf16 where supported, fp16 on old GPUs)
-    compile: bool = False  # torch.compile each block (CUDA only)
+    compile: bool = False  # torch.compile the blocks' training forward/backward (slow to start; best on CUDA)
     activation_checkpointing: bool = False  # recompute each block in backward to save memory
     chunked_loss: bool = True  # lm_head + cross-entropy in chunks; False = full-vocabulary fp32 logits at once
     seed: int = 1337  # seeds data order, adapter init and dropout
@@ -104,9 +114,13 @@ class Config:
     save_every: int = 20  # write a resumable checkpoint every N steps (0 = only at the end and on Ctrl-C)
     out_dir: str = "out"  # adapter, checkpoint, metrics.jsonl, loss.png
     resume: bool = False  # continue from out_dir/checkpoint.pt
+    preview: bool = False  # print the data report and the first examples as tokenized (supervision marked); no training
+    plan: str = ""  # print what fits a GPU ("H100", "24GB") for this model and these settings; no training
+    overwrite: bool = False  # replace the run already in out_dir (without it a chosen out_dir holding a run is refused)
     sample: bool = True  # generate an answer for a held-out prompt before and after training
     sample_tokens: int = 96  # max new tokens of that sample
     export_merged: bool = False  # also write a merged 16-bit Hugging Face model to out_dir/merged
+    export_gguf: str = ""  # also write out_dir/model-<type>.gguf + an Ollama Modelfile: f32 | f16 | bf16 | q8_0
     cache_dir: str = "data/cache"  # tokenized-data cache
     device: str = "auto"  # auto | cpu | cuda
 
@@ -139,6 +153,65 @@ def load_config(argv: list[str]) -> Config:
                 if not key.startswith("_") and not callable(value) and type(value).__name__ != "module":
                     put(key, value, arg)
     return Config(**values)
+
+
+# What each field allows, checked before any work: (test, what to expect). Choices are listed in their messages.
+RANGES = {
+    "lora_r": (lambda v: v >= 1, "an integer >= 1"),
+    "lora_alpha": (lambda v: v > 0, "> 0"),
+    "lora_dropout": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "max_steps": (lambda v: v >= 1, ">= 1"),
+    "batch_tokens": (lambda v: v >= 1, ">= 1"),
+    "micro_batch_tokens": (lambda v: v == "auto" or isinstance(v, int) and v >= 1, '"auto" or an integer >= 1'),
+    "context_length": (lambda v: v == "auto" or isinstance(v, int) and v >= 2, '"auto" or an integer >= 2'),
+    "lr": (lambda v: v > 0, "> 0"),
+    "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "warmup_steps": (lambda v: v >= 0, ">= 0"),
+    "weight_decay": (lambda v: v >= 0, ">= 0"),
+    "beta1": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "beta2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "grad_clip": (lambda v: v >= 0, ">= 0 (0 = off)"),
+    "val_fraction": (lambda v: 0 < v < 1, "in (0, 1)"),
+    "max_examples": (lambda v: v >= 0, ">= 0 (0 = all)"),
+    "eval_every": (lambda v: v >= 0, ">= 0 (0 = never)"),
+    "eval_rows": (lambda v: v >= 0, ">= 0 (0 = all)"),
+    "save_every": (lambda v: v >= 0, ">= 0 (0 = at the end only)"),
+    "sample_tokens": (lambda v: v >= 1, ">= 1"),
+    "lora_targets": (lambda v: v == "all-linear" or all(v.split(",")), '"all-linear" or names separated by commas'),
+    "template": (
+        lambda v: not v or "{instruction}" in v and v.endswith("{response}"),
+        "a format string with {instruction} that ends with {response}, or empty for the chat template",
+    ),
+}
+CHOICES = {
+    "data_format": ("auto", "magicoder", "alpaca", "pairs", "messages"),
+    "precision": ("auto", "bf16", "fp16", "fp32"),
+    "optimizer": ("adamw", "adamw8bit", "paged_adamw8bit"),
+    "device": ("auto", "cpu", "cuda"),
+    "export_gguf": ("", *convert.FILE_TYPES),
+}
+
+
+def check_config(cfg: Config):
+    """Every field against its allowed range, all mistakes at once: a ValueError with one line per mistake."""
+    errors = [
+        f"{k}: {getattr(cfg, k)!r} is out of range (expected {what})"
+        for k, (ok, what) in RANGES.items()
+        if not ok(getattr(cfg, k))
+    ]
+    errors += [
+        f"{k}: expected one of {', '.join(choices)}, got {getattr(cfg, k)!r}"
+        for k, choices in CHOICES.items()
+        if getattr(cfg, k) not in choices
+    ]
+    if cfg.chunked_loss and "lm_head" in cfg.lora_targets.split(","):
+        errors.append("lora_targets: lm_head needs chunked_loss=False (the chunked loss fuses a plain lm_head)")
+    if cfg.resume and cfg.overwrite:
+        errors.append("overwrite: --resume continues the run in out_dir, --overwrite replaces it; choose one")
+    if cfg.optimizer in CHOICES["optimizer"][1:] and importlib.util.find_spec("bitsandbytes") is None:
+        errors.append(f"optimizer: {cfg.optimizer} needs bitsandbytes (pip install bitsandbytes); or use adamw")
+    if errors:
+        raise ValueError("\n".join(errors))
 
 
 def parse_value(raw: str):
@@ -194,28 +267,20 @@ def setup(cfg: Config) -> Run:
 
 
 def pick_precision(cfg: Config, device) -> torch.dtype:
+    """Precision "auto" is bf16 on CPU and on GPUs with bf16 tensor cores (compute capability 8.0 on), fp16 on older
+    ones (T4, V100), where torch would emulate bf16 slowly."""
     p = cfg.precision
     if p == "auto":
-        p = "bf16" if device.type == "cpu" or torch.cuda.is_bf16_supported() else "fp16"
+        p = "bf16" if device.type == "cpu" or torch.cuda.get_device_capability(device)[0] >= 8 else "fp16"
     if p == "fp16" and device.type == "cpu":
         raise ValueError("precision: fp16 is not supported on CPU (its matmuls run single-threaded); use bf16 or fp32")
-    if p not in ("bf16", "fp16", "fp32"):
-        raise ValueError(f"precision: expected auto, bf16, fp16 or fp32, got '{p}'")
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[p]
 
 
 def check_inputs(cfg: Config) -> str:
-    """Fail before any work when out_dir is not writable or the model, data or checkpoint is missing; returns the
-    model directory ("" = the embedded SmolLM2, converted on first use)."""
-    try:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        hf.atomic_write(os.path.join(cfg.out_dir, ".write-test"), lambda tmp: None)
-        os.remove(os.path.join(cfg.out_dir, ".write-test"))
-    except OSError as e:
-        raise PermissionError(f"out_dir: cannot write to '{cfg.out_dir}' ({e.strerror})") from None
-    ckpt_path = os.path.join(cfg.out_dir, "checkpoint.pt")
-    if cfg.resume and not os.path.isfile(ckpt_path):
-        raise FileNotFoundError(f"{ckpt_path}: no checkpoint to resume from")
+    """Fail before any work when out_dir is not writable, holds another run, or the model, data or checkpoint is
+    missing; returns the model directory ("" = the embedded SmolLM2, converted on first use). A preview writes
+    nothing, so it claims no out_dir."""
     model_dir = cfg.model or convert.smollm2_dir()
     for key, path, source, kind in [
         ("model", os.path.join(model_dir, "config.json"), cfg.model_source, ""),
@@ -225,14 +290,45 @@ def check_inputs(cfg: Config) -> str:
             where = os.path.dirname(path) or "."
             how = f"`huggingface-cli download {source}{kind} --local-dir {where}`" if source else "a local copy"
             raise FileNotFoundError(f"{key}: {path} not found; put {how} there")
+    if not (cfg.preview or cfg.plan):
+        claim_out_dir(cfg)
     return model_dir
+
+
+def claim_out_dir(cfg: Config):
+    """Make sure this run may write to out_dir. A run already there (a checkpoint) is continued with --resume or
+    replaced with --overwrite; otherwise a chosen out_dir is refused, and the default one moves on to out-2, out-3,
+    ... (saying so), so running the default twice keeps both runs. cfg.out_dir is updated in place."""
+    ckpt = os.path.join(cfg.out_dir, "checkpoint.pt")
+    if cfg.resume and not os.path.isfile(ckpt):
+        raise FileNotFoundError(f"{ckpt}: no checkpoint to resume from")
+    if os.path.isfile(ckpt) and not (cfg.resume or cfg.overwrite):
+        if cfg.out_dir != Config.out_dir:
+            raise FileExistsError(
+                f"out_dir: {cfg.out_dir} already holds a run ({ckpt}); continue it with --resume, replace it with "
+                "--overwrite, or choose another out_dir"
+            )
+        n = 2  # the first out-N without a checkpoint (every rank of a torchrun finds the same one)
+        while os.path.isfile(os.path.join(f"{cfg.out_dir}-{n}", "checkpoint.pt")):
+            n += 1
+        print(f"out_dir: {cfg.out_dir} holds an earlier run, kept as it is; this run writes to {cfg.out_dir}-{n}")
+        cfg.out_dir = f"{cfg.out_dir}-{n}"
+    try:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        hf.atomic_write(os.path.join(cfg.out_dir, ".write-test"), lambda tmp: None)
+        os.remove(os.path.join(cfg.out_dir, ".write-test"))
+    except OSError as e:
+        raise PermissionError(f"out_dir: cannot write to '{cfg.out_dir}' ({e.strerror})") from None
+
+
+def lora_targets(cfg: Config):
+    return cfg.lora_targets if cfg.lora_targets == "all-linear" else cfg.lora_targets.split(",")
 
 
 def build_model(run: Run, model_dir: str) -> Llama:
     """The QLoRA (or LoRA) model of the run, with its switches for checkpointing, the chunked loss and compile."""
     cfg = run.cfg
-    targets = cfg.lora_targets if cfg.lora_targets == "all-linear" else cfg.lora_targets.split(",")
-    adapters = dict(targets=targets, r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout)
+    adapters = dict(targets=lora_targets(cfg), r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout)
     torch.manual_seed(cfg.seed)  # the same adapter init on every rank
     model = hf.load_model(
         model_dir,
@@ -243,13 +339,12 @@ def build_model(run: Run, model_dir: str) -> Llama:
     )
     model.activation_checkpointing = cfg.activation_checkpointing
     model.loss_chunk = model.loss_chunk if cfg.chunked_loss else 0
-    if cfg.compile and run.device.type == "cuda":
-        for block in model.model.layers:
-            block.compile()
+    if cfg.compile:
+        model.compile_blocks()
     return model
 
 
-def build_data(cfg: Config, tok, max_positions: int, master: bool):
+def build_data(cfg: Config, tok, max_positions: int, master: bool, world: int = 1):
     """Examples -> (training, validation) packed datasets, plus the first held-out example for the sample."""
     if cfg.data:
         train_examples = load_examples(cfg.data, fmt=cfg.data_format, skip_bad_rows=cfg.skip_bad_rows)
@@ -272,82 +367,92 @@ def build_data(cfg: Config, tok, max_positions: int, master: bool):
         max_context=max_positions,
     )
     trainset = pack.build_dataset(train_examples, tok, cfg.context_length, **common)
+    if cfg.batch_tokens < trainset.context_length * world:
+        rows = f"one row of {trainset.context_length} tokens" + (f" per rank on {world} ranks" if world > 1 else "")
+        raise ValueError(f"batch_tokens: {cfg.batch_tokens} is less than {rows}; raise it or lower context_length")
     valset = pack.build_dataset(val_examples, tok, trainset.context_length, **common)
     if master:
         print(trainset.report())
+        if cfg.preview:
+            print(pack.preview(train_examples, tok, cfg.template or None, cfg.train_on_prompt))
     return trainset, valset, val_examples[0]
 
 
 # ----------------------------------------------------------------------------- memory, FLOPs, peak
 
 
-def memory_estimate(model: Llama, micro_tokens: int, dtype, opt_bytes_per_param: int) -> dict:
-    """Bytes by kind: weights (NF4 buffers, 16-bit), LoRA params, grads, optimizer state, activations."""
-    c = model.config
-    nf4 = sum(
-        b.numel() * b.element_size()
-        for m in model.modules()
-        if isinstance(m, quant.NF4Linear)
-        for b in m.buffers(recurse=False)
-    )
-    dense = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if not p.requires_grad)
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    a = torch.finfo(dtype).bits // 8
-    kv = c.num_key_value_heads * c.head_dim
-    # Saved per token per block: two norm inputs/outputs, q/k/v, attention out, o_proj in, gate/up/act/product,
-    # and the adapter inputs (dropout makes one copy per adapted linear).
-    per_block = a * (6 * c.hidden_size + c.num_attention_heads * c.head_dim + 2 * kv + 4 * c.intermediate_size)
-    per_block += a * (4 * c.hidden_size + 3 * c.intermediate_size)
-    per_block += 4 * 6 * c.hidden_size + 6 * c.hidden_size + c.intermediate_size  # fp32 RMSNorm copies, dropout masks
-    every_block = micro_tokens * per_block * c.num_hidden_layers
-    ckpt = micro_tokens * (a * c.hidden_size * c.num_hidden_layers + per_block)  # block inputs + one live block
-    logits = 4 * min(micro_tokens, 1024) * c.vocab_size * 2  # one fp32 loss chunk and its gradient
-    return {
-        "weights_nf4": nf4,
-        "weights_16bit": dense,
-        "lora": 4 * trainable,
-        "grads": 4 * trainable,
-        "optimizer": opt_bytes_per_param * trainable,
-        "activations": every_block + logits,
-        "activations_ckpt": ckpt + logits,
-    }
+# Dense bf16 (fp16 on pre-Ampere cards) tensor-core peaks in TFLOP/s, no sparsity, by the words of
+# torch.cuda.get_device_name: every word of a key must appear, so "L40" is not "L40S" and "A10" is not "A10G".
+# The first key that matches wins (the PCIe H100 before the SXM one); a GPU none matches gets a measured peak.
+PEAK_TFLOPS = {
+    ("H100", "PCIE"): 756,
+    ("H100",): 989,
+    ("H200",): 989,
+    ("A100",): 312,
+    ("L40S",): 362,
+    ("L40",): 181,
+    ("L4",): 121,
+    ("A10",): 125,
+    ("A6000",): 155,
+    ("V100",): 125,
+    ("T4",): 65,
+}
 
 
-PEAK_BF16_TFLOPS = {
-    "H200": 989,
-    "H100": 989,
-    "A100": 312,
-    "L40S": 362,
-    "A10": 125,
-    "L4": 121,
-    "4090": 165,
-    "3090": 71,
-    "A6000": 155,
-    "V100": 125,
-    "T4": 65,
-}  # dense tensor-core peaks, no sparsity
-
-
-def peak_flops(device, dtype) -> float:
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device)
-        tflops = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), 0)
-        return tflops * 1e12 * (0.5 if dtype == torch.float32 else 1.0)  # TF32 runs at half the bf16 rate
-    x = torch.randn(1024, 1024, dtype=dtype)
+def matmul_peak(device, dtype, seconds=0.3) -> float:
+    """FLOP/s of square matmuls in `dtype` on `device`, timed for `seconds` after a warm-up."""
+    n = 4096 if device.type == "cuda" else 1024
+    x = torch.randn(n, n, device=device).to(dtype)
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
     x @ x
-    t, n = time.perf_counter(), 0
-    while time.perf_counter() - t < 0.3:
-        x @ x
-        n += 1
-    return 2 * 1024**3 * n / (time.perf_counter() - t)
+    sync()
+    t, k = time.perf_counter(), 0
+    while time.perf_counter() - t < seconds:
+        for _ in range(4):
+            x @ x
+        k += 4
+        sync()
+    return 2 * n**3 * k / (time.perf_counter() - t)
+
+
+def peak_flops(device, dtype) -> tuple[float, str]:
+    """(the FLOP/s that MFU divides by, where it comes from): a GPU's datasheet peak when its name is known, else a
+    measured matmul peak (always on CPU), which is never zero."""
+    if device.type == "cuda":
+        words = set(re.findall(r"[A-Z0-9]+", torch.cuda.get_device_name(device).upper()))
+        tflops = next((v for k, v in PEAK_TFLOPS.items() if words.issuperset(k)), None)
+        if tflops is not None:
+            return tflops * 1e12 * (0.5 if dtype == torch.float32 else 1.0), "datasheet"  # TF32: half the 16-bit rate
+    return matmul_peak(device, dtype), "measured"
 
 
 def peak_memory(device) -> int:
+    """Peak bytes since reset_peak_memory: torch's CUDA allocator peak, or on CPU the process's peak resident set
+    (Linux's VmHWM; ru_maxrss elsewhere, which also counts what a parent held when it forked us)."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
+    if os.path.exists("/proc/self/status"):
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def reset_peak_memory(device):
+    """Start the peak afresh, so that it measures the training steps, not loading (a checkpoint read through mmap
+    counts in the resident set) or data preparation. On Linux, writing 5 to /proc/self/clear_refs resets VmHWM."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif os.path.exists("/proc/self/clear_refs"):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+
+def current_rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
 
 
 def fmt_bytes(n: float) -> str:
@@ -358,15 +463,12 @@ def fmt_bytes(n: float) -> str:
 
 
 def save_checkpoint(path, model, opt, sched, step, cfg):
-    rng = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        rng["cuda"] = torch.cuda.get_rng_state_all()
+    """Adapter weights, optimizer and schedule. No RNG state: every step reseeds from (seed, step, rank)."""
     state = {
         "step": step,
         "lora": {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad},
         "optimizer": opt.state_dict(),
         "scheduler": sched.state_dict(),
-        "rng": rng,
         "config": dataclasses.asdict(cfg),
     }
 
@@ -394,10 +496,6 @@ def load_checkpoint(path, model, opt, sched, cfg) -> int:
             params[name].copy_(value)
     opt.load_state_dict(state["optimizer"])
     sched.load_state_dict(state["scheduler"])
-    torch.set_rng_state(state["rng"]["torch"])
-    random.setstate(state["rng"]["python"])
-    if "cuda" in state["rng"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng"]["cuda"])
     return step
 
 
@@ -419,16 +517,15 @@ def read_metrics(path, step) -> list[dict]:
 
 
 def make_optimizer(cfg: Config, params, device):
+    """AdamW: fused on CUDA, foreach on CPU; or bitsandbytes' 8-bit AdamW (paged: its state can spill to the host)."""
     kw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(params, **kw, fused=device.type == "cuda", foreach=device.type != "cuda" or None)
-    if cfg.optimizer in ("adamw8bit", "paged_adamw8bit"):
-        import bitsandbytes as bnb
+    if cfg.optimizer == "paged_adamw8bit" and device.type != "cuda":
+        raise ValueError("optimizer: paged_adamw8bit needs CUDA; use adamw8bit or adamw on CPU")
+    import bitsandbytes as bnb
 
-        if cfg.optimizer == "paged_adamw8bit" and device.type != "cuda":
-            raise ValueError("optimizer: paged_adamw8bit needs CUDA; use adamw8bit or adamw on CPU")
-        return (bnb.optim.PagedAdamW8bit if cfg.optimizer == "paged_adamw8bit" else bnb.optim.AdamW8bit)(params, **kw)
-    raise ValueError(f"optimizer: expected adamw, adamw8bit or paged_adamw8bit, got '{cfg.optimizer}'")
+    return (bnb.optim.PagedAdamW8bit if cfg.optimizer == "paged_adamw8bit" else bnb.optim.AdamW8bit)(params, **kw)
 
 
 def lr_lambda(cfg: Config):
@@ -457,36 +554,82 @@ def optimizer_bytes(cfg: Config) -> int:
 
 
 def auto_micro_rows(run: Run, model, trainset, rows_per_rank) -> int:
-    """Micro-batch size in rows. CUDA: the largest that fits, by probing a forward+backward on the longest rows and
-    halving on out-of-memory. CPU: the smallest of at least CPU_MICRO_TOKENS that the memory estimate allows."""
+    """Micro-batch size in rows. CUDA: the largest that fits, probed with forward+backward passes on the longest rows
+    while the optimizer state (allocated at the first step) is held in reserve. CPU: the smallest of at least
+    CPU_MICRO_TOKENS that the memory estimate allows."""
     cfg = run.cfg
     if isinstance(cfg.micro_batch_tokens, int):
         return max(1, min(rows_per_rank, cfg.micro_batch_tokens // trainset.context_length))
-    rows = rows_per_rank
     if run.device.type == "cuda":
         longest = sorted(range(len(trainset)), key=lambda r: -sum(trainset.lens[d] for d in trainset.rows[r]))
-        while rows > 1:
+
+        def attempt(rows):
             try:
                 loss, _ = forward_loss(model, trainset.collate(longest[:rows]), run)
                 loss.backward()
+            finally:
                 model.zero_grad(set_to_none=True)
-                return rows
-            except torch.cuda.OutOfMemoryError:
-                model.zero_grad(set_to_none=True)
-                torch.cuda.empty_cache()
-                rows //= 2
-        return 1
+
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        reserve = torch.empty(optimizer_bytes(cfg) * trainable, dtype=torch.uint8, device=run.device)
+        rows = probe_micro_rows(attempt, rows_per_rank, run.device)
+        del reserve
+        return rows
     # CPU: memory first. Several rows per micro-batch buy a little speed for a much larger resident set (the README's
     # ladder measures both); set micro_batch_tokens to trade the other way.
     import psutil
 
     budget = 0.6 * psutil.virtual_memory().available
-    key = "activations_ckpt" if cfg.activation_checkpointing else "activations"
-    rows = min(rows, max(1, CPU_MICRO_TOKENS // trainset.context_length))
-    ctx = trainset.context_length
-    while rows > 1 and memory_estimate(model, rows * ctx, run.dtype, optimizer_bytes(cfg))[key] > budget:
+    rows = min(rows_per_rank, max(1, CPU_MICRO_TOKENS // trainset.context_length))
+    grows = lambda parts: parts["activations"] + parts["transient"] + parts["heap"]  # noqa: E731  (the rest is loaded)
+    while rows > 1 and grows(estimate(run, model.config, rows * trainset.context_length)) > budget:
         rows //= 2
     return rows
+
+
+def estimate(run: Run, config, tokens) -> dict:
+    """memory.estimate for this run's settings: bytes by part for a micro-batch of `tokens` tokens."""
+    cfg = run.cfg
+    return memory.estimate(
+        config,
+        tokens,
+        run.dtype,
+        cfg.quantize,
+        cfg.lora_r,
+        lora_targets(cfg),
+        cfg.lora_dropout,
+        optimizer_bytes(cfg),
+        cfg.activation_checkpointing,
+        run.device.type == "cpu",
+    )
+
+
+def probe_micro_rows(attempt, max_rows, device) -> int:
+    """The largest rows in 1..max_rows for which attempt(rows) (a forward + backward) does not run out of memory:
+    max_rows first, then bisection (memory grows with rows, so 3 is found where halving would stop at 2). A failed
+    attempt's tensors die with its frame once the except block is left; only then is the cache emptied, so the next
+    attempt starts from a clean device. The peak statistics are reset at the end, so the peak the run reports is its
+    own, not a failed probe's."""
+
+    def fits(rows):
+        try:
+            attempt(rows)
+            ok = True
+        except torch.OutOfMemoryError:
+            ok = False
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return ok
+
+    lo, hi = 1, max_rows  # the answer lies in lo..hi; one row must fit, or nothing can train
+    if not fits(hi):
+        hi -= 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    return hi
 
 
 @torch.no_grad()
@@ -544,24 +687,38 @@ def train_step(run: Run, model, params, opt, scaler, batch, micro_rows) -> dict:
     return rec
 
 
-def report_layout(run: Run, model, trainset, rows, micro_rows) -> int:
-    """Print how a step is split and the memory estimate; returns the estimated total bytes."""
-    est = memory_estimate(model, micro_rows * trainset.context_length, run.dtype, optimizer_bytes(run.cfg))
+def report_plan(run: Run, model, trainset, rows, micro_rows, process):
+    """Print how a step is split, the memory estimate by part (on CPU with the process's own `process` bytes, measured
+    before the model was built) and what MFU is measured against; returns (estimated bytes, model FLOPs per token,
+    peak FLOP/s)."""
+    ctx = trainset.context_length
+    est = estimate(run, model.config, micro_rows * ctx) | ({"process": process} if process else {})
+    peak, source = peak_flops(run.device, run.dtype)
     if run.master:
         print(
-            f"batch: {rows * run.world} rows x {trainset.context_length} tokens per step = {run.world} rank(s) x "
+            f"batch: {rows * run.world} rows x {ctx} tokens per step = {run.world} rank(s) x "
             f"{math.ceil(rows / micro_rows)} micro-batch(es) x {micro_rows} rows"
         )
-        print("memory estimate: " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in est.items()))
-    skip = "activations" if run.cfg.activation_checkpointing else "activations_ckpt"
-    return sum(v for k, v in est.items() if k != skip)
+        print(
+            f"memory estimate {fmt_bytes(sum(est.values()))}: "
+            + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in est.items())
+        )
+        print(f"MFU is measured against a {source} peak of {peak / 1e12:.2f} TFLOP/s")
+    return sum(est.values()), flops_per_token(model.config, ctx), peak
 
 
 def start(run: Run, model, tok, valset, held_out):
-    """A fresh run's (history, sample before training): the step-0 validation loss and the held-out answer."""
+    """A fresh run's (history, sample before training): the NF4 quantization error, the step-0 validation loss and the
+    held-out answer."""
     cfg, history = run.cfg, []
     if not run.master:
         return history, ""
+    if errors := quant.error_summary(model):
+        history.append({"step": 0, "nf4_error": errors})
+        print(
+            f"NF4 quantization error ||W - W_nf4|| / ||W|| over {errors['layers']} linears: mean "
+            f"{errors['mean']:.4f}, worst {errors['worst']:.4f} ({errors['worst_layer']})"
+        )
     before = sample(model, tok, held_out, run) if cfg.sample else ""
     if cfg.eval_every:
         history.append({"step": 0, "val_loss": evaluate(model, valset, cfg.eval_rows, run)})
@@ -569,14 +726,34 @@ def start(run: Run, model, tok, valset, held_out):
     return history, before
 
 
-def log_step(run: Run, model, valset, rec, bar, estimate):
-    """Evaluation when it is due, the progress bar, and once, after step 2, the measured peak beside the estimate."""
+def adapter_report(model, rec, bar):
+    """Adapter health into `rec` and one line (a warning when no B has moved: the adapters are not training)."""
+    health = lora.adapter_health(model)
+    updates = {n: u for n, (u, _) in health.items()}
+    moved = sum(m for _, m in health.values()) / len(health)
+    worst = max(updates, key=updates.get)
+    rec["adapters"] = dict(update=updates, mean=sum(updates.values()) / len(updates), b_moved=moved)
+    bar.write(
+        f"adapters at step {rec['step']}: ||scale B A|| / ||W|| mean {rec['adapters']['mean']:.2e}, largest "
+        f"{updates[worst]:.2e} ({worst}); {100 * moved:.1f}% of B moved from zero"
+    )
+    if moved == 0:
+        bar.write(
+            f"warning: every LoRA B is still zero after {rec['step']} steps: the adapters are not training "
+            "(no gradient reaches them: frozen by mistake, or cut off, e.g. by checkpointing inputs that need no grad)"
+        )
+
+
+def log_step(run: Run, model, valset, rec, bar, estimated):
+    """Evaluation and adapter health when due, the progress bar, and once, after step 2, the measured peak beside the
+    estimate."""
     cfg, step = run.cfg, rec["step"]
     if run.device.type == "cuda":
         rec["peak_mem"] = peak_memory(run.device)
     if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps):
         rec["val_loss"] = evaluate(model, valset, cfg.eval_rows, run)
         rec["val_ppl"] = math.exp(min(rec["val_loss"], 50))
+        adapter_report(model, rec, bar)
     bar.set_postfix_str(
         f"loss {rec['loss']:.3f} lr {rec['lr']:.1e} tok/s {rec['tokens_per_s']:.0f} sup/s "
         f"{rec['supervised_per_s']:.0f} mfu {100 * rec['mfu']:.1f}% fwd/bwd/opt "
@@ -586,15 +763,33 @@ def log_step(run: Run, model, valset, rec, bar, estimate):
     bar.update(1)
     if step == min(2, cfg.max_steps):  # the estimate, checked against what the first steps really took
         peak = fmt_bytes(peak_memory(run.device))
-        bar.write(f"measured peak memory after {step} steps: {peak} (estimated {fmt_bytes(estimate)})")
+        bar.write(f"measured peak memory after {step} steps: {peak} (estimated {fmt_bytes(estimated)})")
 
 
 def fit(cfg: Config) -> list[dict]:
-    """Fine-tune as `cfg` says; returns the metrics history (step 0's evaluation, then one record per step)."""
+    """Fine-tune as `cfg` says; returns the metrics history (step 0's records, then one per step). --plan and
+    --preview stop after printing, before any model is loaded."""
+    check_config(cfg)
     run = setup(cfg)
     model_dir = check_inputs(cfg)
+    config = hf.read_config(model_dir)[0]
+    if cfg.plan:
+        context = (
+            cfg.context_length if isinstance(cfg.context_length, int) else min(2048, config.max_position_embeddings)
+        )
+        rows = max(1, cfg.batch_tokens // context)
+        dtype = torch.float32 if cfg.precision == "fp32" else torch.bfloat16
+        print(memory.report(config, cfg.plan, context, rows, dtype, cfg.lora_r, lora_targets(cfg), cfg.lora_dropout))
+        return []
     tok = Tokenizer(model_dir)
-    trainset, valset, held_out = build_data(cfg, tok, hf.read_config(model_dir)[0].max_position_embeddings, run.master)
+    trainset, valset, held_out = build_data(cfg, tok, config.max_position_embeddings, run.master, run.world)
+    return [] if cfg.preview else loop(run, model_dir, tok, trainset, valset, held_out)
+
+
+def loop(run: Run, model_dir, tok, trainset, valset, held_out) -> list[dict]:
+    """Build the model and optimizer, then train step by step, evaluating, logging and saving as configured."""
+    cfg = run.cfg
+    process = current_rss() if run.device.type == "cpu" else 0  # on CPU the measured peak is the whole process's
     model = build_model(run, model_dir)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(cfg, params, run.device)
@@ -602,19 +797,20 @@ def fit(cfg: Config) -> list[dict]:
     scaler = torch.amp.GradScaler("cuda", enabled=run.dtype == torch.float16)
     rows = max(1, cfg.batch_tokens // trainset.context_length // run.world)  # this rank's rows per step
     micro_rows = auto_micro_rows(run, model, trainset, rows)
-    estimate = report_layout(run, model, trainset, rows, micro_rows)
+    total, flops, peak = report_plan(run, model, trainset, rows, micro_rows, process)
     if cfg.resume:
         step = last_good = load_checkpoint(os.path.join(cfg.out_dir, "checkpoint.pt"), model, opt, sched, cfg)
         history, sample_before = read_metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), step), ""
     else:
         step = last_good = 0
         history, sample_before = start(run, model, tok, valset, held_out)
-    flops, peak = flops_per_token(model.config, trainset.context_length), peak_flops(run.device, run.dtype)
     from tqdm import tqdm
 
+    reset_peak_memory(run.device)
     bar = tqdm(total=cfg.max_steps, initial=step, disable=not run.master, dynamic_ncols=True)
     try:
         while step < cfg.max_steps:
+            torch.manual_seed(hash((cfg.seed, step, run.rank)) % 2**63)  # dropout: a function of the step, resumable
             t0, batch = time.perf_counter(), trainset.step_batch(step, rows, run.rank, run.world)
             rec = {"step": step + 1, "lr": sched.get_last_lr()[0]}
             rec |= train_step(run, model, params, opt, scaler, batch, micro_rows)
@@ -628,7 +824,7 @@ def fit(cfg: Config) -> list[dict]:
             rec |= {"tokens_per_s": tokens / dt, "supervised_per_s": rec.pop("supervised") / dt}
             rec["mfu"] = flops * tokens / dt / run.world / peak
             if run.master:
-                log_step(run, model, valset, rec, bar, estimate)
+                log_step(run, model, valset, rec, bar, total)
                 history.append(rec)
                 if cfg.save_every and step % cfg.save_every == 0:
                     last_good = save_state(run, model, opt, sched, step, history)
@@ -666,13 +862,18 @@ def finish(run: Run, model, tok, held_out, history, sample_before, model_dir):
         print(f"--- held-out prompt ---\n{prompt}\n--- reference ---\n{ref}")
         print(f"--- before training (similarity {sim(sample_before):.3f}) ---\n{sample_before}")
         print(f"--- after training (similarity {sim(after):.3f}) ---\n{after}")
-    if cfg.export_merged:
+    if cfg.export_merged or cfg.export_gguf:
         merged_dir = os.path.join(cfg.out_dir, "merged")
         original = hf.Checkpoint(model_dir) if cfg.quantize else None
         sources, diff = lora.merge_and_check_(model, [tok.encode(prompt, bos=bos)], original=original)
         hf.export_merged(model, merged_dir, tokenizer_dir=model_dir)
         used = sorted(set(sources.values()))
         print(f"merged model written to {merged_dir} (merged into {'/'.join(used)} weights; max logit diff {diff:.2e})")
+        if cfg.export_gguf:
+            path = convert.export_gguf(
+                merged_dir, os.path.join(cfg.out_dir, f"model-{cfg.export_gguf}.gguf"), cfg.export_gguf
+            )
+            print(f"GGUF written to {path} (Ollama: ollama create NAME -f {convert.modelfile_path(path)})")
 
 
 def plot_losses(history, path):
@@ -699,7 +900,8 @@ def main(argv=None):
     try:
         fit(load_config(sys.argv[1:] if argv is None else argv))
     except (ValueError, OSError, FloatingPointError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        for line in str(e).splitlines():  # several mistakes in a config: one line each
+            print(f"error: {line}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

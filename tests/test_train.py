@@ -3,11 +3,16 @@
 - config files and --key=value overrides load; a typo names the nearest valid key; a wrong type is refused;
 - gradient accumulation over micro-batches gives the same update as one batch (1e-6, fp32), although the micro-batches
   hold different numbers of supervised tokens, because the loss is normalised by the global supervised-token count;
-- a run interrupted at step 2 and resumed reaches the same losses and the same adapter bytes as an uninterrupted run;
+- a run interrupted at step 2 and resumed reaches the same losses and the same adapter bytes as an uninterrupted run,
+  with LoRA dropout on (its randomness is a function of the step, so nothing random needs saving);
 - torchrun with 2 CPU processes (gloo) gives the same losses as one process with the same global batch;
 - a config typo, a missing data file, an unwritable out_dir, a corrupted checkpoint and a NaN loss each end with a
   one-line error and leave the existing checkpoint untouched;
-- the real SmolLM2 QLoRA run lowers the validation loss and writes a PEFT adapter, a loss plot and metrics.
+- the real SmolLM2 QLoRA run lowers the validation loss and writes a PEFT adapter, a loss plot and metrics;
+- the CUDA set-up on simulated GPUs: MFU's peak comes from the datasheet for a known name matched word by word (L40 is
+  not L4, A10G not A10) and from a measured matmul for any other, never zero; precision "auto" is fp16 on pre-Ampere
+  cards; the micro-batch probe finds the largest size that fits under a simulated out-of-memory allocator, frees each
+  failed attempt before the next and resets the peak statistics; an 8-bit optimizer without bitsandbytes is one line.
 """
 
 import json
@@ -114,7 +119,7 @@ def test_accumulation_equals_one_batch(tiny_dir, tmp_path):
 
 
 def test_resume_is_step_exact(tiny_dir, tmp_path, monkeypatch):
-    full = run(args(tiny_dir, tmp_path / "full"))
+    full = run(args(tiny_dir, tmp_path / "full", "--lora_dropout=0.1"))
     real_step_batch = PackedDataset.step_batch
 
     def interrupt_at_2(ds, step, *a):
@@ -124,10 +129,10 @@ def test_resume_is_step_exact(tiny_dir, tmp_path, monkeypatch):
 
     monkeypatch.setattr(PackedDataset, "step_batch", interrupt_at_2)
     with pytest.raises(SystemExit):
-        run(args(tiny_dir, tmp_path / "resumed"))
+        run(args(tiny_dir, tmp_path / "resumed", "--lora_dropout=0.1"))
     assert torch.load(tmp_path / "resumed" / "out" / "checkpoint.pt", weights_only=False)["step"] == 2
     monkeypatch.setattr(PackedDataset, "step_batch", real_step_batch)
-    resumed = run(args(tiny_dir, tmp_path / "resumed", "--resume"))
+    resumed = run(args(tiny_dir, tmp_path / "resumed", "--lora_dropout=0.1", "--resume"))
     losses = lambda h: [(r["step"], r["loss"]) for r in h if "loss" in r]  # noqa: E731
     assert losses(resumed) == losses(full)
     a = open(tmp_path / "full" / "out" / "adapter" / "adapter_model.safetensors", "rb").read()
@@ -156,8 +161,9 @@ def test_torchrun_two_processes_match_one(tiny_dir, tmp_path):
         assert abs(s - d) < 1e-5, (single, ddp)
 
 
-def one_line_error(argv, capsys):
-    capsys.readouterr()  # drop what earlier runs printed
+def refused(argv, capsys) -> list[str]:
+    """Every line main() printed for a refused run (several mistakes in a config: one line each); exit code 2."""
+    capsys.readouterr()
     with pytest.raises(SystemExit) as e:
         cwd = os.getcwd()
         os.chdir(ROOT)
@@ -166,9 +172,13 @@ def one_line_error(argv, capsys):
         finally:
             os.chdir(cwd)
     assert e.value.code == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]  # after whatever the progress bar drew
-    assert err.startswith("error: "), err
-    return err
+    return [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
+
+
+def one_line_error(argv, capsys):
+    lines = refused(argv, capsys)
+    assert len(lines) == 1, lines
+    return lines[0]
 
 
 def test_bad_input_gives_one_line_errors_and_keeps_checkpoints(tiny_dir, tmp_path, capsys):
@@ -229,7 +239,7 @@ def test_smollm2_qlora_run_lowers_val_loss(smollm2_dir, tmp_path):
     vals = [h["val_loss"] for h in history if "val_loss" in h]
     assert len(vals) == 2 and vals[1] < vals[0] - 0.05, vals
     assert (out / "adapter" / "adapter_config.json").exists() and (out / "loss.png").exists()
-    assert len(open(out / "metrics.jsonl").readlines()) == 9
+    assert len(open(out / "metrics.jsonl").readlines()) == 10  # NF4's error and the step-0 loss, then 8 steps
 
 
 def test_evaluate_covers_exactly_the_requested_rows(tiny_dir):
@@ -241,3 +251,256 @@ def test_evaluate_covers_exactly_the_requested_rows(tiny_dir):
     with torch.no_grad():
         loss, n = model(**{k: v for k, v in valset.collate(range(10)).items()})
     assert abs(got - loss.item() / n) < 1e-5
+
+
+@pytest.mark.parametrize(
+    "name, source, tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", "datasheet", 989),
+        ("NVIDIA H100 PCIe", "datasheet", 756),
+        ("NVIDIA L40", "datasheet", 181),
+        ("NVIDIA L4", "datasheet", 121),
+        ("Tesla T4", "datasheet", 65),
+        ("NVIDIA A10G", "measured", 42),
+        ("NVIDIA B200", "measured", 42),
+        ("Some Future GPU", "measured", 42),
+    ],
+)
+def test_peak_flops_of_simulated_gpus(monkeypatch, name, source, tflops):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    measured = []
+    monkeypatch.setattr(train, "matmul_peak", lambda device, dtype: measured.append(device) or 42e12)
+    peak, got = train.peak_flops(torch.device("cuda"), torch.bfloat16)
+    assert (got, peak) == (source, tflops * 1e12) and len(measured) == (source == "measured")
+    assert train.peak_flops(torch.device("cuda"), torch.float32)[0] == (peak / 2 if source == "datasheet" else 42e12)
+
+
+def test_cpu_peak_is_measured():
+    peak, source = train.peak_flops(torch.device("cpu"), torch.float32)
+    assert source == "measured" and peak > 1e9
+
+
+@pytest.mark.parametrize(
+    "capability, want", [((7, 5), torch.float16), ((7, 0), torch.float16), ((8, 0), torch.bfloat16)]
+)
+def test_auto_precision_on_simulated_gpus(monkeypatch, capability, want):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    assert train.pick_precision(train.Config(), torch.device("cuda")) == want
+    assert train.pick_precision(train.Config(), torch.device("cpu")) == torch.bfloat16
+
+
+@pytest.mark.parametrize("fit_up_to, max_rows", [(3, 8), (8, 8), (1, 8), (5, 6), (1, 1)])
+def test_micro_batch_probe_under_simulated_oom(monkeypatch, fit_up_to, max_rows):
+    """An allocator that runs out of memory above `fit_up_to` rows, after the attempt has allocated its tensors."""
+    import weakref
+
+    events, alive = [], []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: events.append("reset_peak"))
+
+    def attempt(rows):
+        assert all(ref() is None for ref in alive), "the previous attempt's tensors are still alive"
+        activations = torch.zeros(rows, 1000)
+        alive.append(weakref.ref(activations))
+        events.append(rows)
+        if rows > fit_up_to:
+            raise torch.OutOfMemoryError(f"CUDA out of memory: {rows} rows")
+
+    assert train.probe_micro_rows(attempt, max_rows, torch.device("cuda")) == fit_up_to
+    tried = [e for e in events if isinstance(e, int)]
+    assert tried[0] == max_rows and len(tried) <= 1 + max_rows.bit_length()
+    assert events.count("empty_cache") == len(tried) and events[-1] == "reset_peak"
+
+
+def test_8bit_optimizer_without_bitsandbytes(tiny_dir, tmp_path, monkeypatch, capsys):
+    find_spec = train.importlib.util.find_spec
+    monkeypatch.setattr(train.importlib.util, "find_spec", lambda n: None if n == "bitsandbytes" else find_spec(n))
+    err = one_line_error(args(tiny_dir, tmp_path, "--optimizer=adamw8bit"), capsys)
+    assert err == "error: optimizer: adamw8bit needs bitsandbytes (pip install bitsandbytes); or use adamw"
+
+
+def test_refused_runs_keep_the_existing_checkpoint(tiny_dir, tmp_path, capsys):
+    """A fresh run into an out_dir that holds a run, out-of-range settings (every one named, a line each), a batch
+    smaller than one row, and non-UTF-8 data: each is refused with exactly these lines and exit code 2, and the
+    existing checkpoint keeps its bytes."""
+    run(args(tiny_dir, tmp_path, "--max_steps=2", "--eval_every=0"))
+    out, ckpt = tmp_path / "out", tmp_path / "out" / "checkpoint.pt"
+    before = ckpt.read_bytes()
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes('{"problem": "a", "solution": "b"}\n{"problem": "café", "solution": "b"}\n'.encode("latin-1"))
+    cases = [
+        (
+            [],
+            [
+                f"out_dir: {out} already holds a run ({ckpt}); continue it with --resume, replace it with --overwrite, "
+                "or choose another out_dir"
+            ],
+        ),
+        (["--max_steps=-3"], ["max_steps: -3 is out of range (expected >= 1)"]),
+        (
+            ["--lora_r=0", "--lr=-1", "--precision=fp8"],
+            [
+                "lora_r: 0 is out of range (expected an integer >= 1)",
+                "lr: -1.0 is out of range (expected > 0)",
+                "precision: expected one of auto, bf16, fp16, fp32, got 'fp8'",
+            ],
+        ),
+        (
+            ["--overwrite", "--batch_tokens=100"],
+            ["batch_tokens: 100 is less than one row of 128 tokens; raise it or lower context_length"],
+        ),
+        (
+            ["--overwrite", f"--data={bad}"],
+            [f"{bad}:2: not UTF-8 text (byte 0xe9 at byte 17 of the line); save the file as UTF-8"],
+        ),
+        (
+            ["--resume", "--overwrite"],
+            ["overwrite: --resume continues the run in out_dir, --overwrite replaces it; choose one"],
+        ),
+    ]
+    for extra, want in cases:
+        assert refused(args(tiny_dir, tmp_path, *extra), capsys) == [f"error: {line}" for line in want]
+        assert ckpt.read_bytes() == before
+
+
+def test_default_out_dir_keeps_earlier_runs(tmp_path, monkeypatch, capsys):
+    """`python train.py` twice: the second run writes to out-2 and says so; --resume and --overwrite stay in out."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "checkpoint.pt").write_bytes(b"the earlier run")
+    cfg = train.Config()
+    train.claim_out_dir(cfg)
+    assert cfg.out_dir == "out-2"
+    assert "out_dir: out holds an earlier run, kept as it is; this run writes to out-2" in capsys.readouterr().out
+    (tmp_path / "out-2" / "checkpoint.pt").write_bytes(b"the second run")
+    for cfg, want in [
+        (train.Config(), "out-3"),
+        (train.Config(resume=True), "out"),
+        (train.Config(overwrite=True), "out"),
+    ]:
+        train.claim_out_dir(cfg)
+        assert cfg.out_dir == want
+    assert (tmp_path / "out" / "checkpoint.pt").read_bytes() == b"the earlier run"
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 4 MiB tmpfs when this machine lets us mount one (root), else None: the test then simulates the errors."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True)
+    yield disk, mounted.returncode == 0
+    if mounted.returncode == 0:
+        subprocess.run(["umount", str(disk)], check=True)
+
+
+def test_full_disk_and_lost_permission_keep_the_last_checkpoint(tiny_dir, tmp_path, small_disk, monkeypatch, capsys):
+    """A checkpoint save that meets a full disk, then one that meets a folder turned read-only mid-run: one line
+    naming the file, the reason and what was kept, exit code 2, the last checkpoint's bytes unchanged, no temp file
+    left. On a real tmpfs when it can be mounted, else with the errors the OS would raise."""
+    import errno
+
+    import hf
+
+    disk, mounted = small_disk
+    argv = lambda *a: [*args(tiny_dir, disk, "--eval_every=0", f"--cache_dir={tmp_path / 'cache'}"), *a]  # noqa: E731
+    run(argv("--max_steps=2"))
+    out, ckpt = disk / "out", disk / "out" / "checkpoint.pt"
+    before = ckpt.read_bytes()
+    real_open = os.open
+
+    def failing_open(code):
+        def fake(path, *a, **kw):
+            if str(path).startswith(str(out / ".checkpoint.pt.")):
+                raise OSError(code, os.strerror(code), path)
+            return real_open(path, *a, **kw)
+
+        return fake
+
+    if mounted:  # leave room for half a checkpoint: the write fails mid-file
+        free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+        (disk / "filler").write_bytes(b"\0" * (free - len(before) // 2))
+    else:
+        monkeypatch.setattr(hf.os, "open", failing_open(errno.ENOSPC))
+    err = refused(argv("--max_steps=4", "--resume"), capsys)
+    assert err == [f"error: {ckpt}: could not write it (No space left on device); the previous file is kept"]
+    assert ckpt.read_bytes() == before and not list(out.glob(".*.tmp"))
+
+    if mounted:
+        (disk / "filler").unlink()
+        real_save = train.save_state
+
+        def lose_permission(*a, **kw):  # the folder turns read-only while the run is going
+            subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
+            return real_save(*a, **kw)
+
+        monkeypatch.setattr(train, "save_state", lose_permission)
+    else:
+        monkeypatch.setattr(hf.os, "open", failing_open(errno.EROFS))
+    err = refused(argv("--max_steps=4", "--resume"), capsys)
+    assert err == [f"error: {ckpt}: could not write it (Read-only file system); the previous file is kept"]
+    assert ckpt.read_bytes() == before and not list(out.glob(".*.tmp"))
+
+
+def test_adapter_health_warns_when_adapters_do_not_train(tiny_dir, tmp_path, monkeypatch, capsys):
+    """A normal run reports its adapters moving and NF4's quantization error, with no warning; a run whose B
+    matrices are frozen (no gradient reaches them) is warned about at its first evaluation."""
+    history = run(args(tiny_dir, tmp_path / "ok", "--max_steps=2"))
+    printed = capsys.readouterr().err + capsys.readouterr().out
+    assert "warning: every LoRA B" not in printed
+    nf4 = next(h["nf4_error"] for h in history if "nf4_error" in h)
+    assert nf4["layers"] == 14 and 0 < nf4["mean"] <= nf4["worst"] < 0.2
+    health = next(h["adapters"] for h in history if "adapters" in h)
+    assert health["b_moved"] > 0.9 and len(health["update"]) == 14 and health["mean"] > 0
+    real = train.build_model
+
+    def frozen_b(*a):
+        model = real(*a)
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.requires_grad_(False)
+        return model
+
+    monkeypatch.setattr(train, "build_model", frozen_b)
+    history = run(args(tiny_dir, tmp_path / "frozen", "--max_steps=2"))
+    captured = capsys.readouterr()
+    assert (
+        "warning: every LoRA B is still zero after 2 steps: the adapters are not training"
+        in captured.err + captured.out
+    )
+    assert next(h["adapters"] for h in history if "adapters" in h)["b_moved"] == 0
+
+
+def test_every_config_file_is_valid():
+    for path in sorted(os.listdir(os.path.join(ROOT, "configs"))):
+        train.check_config(train.load_config([os.path.join(ROOT, "configs", path)]))
+
+
+def test_default_run_memory_estimate_within_15_percent(tmp_path):
+    """The default run (SmolLM2 QLoRA, bf16 on CPU, 4 rows of 512 tokens): the estimate train.py prints is within 15%
+    of the peak it measures after 2 steps, in a fresh process whose peak RSS is its own."""
+    import re
+
+    argv = [sys.executable, "train.py", "--max_steps=2", "--eval_every=0", "--sample=False", f"--out_dir={tmp_path}"]
+    proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    printed = proc.stdout + proc.stderr
+    line = re.search(r"measured peak memory after 2 steps: ([\d.]+) GiB \(estimated ([\d.]+) GiB\)", printed)
+    measured, estimated = map(float, line.groups())
+    print(f"\ndefault run: measured {measured} GiB, estimated {estimated} GiB")
+    assert abs(estimated - measured) <= 0.15 * measured
+    assert re.search(r"memory estimate [\d.]+ GiB: weights .*, activations .*, heap .*, process ", printed)
+
+
+def test_plan_and_preview_load_no_model_and_write_nothing(tiny_dir, tmp_path, monkeypatch, capsys):
+    """--plan prints memory.report's table and choice for the model's config.json; --preview prints the data report and
+    the marked examples; neither builds a model nor creates out_dir."""
+    monkeypatch.setattr(train, "build_model", lambda *a: pytest.fail("a model was built"))
+    assert run(args(tiny_dir, tmp_path, "--plan=24GB")) == []
+    out = capsys.readouterr().out
+    assert "memory plan for 24GB (23.00 GiB after the CUDA context), rows of 128 tokens" in out
+    assert "fastest that fits: 16-bit base, AdamW, checkpointing off, 4 row(s)" in out
+    assert run(args(tiny_dir, tmp_path, "--preview")) == []
+    out = capsys.readouterr().out
+    assert "tokens kept" in out and "--- example 0:" in out and "supervised ---" in out
+    assert not (tmp_path / "out").exists()

@@ -1,0 +1,186 @@
+"""How much memory a LoRA or QLoRA run takes, and which settings fit a GPU.
+
+The breakdown
+-------------
+Training memory is the frozen base, the adapters with their gradients and optimizer state, and the activations
+autograd keeps for backward:
+
+    weights      2 bytes per parameter in bf16/fp16; with QLoRA the block linears take NF4's 4.127 bits (4-bit codes,
+                 one 8-bit absmax per 64, one fp32 per 64 * 256, see quant.py) while embeddings, norms and lm_head
+                 stay 16-bit
+    adapters     LoRA's A and B, r * (in + out) numbers per adapted linear, kept as fp32 masters: 4 bytes each
+    gradients    of the adapters only, the base is frozen: 4 bytes each
+    optimizer    AdamW's two fp32 moments, 8 bytes per adapter parameter (2 with 8-bit AdamW)
+    activations  per token and block, what backward reads (below)
+    transient    the loss chunk, one dequantized weight, and the block that checkpointing recomputes
+    heap         on CPU only: what the C allocator keeps of the forward's freed temporaries (below)
+
+Full fine-tuning of a 13B model needs 234 GB before activations (2 bytes of weights, 4 of gradients and 12 of Adam
+state per parameter); LoRA at r=16 keeps the 26 GB of bf16 weights and adds well under 1 GB; QLoRA shrinks the
+weights to about 7 GB. What is left to fight is activations.
+
+Activations, per token per block, in the compute dtype's A bytes (h hidden, i intermediate, q = H * D, kv = Hkv * D,
+r the LoRA rank), read off what our modules save: each RMSNorm keeps its fp32 input and its A-byte output (4h + Ah,
+twice); attention keeps q, k, v, its output and a logsumexp per head (A(2q + 2kv) + 4H; the varlen kernels never
+materialise the (T, T) scores); the MLP keeps gate, silu(gate) and up (3Ai); the frozen base linears keep nothing
+(dL/dx needs only W, dequantized again in backward); each LoRA branch keeps r numbers, and with dropout a dropped copy
+of its input plus a byte mask per element (5(Ah + h) + (Aq + q) + (Ai + i) over q, k, v, gate, up, o and down),
+without dropout only down's input (Ai), the others sharing tensors already kept. Activation checkpointing keeps only
+each block's input (Ah) and recomputes one block at a time in backward. The loss works on c = min(tokens, 1024) rows
+of the vocabulary V at a time, at the end of forward when everything else is alive: its fp32 logits, and beside them
+the matmul's 16-bit output, logsumexp's scratch copy or the 16-bit gradient, 8 bytes per logit.
+
+Beyond torch's own count: a GPU holds the CUDA context and kernels (about 1 GiB, which torch.cuda.max_memory_allocated
+does not see but the card's capacity must). On CPU, peak RSS holds two things more: the process itself (Python, torch,
+the tokenizer, the data), which train.py measures before building the model, and the heap. glibc's malloc serves
+tensors of these sizes from its heap and keeps what is freed for reuse; a forward frees, between the tensors it saves,
+temporaries of about the same total size (each op's unsaved output: norm statistics, projection sums, RoPE pieces,
+dropout draws), and the holes they leave are rarely the right size for what comes next. So the CPU estimate counts
+the activations twice: once saved, once as heap the process does not give back during the step.
+
+The plan
+--------
+`plan` computes the classic decision tree for one model and one memory budget instead of drawing it: first make the
+parts that do not depend on the batch fit at one row (16-bit base with AdamW; else the NF4 base; else also 8-bit
+AdamW; activations at one row with checkpointing), then the activations (without checkpointing if one row fits,
+else with it), then grow the micro-batch while it fits. Packed varlen attention is assumed throughout: its activations
+grow with tokens, not with tokens squared.
+"""
+
+import math
+
+import torch
+import torch.nn as nn
+
+from model import LOSS_CHUNK, Llama, find_linears
+
+GIB = 2**30
+CUDA_CONTEXT = GIB  # the CUDA context and kernels, outside torch's allocator
+GPU_GIB = {  # memory of common cards in GiB, for --plan=NAME
+    "H200": 141,
+    "H100": 80,
+    "A100-80GB": 80,
+    "A100-40GB": 40,
+    "L40S": 48,
+    "A6000": 48,
+    "L4": 24,
+    "A10G": 24,
+    "RTX4090": 24,
+    "RTX3090": 24,
+    "T4": 16,
+    "V100": 16,
+}
+
+
+def nf4_bytes(n):
+    """Bytes of one NF4 double-quantized weight of n values (quant.NF4Weight's four buffers)."""
+    blocks = math.ceil(n / 64)
+    return (n + 1) // 2 + blocks + 4 * math.ceil(blocks / 256) + 4
+
+
+def estimate(config, tokens, dtype, quantize, lora_r, targets, dropout, opt_bytes, checkpointing, cpu=False):
+    """Bytes by part for a micro-batch of `tokens` tokens: weights, adapters, gradients, optimizer, activations,
+    transient, and on CPU the heap (see the file docstring). targets as model.find_linears."""
+    with torch.device("meta"):  # shapes only: nothing is allocated
+        model = Llama(config)
+    c, a = config, torch.finfo(dtype).bits // 8
+    blocks = find_linears(model, "all-linear")
+    adapted = find_linears(model, targets, (nn.Linear,))
+    params = {id(p): p.numel() for p in model.parameters()}  # a tied lm_head counts once
+    quantized = sum(m.weight.numel() for m in blocks.values()) if quantize else 0
+    weights = a * (sum(params.values()) - quantized)
+    weights += sum(nf4_bytes(m.weight.numel()) for m in blocks.values()) if quantize else 0
+    lora = sum(lora_r * (m.in_features + m.out_features) for m in adapted.values())
+    h, i, q, kv = (
+        c.hidden_size,
+        c.intermediate_size,
+        c.num_attention_heads * c.head_dim,
+        c.num_key_value_heads * c.head_dim,
+    )
+    per_block = 2 * (4 * h + a * h) + a * (2 * q + 2 * kv) + 4 * c.num_attention_heads + 3 * a * i + 7 * a * lora_r
+    per_block += 5 * (a * h + h) + (a * q + q) + (a * i + i) if dropout > 0 else a * i
+    # the loss chunk's fp32 logits beside the matmul's output, logsumexp's scratch or the gradient: 8 bytes a logit
+    transient = min(tokens, LOSS_CHUNK) * c.vocab_size * 8
+    transient += max(m.weight.numel() for m in blocks.values()) * a if quantize else 0  # W dequantized in backward
+    layers = c.num_hidden_layers
+    kept = tokens * a * h * layers if checkpointing else tokens * per_block * layers  # saved by the forward
+    transient += tokens * per_block if checkpointing else 0  # the block recomputed in backward
+    parts = {
+        "weights": weights,
+        "adapters": 4 * lora,
+        "gradients": 4 * lora,
+        "optimizer": opt_bytes * lora,
+        "activations": kept + tokens * (4 * h + 2 * a * c.head_dim),  # + the final norm's fp32 input, RoPE's cos/sin
+        "transient": transient,
+    }
+    return parts | ({"heap": parts["activations"]} if cpu else {})
+
+
+def fmt(n):
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
+
+
+def budget_bytes(spec):
+    """A memory budget from "H100", "24GB" or "24GiB" (GB taken as GiB, as cards are sold), minus the CUDA context."""
+    name = spec.upper().replace(" ", "")
+    if name in GPU_GIB:
+        return GPU_GIB[name] * GIB - CUDA_CONTEXT
+    number = name.removesuffix("GIB").removesuffix("GB")
+    try:
+        return float(number) * GIB - CUDA_CONTEXT
+    except ValueError:
+        known = ", ".join(GPU_GIB)
+        raise ValueError(f"plan: {spec!r} is neither a size like 24GB nor a known GPU ({known})") from None
+
+
+def plan(config, budget, context, max_rows, dtype, lora_r, targets, dropout):
+    """(table rows, choice) of the decision tree for `config` in `budget` bytes: every NF4/16-bit base, optimizer,
+    checkpointing and micro-batch size in powers of two up to max_rows, each with its estimate, and the first that
+    the tree reaches (fastest first: 16-bit before NF4, AdamW before 8-bit, no checkpointing before checkpointing,
+    then the largest micro-batch); the choice is None when nothing fits."""
+    rows_options = [r for r in (1, 2, 4, 8, 16, 32, 64) if r <= max_rows] or [1]
+    table = {}
+    for quantize in (False, True):
+        for opt_bytes in (8, 2):
+            for ckpt in (False, True):
+                for rows in rows_options:
+                    parts = estimate(config, rows * context, dtype, quantize, lora_r, targets, dropout, opt_bytes, ckpt)
+                    table[quantize, opt_bytes, ckpt, rows] = sum(parts.values())
+    fits = lambda key: table[key] <= budget  # noqa: E731
+    base = next(((qz, ob) for qz in (False, True) for ob in (8, 2) if fits((qz, ob, True, 1))), None)
+    if base is None:
+        return table, None
+    ckpt = not fits((*base, False, 1))
+    rows = max(r for r in rows_options if fits((*base, ckpt, r)))
+    return table, (*base, ckpt, rows)
+
+
+def report(config, spec, context, max_rows, dtype, lora_r, targets, dropout):
+    """The plan as text: the table of estimates, then the choice and the tree's reasons."""
+    budget = budget_bytes(spec)
+    table, choice = plan(config, budget, context, max_rows, dtype, lora_r, targets, dropout)
+    rows = sorted({k[3] for k in table})
+    lines = [
+        f"memory plan for {spec} ({fmt(budget)} after the CUDA context), rows of {context} tokens, LoRA r={lora_r}"
+    ]
+    lines.append(f"{'base':7} {'optimizer':10} {'checkpointing':14}" + "".join(f"{f'{r} row(s)':>12}" for r in rows))
+    for quantize in (False, True):
+        for opt_bytes in (8, 2):
+            for ckpt in (False, True):
+                cells = [table[quantize, opt_bytes, ckpt, r] for r in rows]
+                head = f"{'NF4' if quantize else '16-bit':7} {'AdamW' if opt_bytes == 8 else '8-bit':10} "
+                head += f"{'yes' if ckpt else 'no':14}"
+                lines.append(head + "".join(f"{fmt(v) + (' ' if v <= budget else '*'):>12}" for v in cells))
+    lines.append("* does not fit")
+    if choice is None:
+        lines.append("nothing fits: even an NF4 base with 8-bit AdamW and checkpointing needs more at one row")
+    else:
+        quantize, opt_bytes, ckpt, r = choice
+        optimizer = "AdamW" if opt_bytes == 8 else "8-bit AdamW"
+        lines.append(
+            f"fastest that fits: {'NF4' if quantize else '16-bit'} base, {optimizer}, "
+            f"checkpointing {'on' if ckpt else 'off'}, {r} row(s) per micro-batch "
+            f"(train.py: --quantize={quantize} --optimizer={'adamw' if opt_bytes == 8 else 'adamw8bit'} "
+            f"--activation_checkpointing={ckpt} --micro_batch_tokens={r * context})"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,98 @@
+"""memory.py against what torch really allocates, on tiny models:
+
+- the weight bytes equal a real QLoRA model's NF4 buffers plus its 16-bit tensors, and the adapter bytes its trainable
+  parameters, for several targets and a tied and an untied head;
+- the activation bytes equal (within 10%) the bytes autograd really saves for backward in a forward pass, with and
+  without LoRA dropout and with activation checkpointing, counted with saved-tensor hooks;
+- the plan follows the decision tree: for budgets cut between the table's own entries it picks the 16-bit base, then
+  NF4, then 8-bit AdamW, checkpointing only when one row does not fit without it, and the largest micro-batch that
+  fits; a budget below everything gets no choice; unknown GPU names are one line.
+
+(The estimate printed by train.py is checked against the measured peak of the default run in test_train.py.)
+"""
+
+import pytest
+import torch
+
+import lora
+import memory
+import quant
+from model import Llama, LlamaConfig
+
+CFG = dict(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4)
+
+
+def config(**kw):
+    return LlamaConfig(**{**CFG, "num_key_value_heads": 2, "head_dim": 16, **kw})
+
+
+def qlora(cfg, targets, dropout, dtype=torch.bfloat16):
+    torch.manual_seed(0)
+    model = quant.quantize_(Llama(cfg).to(dtype), compute_dtype=dtype)
+    lora.add_lora_(model, targets, r=4, alpha=8, dropout=dropout, lora_dtype=torch.float32)
+    return model
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "v_proj", "down_proj"]])
+def test_weights_and_adapters_equal_a_real_model(tied, targets):
+    cfg = config(tie_word_embeddings=tied)
+    model = qlora(cfg, targets, 0.0)
+    tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}  # a tied head once
+    frozen = sum(t.numel() * t.element_size() for t in tensors.values() if not t.requires_grad)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    est = memory.estimate(cfg, 64, torch.bfloat16, True, 4, targets, 0.0, 8, False)
+    assert est["weights"] == frozen
+    assert est["adapters"] == est["gradients"] == 4 * trainable and est["optimizer"] == 8 * trainable
+    dense = memory.estimate(cfg, 64, torch.bfloat16, False, 4, targets, 0.0, 8, False)
+    assert dense["weights"] == 2 * sum(p.numel() for p in Llama(cfg).parameters())
+
+
+def saved_bytes(model, ids, pos, labels):
+    """Bytes of the distinct storages autograd saves during one forward, leaving out the model's own tensors."""
+    own = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    seen = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in own:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = model(ids, pos, labels=labels)
+    return sum(seen.values()), loss
+
+
+@pytest.mark.parametrize("dropout, checkpointing", [(0.0, False), (0.1, False), (0.1, True)])
+def test_activations_equal_what_autograd_saves(dropout, checkpointing):
+    """The activations part is what the hooks see (the transient part, the loss chunk, a dequantized weight and the
+    block checkpointing recomputes, lives only while its step runs)."""
+    cfg, tokens = config(num_hidden_layers=4), 256
+    model = qlora(cfg, "all-linear", dropout).train()
+    model.activation_checkpointing = checkpointing
+    pos = torch.cat([torch.arange(n) for n in (100, 60, 96)])[None]
+    ids, labels = torch.randint(0, 128, (1, tokens)), torch.randint(0, 128, (1, tokens))
+    got, loss = saved_bytes(model, ids, pos, labels)
+    want = memory.estimate(cfg, tokens, torch.bfloat16, True, 4, "all-linear", dropout, 8, checkpointing)["activations"]
+    assert abs(got - want) <= 0.1 * got, (got, want)
+    loss.backward()  # the model really trains from what was saved
+
+
+def test_plan_follows_the_decision_tree():
+    cfg = config(num_hidden_layers=4)
+    plan = lambda budget: memory.plan(cfg, budget, 512, 8, torch.bfloat16, 4, "all-linear", 0.05)  # noqa: E731
+    table, _ = plan(0)
+    between = lambda a, b: (table[a] + table[b]) / 2  # noqa: E731  (a budget just above a, below b)
+    assert plan(table[False, 8, False, 8])[1] == (False, 8, False, 8)  # everything fits: the fastest
+    assert plan(between((False, 8, False, 2), (False, 8, False, 4)))[1] == (False, 8, False, 2)
+    budget = between((False, 8, True, 1), (False, 8, False, 1))  # 16-bit fits only with checkpointing
+    assert table[False, 8, True, 1] < table[False, 8, False, 1] and plan(budget)[1][:3] == (False, 8, True)
+    budget = between((True, 8, True, 1), (False, 2, True, 1))  # only NF4 fits
+    assert table[True, 8, True, 1] < table[False, 2, True, 1] and plan(budget)[1][:2] == (True, 8)
+    assert plan(table[True, 2, True, 1] - 1)[1] is None  # below an NF4 base, 8-bit AdamW and checkpointing
+    text = memory.report(cfg, "24GB", 512, 8, torch.bfloat16, 4, "all-linear", 0.05)
+    assert "fastest that fits: 16-bit base, AdamW, checkpointing off, 8 row(s)" in text
+    with pytest.raises(ValueError, match="plan: 'H300' is neither a size like 24GB nor a known GPU"):
+        memory.budget_bytes("H300")
+    assert memory.budget_bytes("H100") == memory.budget_bytes("80GB") == 79 * 2**30
