@@ -1,4 +1,6 @@
-"""What this file proves about bench.py's training comparison (nothing here is timed):
+"""What this file proves about bench.py (nothing here is timed, no speed is asserted):
+
+The training comparison (`bench.py train`):
 
 - the peer (transformers + PEFT) trains on exactly the token tensors train.py trains on: for the equal-work file and
   for the stdlib dataset one example per row, bench.peer_dataset(...).step_batch equals train.build_data(...)'s
@@ -6,11 +8,31 @@
 - every row of the equal-work file is a full 512-token row with all 511 targets supervised, so neither side pads;
 - bench.hf_batch turns our pre-shifted labels and per-document position ids into inputs on which transformers'
   LlamaForCausalLM computes our loss: its mean cross-entropy on a padded batch equals our Llama's summed loss over
-  the supervised-token count (a small random model, fp32).
+  the supervised-token count (a small random model, fp32);
+- with --repeat, the tables pool each configuration's repeats and give every ratio as the median of the per-round
+  ratios (not the ratio of pooled rates), and results written before --repeat existed still print.
+
+The GPU benchmark (`bench.py gpu`):
+
+- `python bench.py gpu --shape=tiny` runs end to end on CPU and prints both tables with a row for every system and
+  their ratios, the profile and the memory table, and writes the JSON; ours and the peer start from the same loss;
+- median_ratio and workload_result pair each system's measured steps round by round (a system that stopped early
+  is compared over the rounds both completed); a system whose step fails (out of memory) or that was skipped keeps
+  its row with the reason, and the others run on;
+- the natural workload holds the same documents on both sides: each exactly once in our packed rows and once in the
+  peer's batches, with the same supervised tokens; every peer batch fits the token budget and is as long as it can be;
+- the equal-work batches are full rows, every token supervised, identical for both systems; the peer built by
+  build_systems holds our very weight tensors and computes our loss on them;
+- step_flops charges every document (and run of padding) flops_per_token at its own length.
 """
 
 import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import transformers
@@ -19,7 +41,7 @@ from safetensors.torch import save_file
 import bench
 import train
 from hf import read_config
-from model import Llama, LlamaConfig
+from model import Llama, LlamaConfig, flops_per_token
 from tokenizer import Tokenizer
 
 
@@ -85,3 +107,152 @@ def test_hf_batch_gives_our_loss(setup, tmp_path):
         theirs = ref(**inputs).loss
     assert n == int((inputs["labels"] != -100).sum())
     torch.testing.assert_close(loss_sum / n, theirs, rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- bench.py train --repeat
+
+
+def train_results(rates, repeat_key=True):
+    """Results of padded-fp32 (peer and ours) with one 1-second step per run at the given tokens/s, round by round."""
+    runs = []
+    for k, (peer, ours) in enumerate(rates):
+        for system, rate in (("peer", peer), ("ours", ours)):
+            run = dict(name=f"padded-fp32/{system}", system=system, precision="fp32", label=None, peak_rss=2**30)
+            run |= dict(steps=[dict(time=1.0, tokens=rate, supervised=rate, loss=2.0)], first_batch="abc")
+            runs.append(run | (dict(repeat=k) if repeat_key else {}))
+    return dict(warmup=0, flops_per_token=1.0, peaks={"fp32": 1e9, "bf16": 1e9}, runs=runs)
+
+
+def test_train_tables_take_the_median_of_per_round_ratios(capsys):
+    results = train_results([(100, 150), (50, 100), (100, 210)])  # per-round ratios 1.5, 2.0, 2.1
+    by = bench.merge_repeats(results)
+    assert sorted(by["padded-fp32/ours"]["rounds"]) == [0, 1, 2]
+    ratio = bench.round_ratio(by["padded-fp32/ours"], by["padded-fp32/peer"], "tokens_per_s")
+    assert ratio == dict(median=2.0, low=1.5, high=2.1, n=3)  # the pooled rates would give 460 / 250 = 1.84
+    bench.print_tables(results)
+    out = capsys.readouterr().out
+    assert "2.00x / 1.00x (1.50-2.10, 3 rounds)" in out
+    bench.print_tables(train_results([(100, 150)], repeat_key=False))  # a results.json from before --repeat
+    assert "1.50x / 1.00x" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- bench.py gpu
+
+
+def test_gpu_command_on_cpu(tmp_path):
+    out = tmp_path / "gpu.json"
+    argv = [sys.executable, "bench.py", "gpu", "--shape=tiny", "--warmup=1", "--rounds=2", f"--out={out}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1")  # one thread: a shared 2-core machine is not oversubscribed
+    proc = subprocess.run(
+        [*argv, "--memory", "--profile"], cwd=bench.REPO, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    text = proc.stdout
+    tables = text[text.index("\nequal work:") :]
+    equal, natural = tables.split("\nnatural batching:")[:2]
+    for table in (equal, natural):
+        for label in bench.SYSTEMS.values():  # every system has its row, and it ran
+            row = next(line for line in table.splitlines() if line.startswith(label + "  "))
+            assert "failed" not in row and "skipped" not in row, row
+        for a, b in bench.PAIRS:
+            assert f"{bench.SYSTEMS[a]} / {bench.SYSTEMS[b]}" in table
+    assert "profile of one equal-work step, nanoqlora QLoRA (NF4)" in text and "peak memory of nanoqlora" in text
+    results = json.loads(out.read_text())
+    for name in ("equal", "natural"):
+        work = results["workloads"][name]
+        assert all("summary" in work["systems"][k] for k in bench.SYSTEMS), work["systems"].keys()
+        assert {r["n"] for r in work["ratios"].values()} == {2} and len(work["ratios"]) == len(bench.PAIRS)
+    first = {k: v["steps"][0]["loss"] for k, v in results["workloads"]["equal"]["systems"].items()}
+    assert first["ours-lora"] == pytest.approx(first["peer-lora"], abs=2e-3)  # same weights, same tensors (bf16)
+    assert len(results["memory"]) == 6 and set(results["profile"]) == {"ours-lora", "ours-qlora"}
+
+
+def step_record(seconds, tokens):
+    return dict(time=seconds, tokens=tokens, supervised=tokens, real=tokens, rows=1, width=tokens, flops=1.0, loss=1.0)
+
+
+def test_median_ratio_pairs_rounds():
+    assert bench.median_ratio([(2.0, 1.0), (4.0, 1.0), (6.0, 3.0)]) == dict(median=2.0, low=2.0, high=4.0, n=3)
+    assert bench.median_ratio([]) is None
+    model, opt = torch.nn.Linear(2, 2), SimpleNamespace(state={})  # what resident_bytes reads
+    systems = [bench.System(k, model=model, params=[], opt=opt) for k in ("ours-lora", "peer-lora")]
+    records = {  # step 0 is the warm-up; the peer stopped after two measured rounds
+        "ours-lora": [step_record(9.0, 10), step_record(1.0, 10), step_record(1.0, 30), step_record(1.0, 10)],
+        "peer-lora": [step_record(1.0, 10), step_record(1.0, 5), step_record(2.0, 10)],
+    }
+    result = bench.workload_result(systems, records, {}, 1, 1.0, "tokens")
+    assert result["ratios"] == {"ours-lora/peer-lora": dict(median=4.0, low=2.0, high=6.0, n=2, metric="tokens")}
+    assert result["systems"]["ours-lora"]["summary"]["tokens_per_s"] == pytest.approx(50 / 3)
+
+
+def test_natural_work_same_documents():
+    row, rows = 256, 2
+    ours, peer, batches = bench.natural_work(512, row, rows, n_docs=300)
+    lens = bench.doc_lengths(300, row)
+    assert np.array_equal(lens, bench.doc_lengths(300, row)) and lens.min() >= 8 and lens.max() <= row  # seeded
+    assert np.array_equal(peer.lens, lens) and np.array_equal(ours.lens, lens)
+    assert sorted(d for r in ours.rows for d in r) == list(range(300))  # each document once, packed
+    assert sorted(d for b in batches for d in b) == list(range(300))  # and once in the peer's batches
+    for b, nxt in zip(batches, batches[1:] + [None], strict=True):
+        assert len(b) * lens[b].max() <= rows * row
+        if nxt is not None:  # as long as it can be: the next document would not fit
+            assert (len(b) + 1) * max(lens[b].max(), lens[nxt[0]]) > rows * row
+    sup = lambda batch: int((batch["labels"] != -100).sum())  # noqa: E731
+    ours_sup = sum(sup(ours.collate([r])) for r in range(len(ours)))
+    assert ours_sup == sum(sup(peer.collate(b)) for b in batches) == ours.num_supervised
+    real = sum(int((ours.collate([r])["input_ids"] != 0).sum()) for r in range(len(ours)))
+    assert real == lens.sum()  # pad id 0 never occurs in a document
+    padded = sum(len(b) * lens[b].max() for b in batches)
+    assert lens.sum() / (len(ours) * row) > 0.95 > lens.sum() / padded  # packing fills rows; padding does not
+
+
+def test_equal_work_same_tensors_and_loss():
+    cfg = LlamaConfig.from_hf(bench.SHAPES["tiny"][1])
+    batches = bench.equal_work(cfg.vocab_size, 64, 2, 3)
+    for b in batches:
+        assert b["input_ids"].shape == (2, 64) and int((b["labels"] != -100).sum()) == 2 * 63
+        assert torch.equal(b["position_ids"], torch.arange(64).expand(2, 64))
+        assert bool((bench.hf_batch(b)["attention_mask"] == 1).all())
+    assert not torch.equal(batches[0]["input_ids"], batches[1]["input_ids"])  # no document seen twice
+    args = SimpleNamespace(compile=False)
+    ours, peer = bench.build_systems(cfg, ["ours-lora", "peer-lora"], torch.device("cpu"), torch.float32, args)
+    q = "model.layers.0.self_attn.q_proj"
+    theirs = dict(peer.model.named_parameters())[f"base_model.model.{q}.base_layer.weight"]
+    assert theirs.data_ptr() == ours.model.get_submodule(q).weight.data_ptr()  # the very same weights
+    with torch.no_grad():  # adapters start at B = 0, so both compute the base model's loss
+        torch.testing.assert_close(ours.forward(batches[0]), peer.forward(batches[0]), rtol=1e-5, atol=1e-5)
+
+
+def test_step_flops():
+    cfg = LlamaConfig.from_hf(bench.SHAPES["tiny"][1])
+    batch = bench.equal_work(cfg.vocab_size, 64, 2, 1)[0]
+    assert bench.step_flops(cfg, batch["position_ids"]) == 2 * 64 * flops_per_token(cfg, 64)
+    pos = torch.cat([torch.arange(5), torch.arange(3), torch.arange(7)])[None]  # documents of 5, 3 and 7 tokens
+    want = sum(n * flops_per_token(cfg, n) for n in (5, 3, 7))
+    assert bench.step_flops(cfg, pos) == pytest.approx(want)
+
+
+def test_failing_system_gets_its_row_and_the_others_run(capsys):
+    cfg = LlamaConfig.from_hf(bench.SHAPES["tiny"][1])
+    batches = bench.equal_work(cfg.vocab_size, 32, 1, 3)
+    w = torch.nn.Parameter(torch.ones(()))
+    opt = SimpleNamespace(state={}, step=lambda: None, zero_grad=lambda set_to_none: None)
+
+    def out_of_memory(batch):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
+
+    systems = [
+        bench.System("ours-lora", lambda batch: w * batch["input_ids"].float().mean(), torch.nn.Linear(1, 1), [w], opt),
+        bench.System("peer-lora", out_of_memory, torch.nn.Linear(1, 1), [w], opt),
+        bench.System("peer-qlora", status="skipped: bitsandbytes is not installed"),
+    ]
+    records, errors = bench.run_workload(systems, lambda key, s: batches[s], 3, torch.device("cpu"), cfg, "equal")
+    assert len(records["ours-lora"]) == 3 and records["peer-lora"] == []
+    assert errors == {"peer-lora": "failed: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"}
+    result = bench.workload_result(systems, records, errors, 1, 1.0, "tokens")
+    assert "summary" in result["systems"]["ours-lora"] and result["ratios"] == {}
+    bench.print_workload("equal", result, systems)
+    rows = {line.split("  ")[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert "failed: OutOfMemoryError" in rows["transformers + PEFT LoRA"]
+    assert "skipped: bitsandbytes" in rows["transformers + PEFT + bitsandbytes QLoRA"]
+    assert "100.0%" in rows["nanoqlora LoRA"]
