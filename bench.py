@@ -422,18 +422,9 @@ def run_child(argv, log_path):
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         while proc.poll() is None:
-            peak = max(peak, vm_hwm(proc.pid))
+            peak = max(peak, train.vm_hwm(proc.pid))
             time.sleep(0.05)
     return proc.returncode, peak, time.perf_counter() - start
-
-
-def vm_hwm(pid):
-    """Peak resident bytes of a live process (0 once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), 0)
-    except (FileNotFoundError, ProcessLookupError):  # the child exited between poll() and the read
-        return 0
 
 
 def execute(run, steps, work, repeat=0):

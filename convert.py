@@ -124,7 +124,6 @@ from typing import NamedTuple
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 import hf
@@ -375,7 +374,7 @@ def convert_gguf(gguf_path, out_dir, dtype=torch.float32):
             with open(os.path.join(tmp, name), "w") as f:
                 json.dump(obj, f, indent=2, ensure_ascii=False)
         tok.save(os.path.join(tmp, "tokenizer.json"))
-        save_file(_weights(reader, gguf_path, cfg, dtype), os.path.join(tmp, "model.safetensors"), {"format": "pt"})
+        hf.write_safetensors(os.path.join(tmp, "model.safetensors"), _weights(reader, gguf_path, cfg, dtype))
         if os.path.exists(out_dir):  # swap: a directory rename cannot overwrite a non-empty directory
             os.rename(out_dir, tmp + "-old")
         os.rename(tmp, out_dir)
@@ -505,11 +504,7 @@ def _plan(cfg, ckpt, permute, file_type):
         if name not in ckpt:
             raise ValueError(f"{ckpt.path}: tensor {name} is missing (expected every weight of a merged model)")
         ggml_type = "F32" if p.ndim == 1 else weight_type
-        if ggml_type == "Q8_0" and p.shape[-1] % 32:
-            raise ValueError(
-                f"{ckpt.where(name)}: tensor {name} has rows of {p.shape[-1]} values; q8_0 needs a multiple of 32 "
-                "(f16, bf16 and f32 have no such limit)"
-            )
+        _check_rows(ckpt.where(name), name, p.shape, ggml_type)
         n_head = heads.get(name.split(".")[-2])
         make = functools.partial(_load, ckpt, name, p.shape, n_head, ggml_type)
         plan.append(_planned(_gguf_name(name), p.shape, ggml_type, make))
@@ -686,6 +681,27 @@ def _write_gguf(path, arch, cfg, vocab, plan, file_type, name):
 def modelfile_path(gguf_path):
     """Where export_gguf puts the Ollama Modelfile for `gguf_path`: OUT.gguf -> OUT.Modelfile."""
     return os.path.splitext(os.fspath(gguf_path))[0] + ".Modelfile"
+
+
+def _check_rows(where, name, shape, ggml_type):
+    if ggml_type == "Q8_0" and len(shape) == 2 and shape[-1] % 32:
+        raise ValueError(
+            f"{where}: tensor {name} has rows of {shape[-1]} values; q8_0 needs a multiple of 32 "
+            "(f16, bf16 and f32 have no such limit)"
+        )
+
+
+def check_gguf_export(model_dir, file_type):
+    """The checks of export_gguf that need only config.json and the tokenizer (architecture, tokenizer, q8_0 row
+    lengths), so a training run can refuse an export llama.cpp could not read before it trains, not after."""
+    if file_type not in FILE_TYPES:
+        raise ValueError(f"GGUF file type {file_type!r} is not one of {', '.join(FILE_TYPES)}")
+    cfg, _ = hf.read_config(model_dir)
+    _gguf_arch(cfg, os.path.join(model_dir, "config.json"))
+    _vocab(model_dir, cfg)
+    with torch.device("meta"):  # shapes only
+        for name, p in Llama(cfg).named_parameters():
+            _check_rows(os.path.join(model_dir, "config.json"), name, p.shape, FILE_TYPES[file_type][0])
 
 
 def export_gguf(model_dir, out_path, file_type="q8_0", modelfile=True):

@@ -37,9 +37,12 @@ def main():
     p.add_argument("--top_p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
-    model_dir = args.model or convert.smollm2_dir()
-    tok = Tokenizer(model_dir)
-    model = hf.load_model(model_dir, torch.float32, quantize=args.quantize, adapter=args.adapter).eval()
+    try:
+        model_dir = args.model or convert.smollm2_dir()
+        tok = Tokenizer(model_dir)
+        model = hf.load_model(model_dir, torch.float32, quantize=args.quantize, adapter=args.adapter).eval()
+    except (ValueError, OSError, ImportError) as e:  # a bad directory or adapter: one line, as train.py says it
+        raise SystemExit(f"error: {e}") from None
     ids = chat_prompt(tok, args.prompt)
     out = generate(model, ids, args.max_new_tokens, args.temperature, args.top_p, eos_id=tok.eos_id, seed=args.seed)
     print(tok.decode([i for i in out if i != tok.eos_id]))

@@ -58,6 +58,7 @@ import quant
 from model import Llama, LlamaConfig, varlen_attention
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json")
+TOKENIZER_FILES += ("chat_template.jinja",)
 PEFT_PREFIX = "base_model.model."
 # adapter_config.json options that change what the adapter computes and that plain LoRA here does not implement
 UNSUPPORTED = (
@@ -137,6 +138,8 @@ def read_config(path):
         raise FileNotFoundError(f"{file}: not found (expected a Hugging Face model directory)")
     d = read_json(file)
     name = d.get("dtype") or d.get("torch_dtype")
+    if name is not None and not isinstance(getattr(torch, str(name), None), torch.dtype):
+        raise ValueError(f"{file}: dtype {name!r} is not a torch dtype (expected e.g. bfloat16)")
     return LlamaConfig.from_hf(d, file), getattr(torch, name) if name else None
 
 
@@ -180,7 +183,7 @@ class Checkpoint:
     def get(self, name, shape=None):
         """Tensor `name`, checked to exist and, when `shape` is given, to have that shape."""
         if name not in self.files:
-            raise KeyError(f"{self.path}: tensor {name} is missing from the checkpoint")
+            raise ValueError(f"{self.path}: tensor {name} is missing from the checkpoint")
         try:
             t = self._open(self.files[name]).get_tensor(name)
         except SafetensorError as e:
@@ -247,6 +250,12 @@ def read_nf4(ckpt, key, shape):
     )
 
 
+def is_prequantized(source):
+    """Whether a checkpoint (or model directory) holds bnb-4bit weights, which have no 16-bit original to merge into."""
+    ckpt = source if isinstance(source, Checkpoint) else Checkpoint(source)
+    return any(k.endswith(".weight.absmax") for k in ckpt.keys())
+
+
 def load_model(path, dtype=None, device="cpu", quantize=False, add_lora=None, adapter=None):
     """A model.Llama from a Hugging Face directory, built as the file docstring describes.
 
@@ -265,7 +274,7 @@ def load_model(path, dtype=None, device="cpu", quantize=False, add_lora=None, ad
     def weights(key):  # one block weight at a time: a bnb-4bit entry as it is, or a 16-bit tensor to quantize
         return read_nf4(ckpt, key, shapes[key]) if f"{key}.absmax" in ckpt else ckpt.get(key, shapes[key])
 
-    if quantize or any(k.endswith(".weight.absmax") for k in ckpt.keys()):
+    if quantize or is_prequantized(ckpt):
         quant.quantize_(model, compute_dtype=dtype, device=device, weights=weights)
     load_weights_(model, ckpt, dtype, device)
     if add_lora:

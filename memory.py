@@ -19,16 +19,17 @@ Full fine-tuning of a 13B model needs 234 GB before activations (2 bytes of weig
 state per parameter); LoRA at r=16 keeps the 26 GB of bf16 weights and adds well under 1 GB; QLoRA shrinks the
 weights to about 7 GB. What is left to fight is activations.
 
-Activations, per token per block, in the compute dtype's A bytes (h hidden, i intermediate, q = H * D, kv = Hkv * D,
-r the LoRA rank), read off what our modules save: each RMSNorm keeps its fp32 input and its A-byte output (4h + Ah,
+Activations, per token per block, in the compute dtype's A bytes (h hidden, i intermediate, q = H * D, kv = Hkv * D, r
+the LoRA rank), read off what our modules save: each RMSNorm keeps its fp32 input and its A-byte output (4h + Ah,
 twice); attention keeps q, k, v, its output and a logsumexp per head (A(2q + 2kv) + 4H; the varlen kernels never
-materialise the (T, T) scores); the MLP keeps gate, silu(gate) and up (3Ai); the frozen base linears keep nothing
-(dL/dx needs only W, dequantized again in backward); each LoRA branch keeps r numbers, and with dropout a dropped copy
-of its input plus a byte mask per element (5(Ah + h) + (Aq + q) + (Ai + i) over q, k, v, gate, up, o and down),
-without dropout only down's input (Ai), the others sharing tensors already kept. Activation checkpointing keeps only
-each block's input (Ah) and recomputes one block at a time in backward. The loss works on c = min(tokens, 1024) rows
-of the vocabulary V at a time, at the end of forward when everything else is alive: its fp32 logits, and beside them
-the matmul's 16-bit output, logsumexp's scratch copy or the 16-bit gradient, 8 bytes per logit.
+materialise the (T, T) scores); the MLP keeps gate, silu(gate) and up (3Ai); the frozen base linears keep nothing (dL/dx
+needs only W, dequantized again in backward); each adapted linear keeps r numbers of its LoRA branch, and with dropout a
+dropped copy of its input plus a byte mask per element ((A + 1) times its input size), without dropout only down_proj's
+input (Ai), the others sharing tensors already kept. The full-vocabulary loss (chunked_loss=False) keeps all (tokens, V)
+fp32 logits. Activation checkpointing keeps only each block's input (Ah) and recomputes one block at a time in backward.
+The loss works on c = min(tokens, 1024) rows of the vocabulary V at a time, at the end of forward when everything else
+is alive: its fp32 logits, and beside them the matmul's 16-bit output, logsumexp's scratch copy or the 16-bit gradient,
+8 bytes per logit.
 
 Beyond torch's own count: a GPU holds the CUDA context and kernels (about 1 GiB, which torch.cuda.max_memory_allocated
 does not see but the card's capacity must). On CPU, peak RSS holds two things more: the process itself (Python, torch,
@@ -78,9 +79,12 @@ def nf4_bytes(n):
     return (n + 1) // 2 + blocks + 4 * math.ceil(blocks / 256) + 4
 
 
-def estimate(config, tokens, dtype, quantize, lora_r, targets, dropout, opt_bytes, checkpointing, cpu=False):
+def estimate(
+    config, tokens, dtype, quantize, lora_r, targets, dropout, opt_bytes, checkpointing, cpu=False, chunked=True
+):
     """Bytes by part for a micro-batch of `tokens` tokens: weights, adapters, gradients, optimizer, activations,
-    transient, and on CPU the heap (see the file docstring). targets as model.find_linears."""
+    transient, and on CPU the heap (see the file docstring). targets as model.find_linears; chunked=False is the
+    full-vocabulary loss, whose (tokens, V) fp32 logits are kept for backward."""
     with torch.device("meta"):  # shapes only: nothing is allocated
         model = Llama(config)
     c, a = config, torch.finfo(dtype).bits // 8
@@ -91,19 +95,18 @@ def estimate(config, tokens, dtype, quantize, lora_r, targets, dropout, opt_byte
     weights = a * (sum(params.values()) - quantized)
     weights += sum(nf4_bytes(m.weight.numel()) for m in blocks.values()) if quantize else 0
     lora = sum(lora_r * (m.in_features + m.out_features) for m in adapted.values())
-    h, i, q, kv = (
-        c.hidden_size,
-        c.intermediate_size,
-        c.num_attention_heads * c.head_dim,
-        c.num_key_value_heads * c.head_dim,
-    )
-    per_block = 2 * (4 * h + a * h) + a * (2 * q + 2 * kv) + 4 * c.num_attention_heads + 3 * a * i + 7 * a * lora_r
-    per_block += 5 * (a * h + h) + (a * q + q) + (a * i + i) if dropout > 0 else a * i
+    h, i, heads = c.hidden_size, c.intermediate_size, c.num_attention_heads
+    q, kv = heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    per_block = 2 * (4 * h + a * h) + a * (2 * q + 2 * kv) + 4 * heads + 3 * a * i
+    first = {n.rsplit(".", 1)[-1]: m for n, m in adapted.items() if n.startswith("model.layers.0.")}
+    per_block += sum(a * lora_r + ((a + 1) * m.in_features if dropout > 0 else 0) for m in first.values())
+    per_block += a * i if dropout == 0 and "down_proj" in first else 0  # silu(gate) * up, kept for down's LoRA
     # the loss chunk's fp32 logits beside the matmul's output, logsumexp's scratch or the gradient: 8 bytes a logit
     transient = min(tokens, LOSS_CHUNK) * c.vocab_size * 8
     transient += max(m.weight.numel() for m in blocks.values()) * a if quantize else 0  # W dequantized in backward
     layers = c.num_hidden_layers
     kept = tokens * a * h * layers if checkpointing else tokens * per_block * layers  # saved by the forward
+    kept += 0 if chunked else tokens * c.vocab_size * 4  # the full loss keeps every fp32 logit
     transient += tokens * per_block if checkpointing else 0  # the block recomputed in backward
     parts = {
         "weights": weights,

@@ -68,6 +68,7 @@ Weights are read from Hugging Face files by hf.py; this file only defines the mo
 Shapes: B batch rows, T tokens per row, N = B*T flattened tokens, H / Hkv query / key-value heads, D head size.
 """
 
+import functools
 import importlib.util
 import inspect
 import math
@@ -347,18 +348,23 @@ def flash_varlen(q, k, v, docs, window=None):
 
 
 def torch_varlen(q, k, v, docs, window=None):
-    """torch's own FlashAttention varlen kernel (torch.nn.attention.varlen), the same contract. Its signature grew
-    over releases: causal became window_size=(-1, 0), and enable_gqa came later still (without it, k/v heads are
-    repeated up to the query heads)."""
+    """torch's own FlashAttention varlen kernel (torch.nn.attention.varlen), the same contract. Causal attention is
+    window_size=(-1, 0), a window W is (W - 1, 0); releases without enable_gqa (2.11) need k/v heads repeated up to
+    the query heads."""
+    varlen_attn, gqa = _torch_varlen()
+    c, m, _ = docs
+    if not gqa and k.shape[1] != q.shape[1]:
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+    kw = {"enable_gqa": True} if gqa else {}
+    return varlen_attn(q, k, v, c, c, m, m, window_size=(-1 if window is None else window - 1, 0), **kw)
+
+
+@functools.cache
+def _torch_varlen():
+    """(varlen_attn, whether it takes enable_gqa), read once."""
     from torch.nn.attention.varlen import varlen_attn
 
-    c, m, _ = docs
-    params = inspect.signature(varlen_attn).parameters
-    kw = {"enable_gqa": True} if "enable_gqa" in params else {}
-    if not kw and k.shape[1] != q.shape[1]:
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    kw["window_size"] = (-1 if window is None else window - 1, 0)
-    return varlen_attn(q, k, v, c, c, m, m, **kw)
+    return varlen_attn, "enable_gqa" in inspect.signature(varlen_attn).parameters
 
 
 def _flash_attn_imports():

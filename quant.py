@@ -42,13 +42,13 @@ dequantizes again and returns only the input gradient dL/dx = dL/dy W: the base 
 the 4-bit buffers.
 
 Where dequantization runs. `dequantize_nf4` below is the reference: a few PyTorch ops, fp32 math, one rounding. It is
-what runs on CPU (and any device but CUDA). On CUDA the implementation is chosen once, when this file is imported:
-bitsandbytes' kernel when bitsandbytes is installed (`dequantize_bnb`), else a small Triton kernel when triton is
+what runs on CPU (and any device but CUDA). On CUDA the implementation is chosen once, on first use: bitsandbytes'
+kernel when bitsandbytes imports with a CUDA build (`dequantize_bnb`), else a small Triton kernel when triton is
 installed (`dequantize_triton`: one launch instead of a dozen PyTorch kernels and their fp32 temporaries), else the
 reference. The Triton kernel does the reference's fp32 operations in the reference's order and is launched with
-`enable_fp_fusion=False`, so the compiler never merges a multiply and an add into one FMA (one rounding instead of
-two): its output is bit-identical to the reference, which the tests prove on CPU through Triton's interpreter and on a
-GPU directly. Neither package is required; without them CUDA runs the reference.
+`enable_fp_fusion=False`, so the compiler never merges a multiply and an add into one FMA (one rounding instead of two):
+its output is bit-identical to the reference, which the tests prove on CPU through Triton's interpreter and on a GPU
+directly. Neither package is required; without them CUDA runs the reference.
 
 torch.compile. To the compiler, dequantization is one opaque operator, `torch.ops.nanoqlora.dequantize_nf4`
 (`dequantize`, a torch.library custom op): its default implementation is the reference, CUDA gets the choice above,
@@ -163,11 +163,14 @@ def dequantize_nf4(weight, absmax, nested_absmax, offset, shape, dtype):
 
 @functools.cache
 def _bnb_functional():
-    """bitsandbytes.functional when installed (the optional CUDA fast path), else None."""
+    """bitsandbytes.functional when it is installed and imports (the optional CUDA fast path), else None."""
     if importlib.util.find_spec("bitsandbytes") is None:
         return None
-    import bitsandbytes.functional
-
+    try:
+        import bitsandbytes.functional
+    except Exception as e:  # a build for another torch or CUDA: report it, run without it
+        print(f"bitsandbytes is installed but does not import ({type(e).__name__}: {e}); NF4 runs without it")
+        return None
     return bitsandbytes.functional
 
 
@@ -233,16 +236,17 @@ def dequantize_triton(weight, absmax, nested_absmax, offset, shape, dtype):
     return out
 
 
-def _choose_cuda_dequantize():
-    """bitsandbytes' kernel if installed, else the Triton kernel if triton is, else the PyTorch reference."""
-    if importlib.util.find_spec("bitsandbytes") is not None:
+@functools.cache
+def cuda_dequantize():
+    """The CUDA implementation, chosen on first use: bitsandbytes' kernel when bitsandbytes imports with a CUDA build
+    (a CPU-only or broken install is passed over), else the Triton kernel when triton is installed, else the
+    PyTorch reference."""
+    cuda_bnb = _bnb_functional() is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
+        "bitsandbytes::dequantize_4bit", "CUDA"
+    )
+    if cuda_bnb:
         return dequantize_bnb
-    if importlib.util.find_spec("triton") is not None:
-        return dequantize_triton
-    return dequantize_nf4
-
-
-cuda_dequantize = _choose_cuda_dequantize()  # chosen once, at import; find_spec imports nothing
+    return dequantize_triton if importlib.util.find_spec("triton") is not None else dequantize_nf4
 
 
 # ----------------------------------------------------------------------------- the op and the linear
@@ -266,7 +270,9 @@ def _(weight, absmax, nested_absmax, offset, shape, dtype):  # what the compiler
     return weight.new_empty(shape, dtype=dtype)
 
 
-dequantize.register_kernel("cuda", cuda_dequantize)
+@dequantize.register_kernel("cuda")
+def _(weight, absmax, nested_absmax, offset, shape, dtype):
+    return cuda_dequantize()(weight, absmax, nested_absmax, offset, shape, dtype)
 
 
 class _DequantLinear(torch.autograd.Function):

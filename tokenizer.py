@@ -79,7 +79,10 @@ class Tokenizer:
     def __init__(self, path):
         self.path = d = Path(path) if Path(path).is_dir() else Path(path).parent
         cfg_file = d / "tokenizer_config.json"
-        cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+        try:
+            cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{cfg_file}: invalid JSON ({e})") from None
         self.special_tokens = {k: _token_str(cfg[k]) for k in SPECIAL_NAMES if cfg.get(k)}
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]

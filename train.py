@@ -73,7 +73,7 @@ class Config:
     model_source: str = ""  # Hugging Face repo id to download `model` from, named in the error when it is missing
     data: str = ""  # JSONL / JSON / Parquet file; "" = docstring -> code pairs from Python's standard library
     data_source: str = ""  # Hugging Face dataset repo id holding `data`, named in the error when it is missing
-    data_format: str = "auto"  # auto | magicoder | alpaca | messages
+    data_format: str = "auto"  # auto | magicoder | alpaca | pairs | messages
     val_data: str = ""  # separate validation file; "" = hold out val_fraction of `data`
     val_fraction: float = 0.02  # share of examples held out for validation when val_data is ""
     max_examples: int = 0  # use at most this many training examples (0 = all)
@@ -163,7 +163,7 @@ RANGES = {
     "max_steps": (lambda v: v >= 1, ">= 1"),
     "batch_tokens": (lambda v: v >= 1, ">= 1"),
     "micro_batch_tokens": (lambda v: v == "auto" or isinstance(v, int) and v >= 1, '"auto" or an integer >= 1'),
-    "context_length": (lambda v: v == "auto" or isinstance(v, int) and v >= 2, '"auto" or an integer >= 2'),
+    "context_length": (lambda v: v == "auto" or isinstance(v, int) and v >= 16, '"auto" or an integer >= 16'),
     "lr": (lambda v: v > 0, "> 0"),
     "min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
     "warmup_steps": (lambda v: v >= 0, ">= 0"),
@@ -208,6 +208,8 @@ def check_config(cfg: Config):
         errors.append("lora_targets: lm_head needs chunked_loss=False (the chunked loss fuses a plain lm_head)")
     if cfg.resume and cfg.overwrite:
         errors.append("overwrite: --resume continues the run in out_dir, --overwrite replaces it; choose one")
+    if cfg.device == "cuda" and not torch.cuda.is_available():
+        errors.append("device: cuda was asked for but torch sees no CUDA GPU; use auto or cpu")
     if cfg.optimizer in CHOICES["optimizer"][1:] and importlib.util.find_spec("bitsandbytes") is None:
         errors.append(f"optimizer: {cfg.optimizer} needs bitsandbytes (pip install bitsandbytes); or use adamw")
     if errors:
@@ -284,12 +286,14 @@ def check_inputs(cfg: Config) -> str:
     model_dir = cfg.model or convert.smollm2_dir()
     for key, path, source, kind in [
         ("model", os.path.join(model_dir, "config.json"), cfg.model_source, ""),
-        ("data", cfg.data, cfg.data_source, " --repo-type dataset"),
+        ("data", "" if cfg.plan else cfg.data, cfg.data_source, " --repo-type dataset"),  # a plan reads no data
     ]:
         if path and not os.path.exists(path):
             where = os.path.dirname(path) or "."
             how = f"`huggingface-cli download {source}{kind} --local-dir {where}`" if source else "a local copy"
             raise FileNotFoundError(f"{key}: {path} not found; put {how} there")
+    if cfg.export_gguf:  # what llama.cpp cannot read is refused now, not after the training
+        convert.check_gguf_export(model_dir, cfg.export_gguf)
     if not (cfg.preview or cfg.plan):
         claim_out_dir(cfg)
     return model_dir
@@ -315,8 +319,9 @@ def claim_out_dir(cfg: Config):
         cfg.out_dir = f"{cfg.out_dir}-{n}"
     try:
         os.makedirs(cfg.out_dir, exist_ok=True)
-        hf.atomic_write(os.path.join(cfg.out_dir, ".write-test"), lambda tmp: None)
-        os.remove(os.path.join(cfg.out_dir, ".write-test"))
+        probe = os.path.join(cfg.out_dir, f".write-test-{os.getpid()}")  # one per process: torchrun's ranks race
+        hf.atomic_write(probe, lambda tmp: None)
+        os.remove(probe)
     except OSError as e:
         raise PermissionError(f"out_dir: cannot write to '{cfg.out_dir}' ({e.strerror})") from None
 
@@ -352,6 +357,8 @@ def build_data(cfg: Config, tok, max_positions: int, master: bool, world: int = 
             val_examples = load_examples(cfg.val_data, fmt=cfg.data_format, skip_bad_rows=cfg.skip_bad_rows)
         else:
             train_examples, val_examples = split_examples(train_examples, cfg.val_fraction, seed=cfg.seed)
+            if not val_examples:
+                raise ValueError(f"val_fraction: {cfg.val_fraction} of {len(train_examples)} examples holds out none")
     else:
         train_examples, val_examples = stdlib_examples("train"), stdlib_examples("val")
     if cfg.max_examples:
@@ -373,8 +380,12 @@ def build_data(cfg: Config, tok, max_positions: int, master: bool, world: int = 
     valset = pack.build_dataset(val_examples, tok, trainset.context_length, **common)
     if master:
         print(trainset.report())
-        if cfg.preview:
+        if cfg.preview:  # the first examples shown, then the same checks over every training example
             print(pack.preview(train_examples, tok, cfg.template or None, cfg.train_on_prompt))
+            warnings = pack.check_examples(train_examples, tok, cfg.template or None, cfg.train_on_prompt)
+            print(f"{len(warnings)} warning(s) over all {len(train_examples)} training examples")
+            for w in warnings[:20]:
+                print(f"warning: {w}")
     return trainset, valset, val_examples[0]
 
 
@@ -432,11 +443,19 @@ def peak_memory(device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     if os.path.exists("/proc/self/status"):
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+        return vm_hwm()
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def vm_hwm(pid="self") -> int:
+    """A live Linux process's peak resident bytes since its exec or its last reset (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), 0)
+    except (FileNotFoundError, ProcessLookupError):  # a child that exited between a poll and this read
+        return 0
 
 
 def reset_peak_memory(device):
@@ -479,18 +498,28 @@ def save_checkpoint(path, model, opt, sched, step, cfg):
     hf.atomic_write(path, write)
 
 
+# Settings a resumed run must share with the checkpoint: they shape the adapters, the optimizer state or the data order.
+RESUME_KEYS = (
+    "model quantize lora_r lora_alpha lora_targets use_rslora optimizer data template max_examples pack".split()
+)
+RESUME_KEYS += "context_length batch_tokens val_fraction seed".split()
+
+
 def load_checkpoint(path, model, opt, sched, cfg) -> int:
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
         step, lora_state = state["step"], state["lora"]
     except Exception as e:  # any unreadable file is reported, never half-loaded
         raise ValueError(f"{path}: corrupted checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
-    for key in ("lora_r", "lora_alpha", "lora_targets", "quantize", "context_length", "batch_tokens", "seed"):
+    for key in RESUME_KEYS:
         if state["config"].get(key) != getattr(cfg, key):
             raise ValueError(
                 f"{path}: checkpoint has {key}={state['config'].get(key)!r}, config has {getattr(cfg, key)!r}"
             )
-    params = dict(model.named_parameters())
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if params.keys() != lora_state.keys():
+        missing = sorted(params.keys() ^ lora_state.keys())[0]
+        raise ValueError(f"{path}: checkpoint and model differ in their adapter parameters (first: {missing})")
     with torch.no_grad():
         for name, value in lora_state.items():
             params[name].copy_(value)
@@ -601,6 +630,7 @@ def estimate(run: Run, config, tokens) -> dict:
         optimizer_bytes(cfg),
         cfg.activation_checkpointing,
         run.device.type == "cpu",
+        cfg.chunked_loss,
     )
 
 
@@ -836,9 +866,9 @@ def loop(run: Run, model_dir, tok, trainset, valset, held_out) -> list[dict]:
         raise SystemExit(130) from None
     finally:
         bar.close()  # so that an error message starts on a line of its own
-    if run.master:
-        finish(run, model, tok, held_out, history, sample_before, model_dir)
+    if run.master:  # the checkpoint first: finish's merged export folds the adapters into the base in place
         save_state(run, model, opt, sched, step, history)
+        finish(run, model, tok, held_out, history, sample_before, model_dir)
         print(f"peak {'RSS' if run.device.type == 'cpu' else 'GPU memory'}: {fmt_bytes(peak_memory(run.device))}")
     if run.world > 1:
         dist.destroy_process_group()
@@ -864,7 +894,7 @@ def finish(run: Run, model, tok, held_out, history, sample_before, model_dir):
         print(f"--- after training (similarity {sim(after):.3f}) ---\n{after}")
     if cfg.export_merged or cfg.export_gguf:
         merged_dir = os.path.join(cfg.out_dir, "merged")
-        original = hf.Checkpoint(model_dir) if cfg.quantize else None
+        original = hf.Checkpoint(model_dir) if cfg.quantize and not hf.is_prequantized(model_dir) else None
         sources, diff = lora.merge_and_check_(model, [tok.encode(prompt, bos=bos)], original=original)
         hf.export_merged(model, merged_dir, tokenizer_dir=model_dir)
         used = sorted(set(sources.values()))
@@ -899,7 +929,7 @@ def plot_losses(history, path):
 def main(argv=None):
     try:
         fit(load_config(sys.argv[1:] if argv is None else argv))
-    except (ValueError, OSError, FloatingPointError) as e:
+    except (ValueError, OSError, ImportError, FloatingPointError) as e:  # ImportError: a missing optional package
         for line in str(e).splitlines():  # several mistakes in a config: one line each
             print(f"error: {line}", file=sys.stderr)
         raise SystemExit(2) from None

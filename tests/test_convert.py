@@ -859,3 +859,23 @@ def test_transformers_reads_our_gguf(tmp_path, bpe_dir, family):
     ids = torch.tensor([tokenizer.Tokenizer(bpe_dir).encode(PROMPTS[0])])
     with torch.no_grad():
         torch.testing.assert_close(ref(ids).logits, hf.load_model(src, torch.float32)(ids), atol=1e-5, rtol=0)
+
+
+def test_check_gguf_export_refuses_before_any_weight_is_read(tmp_path, smollm2_dir):
+    """check_gguf_export (what train.py runs before training when export_gguf is set) decides from config.json and the
+    tokenizer alone, with no weights file: an unknown type and q8_0 rows that are not a multiple of 32 are refused,
+    f16 of the same model is not."""
+    import hf
+    from model import LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=2, head_dim=24)  # fmt: skip
+    hf.write_json(tmp_path / "config.json", hf.config_json(cfg, torch.float32))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (tmp_path / name).write_bytes(open(os.path.join(smollm2_dir, name), "rb").read())
+    with pytest.raises(ValueError, match="GGUF file type 'q4_k' is not one of f32, f16, bf16, q8_0"):
+        convert.check_gguf_export(str(tmp_path), "q4_k")
+    with pytest.raises(ValueError, match="has rows of 48 values; q8_0 needs a multiple of 32"):
+        convert.check_gguf_export(str(tmp_path), "q8_0")
+    convert.check_gguf_export(str(tmp_path), "f16")
+    assert not (tmp_path / "model.safetensors").exists()

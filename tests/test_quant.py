@@ -456,20 +456,22 @@ def test_smollm2_quantization_error_is_bounded_by_gaussian_nf4(bnb, smollm2_nf4,
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_cuda_dequantize_equals_cpu_reference(shape, dtype):
-    """On CUDA, NF4Linear.dequantize() (the implementation chosen at import, quant.cuda_dequantize) and every installed
-    implementation (the PyTorch reference, the Triton kernel, bitsandbytes' kernel) equal the CPU reference bit for
-    bit."""
+    """On CUDA, NF4Linear.dequantize() (the implementation chosen on first use, quant.cuda_dequantize()) and every
+    installed implementation (the PyTorch reference, the Triton kernel, bitsandbytes' kernel) equal the CPU reference
+    bit for bit."""
     q = quant.quantize_nf4((torch.randn(shape) * 0.02).to(dtype))
     ref = quant.dequantize_nf4(*q, shape, dtype)
     layer = quant.NF4Linear.from_nf4(q.to("cuda"), *shape, compute_dtype=dtype)
-    assert torch.equal(layer.dequantize().cpu(), ref), quant.cuda_dequantize.__name__
+    assert torch.equal(layer.dequantize().cpu(), ref), quant.cuda_dequantize().__name__
     impls = [quant.dequantize_nf4]
     impls += [quant.dequantize_triton] if importlib.util.find_spec("triton") else []
     impls += [quant.dequantize_bnb] if importlib.util.find_spec("bitsandbytes") else []
     for impl in impls:
         out = impl(*q.to("cuda"), shape, dtype)
         assert out.dtype == dtype and out.shape == shape and torch.equal(out.cpu(), ref), impl.__name__
-    print(f"\nCUDA: chosen {quant.cuda_dequantize.__name__}; equal to the CPU reference: {[f.__name__ for f in impls]}")
+    print(
+        f"\nCUDA: chosen {quant.cuda_dequantize().__name__}; equal to the CPU reference: {[f.__name__ for f in impls]}"
+    )
 
 
 @cuda

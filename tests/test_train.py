@@ -277,7 +277,7 @@ def test_peak_flops_of_simulated_gpus(monkeypatch, name, source, tflops):
 
 def test_cpu_peak_is_measured():
     peak, source = train.peak_flops(torch.device("cpu"), torch.float32)
-    assert source == "measured" and peak > 1e9
+    assert source == "measured" and peak > 0  # MFU divides by it
 
 
 @pytest.mark.parametrize(
@@ -481,15 +481,18 @@ def test_default_run_memory_estimate_within_15_percent(tmp_path):
     of the peak it measures after 2 steps, in a fresh process whose peak RSS is its own."""
     import re
 
-    argv = [sys.executable, "train.py", "--max_steps=2", "--eval_every=0", "--sample=False", f"--out_dir={tmp_path}"]
+    argv = [sys.executable, "train.py", "--max_steps=2", "--eval_every=0", "--sample=False"]
+    argv += [f"--out_dir={tmp_path / 'out'}", f"--cache_dir={tmp_path / 'cache'}"]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
     printed = proc.stdout + proc.stderr
-    line = re.search(r"measured peak memory after 2 steps: ([\d.]+) GiB \(estimated ([\d.]+) GiB\)", printed)
-    measured, estimated = map(float, line.groups())
-    print(f"\ndefault run: measured {measured} GiB, estimated {estimated} GiB")
+    size = r"([\d.]+) (GiB|MiB)"
+    line = re.search(rf"measured peak memory after 2 steps: {size} \(estimated {size}\)", printed)
+    g = line.groups()
+    measured, estimated = (float(g[k]) / (1 if g[k + 1] == "GiB" else 1024) for k in (0, 2))
+    print(f"\ndefault run: measured {measured:.2f} GiB, estimated {estimated:.2f} GiB")
     assert abs(estimated - measured) <= 0.15 * measured
-    assert re.search(r"memory estimate [\d.]+ GiB: weights .*, activations .*, heap .*, process ", printed)
+    assert re.search(r"memory estimate [\d.]+ [GM]iB: weights .*, activations .*, heap .*, process ", printed)
 
 
 def test_plan_and_preview_load_no_model_and_write_nothing(tiny_dir, tmp_path, monkeypatch, capsys):
@@ -504,3 +507,31 @@ def test_plan_and_preview_load_no_model_and_write_nothing(tiny_dir, tmp_path, mo
     out = capsys.readouterr().out
     assert "tokens kept" in out and "--- example 0:" in out and "supervised ---" in out
     assert not (tmp_path / "out").exists()
+
+
+def test_exports_keep_a_resumable_checkpoint_and_merge_from_a_bnb_4bit_base(tiny_dir, tmp_path):
+    """--export_merged folds the adapters into the base, after the checkpoint is saved: the checkpoint still holds
+    the trained adapters and a resumed run continues from them. A bnb-4bit base (no 16-bit original) merges into its
+    dequantized weights instead of failing."""
+    from safetensors.torch import load_file
+
+    import hf
+
+    run(args(tiny_dir, tmp_path / "a", "--max_steps=2", "--eval_every=0", "--export_merged"))
+    out = tmp_path / "a" / "out"
+    saved = torch.load(out / "checkpoint.pt", weights_only=False)["lora"]
+    trained = load_file(out / "adapter" / "adapter_model.safetensors")
+    assert len(saved) == len(trained) == 2 * 14
+    for name, t in saved.items():
+        assert torch.equal(trained[f"base_model.model.{name}"], t)
+    assert (out / "merged" / "model.safetensors").exists()
+    assert len(run(args(tiny_dir, tmp_path / "a", "--max_steps=3", "--eval_every=0", "--resume"))) > 0
+
+    nf4 = tmp_path / "nf4"
+    hf.save_quantized(hf.load_model(tiny_dir, torch.float32, quantize=True), nf4)
+    for name in os.listdir(tiny_dir):
+        if name.startswith("tokenizer"):
+            shutil.copy(os.path.join(tiny_dir, name), nf4)
+    run(args(str(nf4), tmp_path / "b", "--max_steps=1", "--eval_every=0", "--export_merged"))
+    merged = hf.load_model(tmp_path / "b" / "out" / "merged")
+    assert not any(isinstance(m, hf.quant.NF4Linear) for m in merged.modules())
