@@ -114,6 +114,7 @@ import torch
 
 import hf
 import lora
+import memory
 import quant
 import train
 from examples import load_examples, stdlib_examples
@@ -1132,10 +1133,10 @@ def print_memory(label, row, rows):
     print(f"\npeak memory of {label}, one step per micro-batch size (the other systems freed)")
     table = []
     for r in rows:
-        peak = train.fmt_bytes(r["peak_bytes"]) if "peak_bytes" in r else r.get("status", "-")
+        peak = memory.fmt(r["peak_bytes"]) if "peak_bytes" in r else r.get("status", "-")
         speed = (f"{r['step_s']:.2f}", f"{r['tokens_per_s']:,.0f}") if "step_s" in r else ("", "")
         on = "on" if r["checkpointing"] else "off"
-        table.append((f"{r['rows']} x {row}", on, peak, train.fmt_bytes(r["estimate_bytes"]), *speed))
+        table.append((f"{r['rows']} x {row}", on, peak, memory.fmt(r["estimate_bytes"]), *speed))
     print_table(["micro-batch", "checkpointing", "measured peak", "train.estimate", "step s", "tokens/s"], table)
 
 
@@ -1151,7 +1152,7 @@ def print_workload(title, result, systems):
         m = r["summary"]
         batch = f"{m['rows']:.3g} x {m['width']:.0f}"
         rates = (f"{m['step_s']:.3f}", f"{m['tokens_per_s']:,.0f}", f"{m['supervised_per_s']:,.0f}", f"{m['mfu']:.1%}")
-        peak = train.fmt_bytes(m["peak_bytes"]) if "peak_bytes" in m else "-"
+        peak = memory.fmt(m["peak_bytes"]) if "peak_bytes" in m else "-"
         rows.append((s.label, batch, f"{m['fill']:.1%}", *rates, peak, f"{m['loss_step1']:.4f}"))
     headers = ["system", "rows x width", "fill", "step s", "tokens/s", "supervised/s", "MFU", "peak memory"]
     print_table([*headers, "step-1 loss"], rows)
@@ -1194,9 +1195,9 @@ def gpu_machine(device):
 
 def print_gpu_header(results, cfg, device):
     m, row, rows = results["machine"], results["row"], results["rows"]
-    memory = f", {train.fmt_bytes(m['memory'])}" if m["memory"] else ""
+    gpu_memory = f", {memory.fmt(m['memory'])}" if m["memory"] else ""
     versions = ", ".join(f"{k} {m[k]}" for k in ("transformers", "peft", "bitsandbytes", "flash-attn", "triton"))
-    print(f"{m['device']}{memory}; torch {m['torch']}, CUDA {m['cuda']}, {versions}")
+    print(f"{m['device']}{gpu_memory}; torch {m['torch']}, CUDA {m['cuda']}, {versions}")
     with torch.device("meta"):
         params = sum(p.numel() for p in Llama(cfg).parameters())
     size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.2f}M"

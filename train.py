@@ -474,10 +474,6 @@ def current_rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def fmt_bytes(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
-
-
 # ----------------------------------------------------------------------------- checkpoints
 
 
@@ -657,8 +653,7 @@ def probe_micro_rows(attempt, max_rows, device) -> int:
         while lo < hi:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
+    reset_peak_memory(device)
     return hi
 
 
@@ -730,8 +725,8 @@ def report_plan(run: Run, model, trainset, rows, micro_rows, process):
             f"{math.ceil(rows / micro_rows)} micro-batch(es) x {micro_rows} rows"
         )
         print(
-            f"memory estimate {fmt_bytes(sum(est.values()))}: "
-            + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in est.items())
+            f"memory estimate {memory.fmt(sum(est.values()))}: "
+            + ", ".join(f"{k} {memory.fmt(v)}" for k, v in est.items())
         )
         print(f"MFU is measured against a {source} peak of {peak / 1e12:.2f} TFLOP/s")
     return sum(est.values()), flops_per_token(model.config, ctx), peak
@@ -792,8 +787,8 @@ def log_step(run: Run, model, valset, rec, bar, estimated):
     )
     bar.update(1)
     if step == min(2, cfg.max_steps):  # the estimate, checked against what the first steps really took
-        peak = fmt_bytes(peak_memory(run.device))
-        bar.write(f"measured peak memory after {step} steps: {peak} (estimated {fmt_bytes(estimated)})")
+        peak = memory.fmt(peak_memory(run.device))
+        bar.write(f"measured peak memory after {step} steps: {peak} (estimated {memory.fmt(estimated)})")
 
 
 def fit(cfg: Config) -> list[dict]:
@@ -869,7 +864,7 @@ def loop(run: Run, model_dir, tok, trainset, valset, held_out) -> list[dict]:
     if run.master:  # the checkpoint first: finish's merged export folds the adapters into the base in place
         save_state(run, model, opt, sched, step, history)
         finish(run, model, tok, held_out, history, sample_before, model_dir)
-        print(f"peak {'RSS' if run.device.type == 'cpu' else 'GPU memory'}: {fmt_bytes(peak_memory(run.device))}")
+        print(f"peak {'RSS' if run.device.type == 'cpu' else 'GPU memory'}: {memory.fmt(peak_memory(run.device))}")
     if run.world > 1:
         dist.destroy_process_group()
     return history
