@@ -349,25 +349,26 @@ def flash_varlen(q, k, v, docs, window=None):
 
 def torch_varlen(q, k, v, docs, window=None):
     """torch's own FlashAttention varlen kernel (torch.nn.attention.varlen), the same contract. Causal attention is
-    window_size=(-1, 0), a window W is (W - 1, 0); the first releases take no window_size (causal only), and those
-    without enable_gqa (2.11) need k/v heads repeated up to the query heads."""
-    varlen_attn, windows, gqa = _torch_varlen()
+    window_size=(-1, 0), a window W is (W - 1, 0); the first release (2.9) takes is_causal instead (and no window),
+    and those without enable_gqa (2.11) need k/v heads repeated up to the query heads."""
+    varlen_attn, params = _torch_varlen()
     c, m, _ = docs
-    if not gqa and k.shape[1] != q.shape[1]:
+    if "enable_gqa" not in params and k.shape[1] != q.shape[1]:
         k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-    kw = {"enable_gqa": True} if gqa else {}
-    if windows or window is not None:  # asked for a window, a release without one fails loudly
+    kw = {"enable_gqa": True} if "enable_gqa" in params else {}
+    if "is_causal" in params:  # its default is False: without it, attention would see the whole document
+        kw["is_causal"] = True
+    if "window_size" in params or window is not None:  # asked for a window, a release without one fails loudly
         kw["window_size"] = (-1 if window is None else window - 1, 0)
     return varlen_attn(q, k, v, c, c, m, m, **kw)
 
 
 @functools.cache
 def _torch_varlen():
-    """(varlen_attn, whether it takes window_size, whether it takes enable_gqa), read once."""
+    """(varlen_attn, the names of its parameters), read once."""
     from torch.nn.attention.varlen import varlen_attn
 
-    params = inspect.signature(varlen_attn).parameters
-    return varlen_attn, "window_size" in params, "enable_gqa" in params
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
 def _flash_attn_imports():
@@ -396,7 +397,7 @@ def varlen_attention(device, dtype, head_dim=128, windowed=False):
         return flash_varlen
     varlen = importlib.util.find_spec("torch.nn.attention.varlen")
     if varlen is not None and head_dim % 8 == 0 and torch.backends.cuda.is_flash_attention_available():
-        if _torch_varlen()[1] or not windowed:
+        if "window_size" in _torch_varlen()[1] or not windowed:
             return torch_varlen
     return sdpa_varlen
 

@@ -27,7 +27,11 @@ TEMPLATES = DATA / "templates"
 
 @pytest.fixture(autouse=True)
 def _seed():
+    """Every test starts from seed 0 and leaves the TF32 switches as it found them (train.setup turns them on)."""
     torch.manual_seed(0)
+    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
 
 
 @pytest.fixture(scope="session")

@@ -352,9 +352,9 @@ def test_flash_attn_contract_and_selection(monkeypatch, tmp_path):
 @pytest.mark.parametrize("release", ["first", "2.11", "newer"])
 def test_torch_varlen_contract(monkeypatch, release):
     """torch_varlen against stand-ins of torch.nn.attention.varlen.varlen_attn in the three signatures seen in
-    releases: the first takes no window_size (causal only: a window is refused loudly, and varlen_attention does not
-    pick it for a sliding model), then window_size=(left, 0), then enable_gqa (without it, k/v heads must be repeated
-    up to the query heads, which the stand-ins check)."""
+    releases: the first takes is_causal (default False) and no window_size (a window is refused loudly, and
+    varlen_attention does not pick it for a sliding model), then window_size=(left, 0), then enable_gqa (without
+    it, k/v heads must be repeated up to the query heads, which the stand-ins check)."""
     import torch.nn.attention.varlen as varlen
 
     def check(q, k, v, cu_q, cu_k, max_q, max_k, window_size, enable_gqa):
@@ -362,7 +362,8 @@ def test_torch_varlen_contract(monkeypatch, release):
         assert window_size[1] == 0 and cu_q.dtype == torch.int32 and max_q == max_k == 11
         return naive_varlen(q, k, v, cu_q, None if window_size[0] < 0 else window_size[0] + 1).to(q.dtype)
 
-    def first(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None):
+    def first(q, k, v, cu_q, cu_k, max_q, max_k, is_causal=False, return_aux=None):
+        assert is_causal, "is_causal left at its default: attention over the whole document"
         return check(q, k, v, cu_q, cu_k, max_q, max_k, (-1, 0), False)
 
     def older(q, k, v, cu_q, cu_k, max_q, max_k, *, return_aux=None, scale=None, window_size=(-1, -1)):
@@ -410,7 +411,9 @@ def gpu_backends(d, windowed):
     one is asked for) and flash-attn where they are there."""
     found = [M.sdpa_varlen]
     if torch.cuda.get_device_capability()[0] >= 8 and d % 8 == 0 and torch.backends.cuda.is_flash_attention_available():
-        if importlib.util.find_spec("torch.nn.attention.varlen") and (not windowed or M._torch_varlen()[1]):
+        if importlib.util.find_spec("torch.nn.attention.varlen") and (
+            not windowed or "window_size" in M._torch_varlen()[1]
+        ):
             found.append(M.torch_varlen)
         if M._flash_attn_imports():
             found.append(M.flash_varlen)
@@ -448,9 +451,10 @@ def test_cuda_backends_equal_the_reference(hkv, d, window):
 
 
 def qlora_tiny(seed=0, dtype=torch.float32):
+    """A tiny QLoRA model as load_model builds it: the base in `dtype`, NF4 block linears, fp32 adapters, B random."""
     torch.manual_seed(seed)
-    model = quant.quantize_(Llama(tiny_config()), compute_dtype=dtype)
-    lora.add_lora_(model, "all-linear", r=2, alpha=4, dropout=0.0)
+    model = quant.quantize_(Llama(tiny_config()).to(dtype), compute_dtype=dtype)
+    lora.add_lora_(model, "all-linear", r=2, alpha=4, dropout=0.0, lora_dtype=torch.float32)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:

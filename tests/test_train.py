@@ -78,6 +78,7 @@ def args(tiny_dir, tmp_path, *extra):
         f"--model={tiny_dir}",
         f"--out_dir={tmp_path / 'out'}",
         f"--cache_dir={tmp_path / 'cache'}",
+        "--device=cpu",  # exact-equality proofs: on a GPU machine too, where the GPU tests are further down
         *extra,
     ]
 
@@ -488,7 +489,7 @@ def test_default_run_memory_estimate_within_15_percent(tmp_path):
     of the peak it measures after 2 steps, in a fresh process whose peak RSS is its own."""
     import re
 
-    argv = [sys.executable, "train.py", "--max_steps=2", "--eval_every=0", "--sample=False"]
+    argv = [sys.executable, "train.py", "--max_steps=2", "--eval_every=0", "--sample=False", "--device=cpu"]
     argv += [f"--out_dir={tmp_path / 'out'}", f"--cache_dir={tmp_path / 'cache'}"]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -577,15 +578,15 @@ def qlora_step(model_dir, device, precision, adapters=None):
 @pytest.mark.parametrize("device", DEVICES)
 def test_bf16_step_equals_the_fp32_step(tiny_dir, device, monkeypatch):
     """One bf16 QLoRA step (bf16 autocast over a bf16 base with NF4 blocks, fp32 adapters) against the same step in
-    fp32 (TF32 off) on the same adapters and packed batch: the loss within 0.5% and every LoRA gradient within 5%
-    (the norm of the difference over the norm; bf16 keeps 8 significant bits)."""
+    fp32 (TF32 off) on the same adapters and packed batch: the loss within 2e-3 nats and every LoRA gradient within
+    5% (the norm of the difference over the norm; bf16 keeps 8 significant bits). On CPU: 1e-4 nats and 1.1%."""
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     loss32, grads32, adapters = qlora_step(tiny_dir, device, "fp32")
     loss16, grads16, _ = qlora_step(tiny_dir, device, "bf16", adapters)
     errors = {k: float((grads16[k] - g).norm() / g.norm()) for k, g in grads32.items()}
     worst = max(errors, key=errors.get)
     print(f"\n{device}: loss fp32 {loss32:.5f} bf16 {loss16:.5f}; worst gradient error {errors[worst]:.4f} ({worst})")
-    assert abs(loss16 - loss32) < 5e-3 * loss32 and errors[worst] < 5e-2
+    assert abs(loss16 - loss32) < 2e-3 and errors[worst] < 5e-2
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -613,10 +614,10 @@ def test_adamw_equals_the_single_tensor_loop(device):
 
 @cuda
 def test_probe_fits_under_a_capped_memory_fraction(smollm2_dir, tmp_path):
-    """The auto micro-batch probe on a GPU whose memory is capped (set_per_process_memory_fraction) where 2 rows of
-    2,048 tokens fit and 4 would not: the size it picks trains a step without running out of memory, and one row
-    more does not fit while the optimizer state is held in reserve, as the probe holds it."""
-    shape = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8)
+    """The auto micro-batch probe on a GPU whose memory is capped (set_per_process_memory_fraction, which bounds what
+    the allocator reserves) between what 2 rows of 2,048 tokens reserve and what 3 rows allocate: it picks 2, with
+    the optimizer state held in reserve as the probe holds it, and 2 rows per micro-batch then train a step."""
+    shape = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8, head_dim=64)
     model_dir = random_model_dir(tmp_path / "m", smollm2_dir, torch.bfloat16, "cuda", **shape, num_key_value_heads=2)
     cfg = train.Config(model=model_dir, device="cuda", context_length=2048, batch_tokens=16 * 2048)
     cfg.max_examples, cfg.cache_dir = 600, str(tmp_path / "cache")
@@ -625,37 +626,36 @@ def test_probe_fits_under_a_capped_memory_fraction(smollm2_dir, tmp_path):
     model = train.build_model(run, model_dir)
     longest = sorted(range(len(trainset)), key=lambda r: -sum(trainset.lens[d] for d in trainset.rows[r]))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    reserve = torch.empty(train.optimizer_bytes(cfg) * trainable, dtype=torch.uint8, device="cuda")
 
-    def peak(rows):  # peak bytes of the probe's own attempt: forward + backward on the longest rows
+    def peak(rows):  # (allocated, reserved) peak bytes of the probe's own attempt, its reserve held, from a clean cache
+        reserve = torch.empty(train.optimizer_bytes(cfg) * trainable, dtype=torch.uint8, device="cuda")
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-        loss, _ = train.forward_loss(model, trainset.collate(longest[:rows]), run)
-        loss.backward()
-        model.zero_grad(set_to_none=True)
-        return torch.cuda.max_memory_allocated()
+        try:
+            loss, _ = train.forward_loss(model, trainset.collate(longest[:rows]), run)
+            loss.backward()
+        finally:
+            model.zero_grad(set_to_none=True)
+            del reserve
+        return torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()
 
-    one, two = peak(1), peak(2)
-    del reserve
+    (_, reserved2), (allocated3, _) = peak(2), peak(3)
+    assert reserved2 < allocated3, (reserved2, allocated3)
     torch.cuda.empty_cache()
-    total = torch.cuda.get_device_properties(0).total_memory
-    torch.cuda.set_per_process_memory_fraction((two + 0.6 * (two - one)) / total)
+    torch.cuda.set_per_process_memory_fraction((reserved2 + allocated3) / 2 / torch.cuda.mem_get_info()[1])
     try:
         rows = train.auto_micro_rows(run, model, trainset, 16)
-        assert 2 <= rows <= 3, (rows, one, two)
-        reserve = torch.empty(train.optimizer_bytes(cfg) * trainable, dtype=torch.uint8, device="cuda")
+        assert rows == 2, (rows, reserved2, allocated3)
         with pytest.raises(torch.OutOfMemoryError):
-            peak(rows + 1)
-        del reserve
+            peak(3)
         torch.cuda.empty_cache()
         params = [p for p in model.parameters() if p.requires_grad]
         opt, scaler = train.make_optimizer(cfg, params, run.device), torch.amp.GradScaler("cuda", enabled=False)
-        batch = trainset.collate(longest[: 2 * rows])  # two micro-batches of the rows the probe chose
-        rec = train.train_step(run, model, params, opt, scaler, batch, rows)
+        rec = train.train_step(run, model, params, opt, scaler, trainset.collate(longest[:4]), rows)
         assert math.isfinite(rec["loss"])
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
-    print(f"\npeak 1 row {one / 2**20:.0f} MiB, 2 rows {two / 2**20:.0f} MiB; probe chose {rows} row(s)")
+    print(f"\n2 rows reserve {reserved2 / 2**20:.0f} MiB, 3 rows allocate {allocated3 / 2**20:.0f} MiB; probe: {rows}")
 
 
 @cuda
@@ -664,11 +664,12 @@ def test_cuda_end_to_end_on_a_1b_shape(smollm2_dir, tmp_path, monkeypatch):
     and tokenizer) fine-tuned with QLoRA for 30 steps on the stdlib data, auto micro-batch and all. The validation
     loss falls; a run interrupted at step 12 and resumed gives the uninterrupted run's losses (1% for the kernels'
     nondeterministic sums); the adapter loads in PEFT and the merged export in transformers, and in fp32 their logits
-    agree within 2% (the merged weights are rounded to bf16: about 2e-3 on a tiny model)."""
+    agree within 2% (the merged weights are rounded to bf16: about 2e-3 on a tiny model) and within a tenth of how far
+    training moved them from the base's."""
     import peft
     import transformers
 
-    shape = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32)
+    shape = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, head_dim=64)
     base = random_model_dir(tmp_path / "base", smollm2_dir, torch.bfloat16, "cuda", **shape, num_key_value_heads=8)
     common = [f"--model={base}", "--max_examples=3000", "--context_length=1024", "--batch_tokens=16384"]
     common += ["--max_steps=30", "--warmup_steps=3", "--eval_every=10", "--save_every=10", "--sample=False"]
@@ -684,9 +685,13 @@ def test_cuda_end_to_end_on_a_1b_shape(smollm2_dir, tmp_path, monkeypatch):
     tok = Tokenizer(base)
     ids = torch.tensor([tok.encode("def add(a, b):\n    return a + b\n", bos=False)], device="cuda")
     load = lambda d: transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).cuda().eval()  # noqa: E731
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # train.setup turned TF32 on
     with torch.no_grad():
-        merged = load(tmp_path / "full" / "merged")(ids).logits.float()
-        adapted = peft.PeftModel.from_pretrained(load(base), tmp_path / "full" / "adapter").eval()(ids).logits.float()
-    error = float((merged - adapted).norm() / adapted.norm())
-    print(f"\nval loss {vals}; merged vs PEFT logits: {error:.2e} relative")
-    assert error < 2e-2
+        merged = load(tmp_path / "full" / "merged")(ids).logits
+        untrained = load(base)(ids).logits
+        adapted = peft.PeftModel.from_pretrained(load(base), tmp_path / "full" / "adapter").eval()(ids).logits
+    rel = lambda a, b: float((a - b).norm() / b.norm())  # noqa: E731
+    print(
+        f"\nval loss {vals}; merged vs PEFT logits {rel(merged, adapted):.2e}, vs the base {rel(merged, untrained):.2e}"
+    )
+    assert rel(merged, adapted) < 2e-2 and rel(merged, adapted) < 0.1 * rel(merged, untrained)
