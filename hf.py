@@ -55,7 +55,7 @@ from safetensors.torch import load_file, save_file
 
 import lora
 import quant
-from model import Llama, LlamaConfig, varlen_attention
+from model import Llama, LlamaConfig, find_linears, varlen_attention
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json")
 TOKENIZER_FILES += ("chat_template.jinja",)
@@ -69,8 +69,6 @@ NF4_STATE = ".quant_state.bitsandbytes__nf4"
 
 
 # ----------------------------------------------------------------------------- writing files
-
-
 def atomic_write(path, write):
     """write(tmp) into a fresh temp file in path's folder, flush it to disk, then os.replace it onto `path`. A failed
     write (a full disk, a folder that became read-only) removes the temp file, leaves `path` as it was, and raises one
@@ -86,14 +84,11 @@ def atomic_write(path, write):
         with open(tmp, "rb") as f:
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except (OSError, RuntimeError, SafetensorError) as e:  # RuntimeError: torch.save's zip writer
-        reason = _why(e)
+    except BaseException as e:
         with contextlib.suppress(OSError):  # the temp file may never have been created
             os.remove(tmp)
-        raise OSError(f"{path}: could not write it ({reason}); {kept}") from None
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
+        if isinstance(e, OSError | RuntimeError | SafetensorError):  # RuntimeError: torch.save's zip writer
+            raise OSError(f"{path}: could not write it ({_why(e)}); {kept}") from None
         raise
 
 
@@ -120,8 +115,6 @@ def read_json(path):
 
 
 # ----------------------------------------------------------------------------- config.json
-
-
 def dtype_name(dtype):
     return str(dtype).removeprefix("torch.")  # torch.bfloat16 -> "bfloat16", the spelling config.json uses
 
@@ -144,8 +137,6 @@ def read_config(path):
 
 
 # ----------------------------------------------------------------------------- reading checkpoints
-
-
 class Checkpoint:
     """Lazy reader of model.safetensors or of shards listed in model.safetensors.index.json."""
 
@@ -285,8 +276,6 @@ def load_model(path, dtype=None, device="cpu", quantize=False, add_lora=None, ad
 
 
 # ----------------------------------------------------------------------------- bnb-4bit
-
-
 def save_quantized(model, out_dir):
     """Write model.safetensors (bnb-4bit entries for NF4Linear, other tensors as they are, tied copies once) and
     config.json with a quantization_config."""
@@ -301,15 +290,9 @@ def save_quantized(model, out_dir):
         tensors[key] = t
     for name, m in nf4.items():
         w = m.nf4_weight()
-        state = dict(
-            quant_type="nf4",
-            blocksize=quant.BLOCK,
-            dtype=dtype_name(m.compute_dtype),
-            shape=[m.out_features, m.in_features],
-            nested_blocksize=quant.NESTED_BLOCK,
-            nested_dtype="float32",
-            nested_offset=w.offset.item(),
-        )
+        state = dict(quant_type="nf4", blocksize=quant.BLOCK, dtype=dtype_name(m.compute_dtype))
+        state |= dict(shape=[m.out_features, m.in_features], nested_blocksize=quant.NESTED_BLOCK)
+        state |= dict(nested_dtype="float32", nested_offset=w.offset.item())
         tensors |= {
             f"{name}.weight": w.packed,
             f"{name}.weight.absmax": w.absmax,
@@ -320,22 +303,15 @@ def save_quantized(model, out_dir):
         }
     dense = [v.dtype for v in tensors.values() if v.is_floating_point()]  # dtype of the unquantized tensors
     config = config_json(model.config, dense[0] if dense else torch.bfloat16)
-    config["quantization_config"] = dict(
-        quant_method="bitsandbytes",
-        load_in_4bit=True,
-        load_in_8bit=False,
-        bnb_4bit_quant_type="nf4",
-        bnb_4bit_use_double_quant=True,
-        bnb_4bit_compute_dtype=dtype_name(next((m.compute_dtype for m in nf4.values()), torch.bfloat16)),
-        bnb_4bit_quant_storage="uint8",
-    )
+    compute = dtype_name(next((m.compute_dtype for m in nf4.values()), torch.bfloat16))
+    q = dict(quant_method="bitsandbytes", load_in_4bit=True, load_in_8bit=False, bnb_4bit_quant_type="nf4")
+    q |= dict(bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute, bnb_4bit_quant_storage="uint8")
+    config["quantization_config"] = q
     write_safetensors(os.path.join(out_dir, "model.safetensors"), tensors)
     write_json(os.path.join(out_dir, "config.json"), config)
 
 
 # ----------------------------------------------------------------------------- PEFT adapters
-
-
 def save_adapter(model, out_dir, base_model_name_or_path=None):
     """Write adapter_config.json + adapter_model.safetensors in PEFT's format."""
     mods = lora.lora_modules(model)
@@ -344,11 +320,7 @@ def save_adapter(model, out_dir, base_model_name_or_path=None):
     m0 = next(iter(mods.values()))
     # Name targets by their short names when that selects exactly the adapted modules, else by full module names.
     short = sorted({n.rsplit(".", 1)[-1] for n in mods})
-    same_short = [
-        n
-        for n, m in model.named_modules()
-        if isinstance(m, (nn.Linear, quant.NF4Linear)) and n.rsplit(".", 1)[-1] in short
-    ]
+    same_short = find_linears(model, short, (nn.Linear, quant.NF4Linear))
     # fmt: off
     config = {
         "base_model_name_or_path": base_model_name_or_path, "peft_type": "LORA", "task_type": "CAUSAL_LM",
@@ -366,10 +338,8 @@ def save_adapter(model, out_dir, base_model_name_or_path=None):
     write_json(os.path.join(out_dir, "adapter_config.json"), config)
 
 
-def _read_adapter(adapter_dir):
-    """(adapter_config dict, {"<module>.lora_A.weight": tensor, ...}) of a PEFT adapter directory, checked."""
-    cfg_path = os.path.join(adapter_dir, "adapter_config.json")
-    path = os.path.join(adapter_dir, "adapter_model.safetensors")
+def _read_adapter(cfg_path, path):
+    """(adapter_config dict, {"<module>.lora_A.weight": tensor, ...}) of a PEFT adapter's two files, checked."""
     for p in (cfg_path, path):
         if not os.path.isfile(p):
             raise FileNotFoundError(f"load_adapter_: {p} not found")
@@ -395,8 +365,8 @@ def load_adapter_(model, adapter_dir):
     A model without LoRA gets add_lora_ applied from adapter_config.json; a model that already has LoRA (e.g. when
     resuming) must match the file's r and scaling and receives the weights.
     """
-    cfg, state = _read_adapter(adapter_dir)
     cfg_path, path = (os.path.join(adapter_dir, f) for f in ("adapter_config.json", "adapter_model.safetensors"))
+    cfg, state = _read_adapter(cfg_path, path)
     r, alpha, use_rslora = cfg.get("r", 8), cfg.get("lora_alpha", 8), cfg.get("use_rslora", False)
     targets = cfg.get("target_modules")
     if targets is None or (isinstance(targets, str) and targets != "all-linear"):  # absent or a regex: use the file
@@ -430,8 +400,6 @@ def load_adapter_(model, adapter_dir):
 
 
 # ----------------------------------------------------------------------------- merged export
-
-
 def export_merged(model, out_dir, tokenizer_dir=None, shard_size=5 * 10**9):
     """Write a merged model as a HF-format directory: config.json, safetensors shards (+ index), tokenizer files."""
     leftover = [n for n, m in model.named_modules() if isinstance(m, (lora.LoRA, quant.NF4Linear))]

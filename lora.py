@@ -120,11 +120,8 @@ def count_parameters(model):
 
 
 def add_lora_(model, targets, r, alpha, dropout, use_rslora=False, lora_dtype=None):
-    """Wrap the target linears with LoRA and freeze everything else; returns (trainable, total) parameter counts.
-
-    targets: as model.find_linears ("all-linear": every linear of the blocks, never lm_head; or a list of names matched
-    as PEFT matches them, each by full name or "."-suffix: "q_proj", "layers.0.mlp.up_proj").
-    """
+    """Wrap the `targets` linears (as model.find_linears picks them) with LoRA and freeze everything else; returns
+    (trainable, total) parameter counts."""
     if lora_modules(model):
         raise ValueError("add_lora_: the model already has LoRA adapters")
     try:
@@ -172,10 +169,9 @@ def merge_lora_(model, original=None):
             w, dtype, sources[name] = m.weight, m.weight.dtype, "dense"
         elif original is not None and f"{name}.weight" in original:
             w, dtype, sources[name] = original.get(f"{name}.weight"), m.compute_dtype, "original"
-            if tuple(w.shape) != (m.out_features, m.in_features):
+            if tuple(w.shape) != (want := (m.out_features, m.in_features)):
                 raise ValueError(
-                    f"merge_lora_: original tensor {name}.weight has shape {tuple(w.shape)}, expected "
-                    f"{(m.out_features, m.in_features)}"
+                    f"merge_lora_: original tensor {name}.weight has shape {tuple(w.shape)}, expected {want}"
                 )
         else:
             w, dtype, sources[name] = m.dequantize(), m.compute_dtype, "dequantized"

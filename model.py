@@ -82,6 +82,7 @@ from torch.utils.checkpoint import checkpoint
 
 LOSS_CHUNK = 1024  # supervised tokens per lm_head + cross-entropy chunk
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+PLAIN_KEYS = ("rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id")
 ROPE_KEYS = {"default": (), "linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
 # The families this Llama reads, by config.json model_type, and the class name transformers gives each.
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
@@ -142,18 +143,10 @@ class LlamaConfig:
                 raise ValueError(f"{path}: {key} = {d[key]!r} is not supported (expected {want!r})")
         heads, bias = d["num_attention_heads"], bool(d.get("attention_bias")) and kind != "mistral"
         cfg = cls(
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_hidden_layers=d["num_hidden_layers"],
-            num_attention_heads=heads,
+            **{k: d[k] for k in REQUIRED_KEYS},
+            **{k: d.get(k, getattr(cls, k)) for k in PLAIN_KEYS},  # absent: the field's default
             num_key_value_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or (128 if kind == "qwen3" else d["hidden_size"] // heads),  # transformers'
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=d.get("tie_word_embeddings", False),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=d.get("eos_token_id"),
             model_type=kind,
             qkv_bias=bias or kind == "qwen2",
             o_bias=bias and kind != "qwen2",
@@ -170,8 +163,7 @@ class LlamaConfig:
     def to_hf(self):
         """A config.json dict in the classic form (top-level rope_theta + rope_scaling) every transformers reads, as
         the family's own config class spells it. Only Hugging Face keys are written, whatever else a fork stores."""
-        keys = [*REQUIRED_KEYS, "num_key_value_heads", "head_dim", "rms_norm_eps", "rope_theta"]
-        keys += ["max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id"]
+        keys = [*REQUIRED_KEYS, "num_key_value_heads", "head_dim", "rope_theta", *PLAIN_KEYS]
         kind, layers = self.model_type, self.num_hidden_layers
         d = {"architectures": [FAMILIES[kind]], "model_type": kind, "hidden_act": "silu"}
         d |= {k: getattr(self, k) for k in keys}
@@ -384,10 +376,8 @@ def _flash_attn_imports():
 
 
 def varlen_attention(device, dtype, head_dim=128, windowed=False):
-    """The packed-document attention for a model on `device` computing in `dtype`, chosen once when it is built:
-    flash-attn where it imports and the GPU and shapes suit its kernels (compute capability 8.0+, fp16/bf16,
-    head_dim <= 256), else torch's own varlen kernel (the same limits, head_dim a multiple of 8, and a torch that
-    takes a window when the model slides), else one SDPA call per document, which runs anywhere."""
+    """The packed-document attention for a model on `device` computing in `dtype`, chosen once as the file docstring
+    says; torch's kernel also needs head_dim a multiple of 8, and a torch that takes a window when the model slides."""
     device = torch.device(device)
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or head_dim > 256:
         return sdpa_varlen
@@ -528,23 +518,18 @@ class Llama(nn.Module):
         self.config = config
         self.activation_checkpointing = False
         self.loss_chunk = LOSS_CHUNK  # 0: full-vocabulary logits for every position at once (the naive baseline)
-        self.model = nn.ModuleDict(
-            dict(
-                embed_tokens=nn.Embedding(config.vocab_size, config.hidden_size),
-                layers=nn.ModuleList(Block(config, i, varlen) for i in range(config.num_hidden_layers)),
-                norm=RMSNorm(config.hidden_size, config.rms_norm_eps),
-            )
-        )
+        embed = nn.Embedding(config.vocab_size, config.hidden_size)
+        layers = nn.ModuleList(Block(config, i, varlen) for i in range(config.num_hidden_layers))
+        norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.model = nn.ModuleDict(dict(embed_tokens=embed, layers=layers, norm=norm))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.compiled_block = None  # set by compile_blocks
 
     def compile_blocks(self):
-        """torch.compile the blocks' training forward (and so their backward). Every block runs the same code, so one
-        graph serves them all; the per-document SDPA loop becomes its opaque twin, so nothing inside a block breaks the
-        graph; shapes are dynamic, so batches with other document counts or lengths do not recompile. Evaluation and
-        generation (no grad) run the eager blocks and are never traced."""
+        """torch.compile the blocks' training forward (and so their backward): one graph serves every block, with the
+        opaque per-document op and dynamic shapes (no recompiles); evaluation and generation (no grad) stay eager."""
         for block in self.model.layers:
             if block.self_attn.varlen is sdpa_varlen:
                 block.self_attn.varlen = sdpa_varlen_opaque

@@ -248,8 +248,7 @@ class PackedDataset:
         shuffled = self.lens[np.random.default_rng(self.seed).permutation(len(self.lens))]
         longest = sum(int(b.max()) * len(b) for b in np.array_split(shuffled, -(-len(shuffled) // rows_per_batch)))
         packed = len(self.rows) if self.pack else len(pack_bfd(self.lens, C))
-        eff = [packed * C, longest, len(shuffled) * C]
-        eff = [f"{self.num_tokens / slots:.1%}" for slots in eff]
+        eff = [f"{self.num_tokens / slots:.1%}" for slots in (packed * C, longest, len(shuffled) * C)]
         out.append(
             f"rows: {len(self.rows):,} ({'packed' if self.pack else 'one example each'}); efficiency (real tokens "
             f"/ slots): packed {eff[0]}, padded to the longest of {rows_per_batch} {eff[1]}, padded to {C} {eff[2]}"
@@ -263,22 +262,9 @@ def auto_context_length(lengths, max_context=None, multiple=64):
     return min(c, max_context) if max_context else c
 
 
-def build_dataset(
-    data,
-    tokenizer,
-    context_length="auto",
-    *,
-    pack=True,
-    truncate=True,
-    pad_to_max=False,
-    seed=0,
-    template=None,
-    train_on_prompt=False,
-    cache_dir=None,
-    max_context=None,
-    fmt="auto",
-    skip_bad_rows=False,
-):
+def build_dataset(data, tokenizer, context_length="auto", *, pack=True, truncate=True, pad_to_max=False, seed=0,
+                  template=None, train_on_prompt=False, cache_dir=None, max_context=None, fmt="auto",
+                  skip_bad_rows=False):  # fmt: skip
     """A path or a list of example dicts -> PackedDataset, tokenized once through the cache."""
     tokens, mask, offsets = tokenize_cached(data, tokenizer, template, train_on_prompt, cache_dir, fmt, skip_bad_rows)
     if context_length == "auto":

@@ -70,7 +70,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import Tensor, nn
 
 from model import find_linears
 
@@ -159,8 +159,6 @@ def dequantize_nf4(weight, absmax, nested_absmax, offset, shape, dtype):
 
 
 # ----------------------------------------------------------------------------- CUDA implementations
-
-
 @functools.cache
 def _bnb_functional():
     """bitsandbytes.functional when it is installed and imports (the optional CUDA fast path), else None."""
@@ -178,16 +176,8 @@ def dequantize_bnb(weight, absmax, nested_absmax, offset, shape, dtype):
     """dequantize_nf4 through bitsandbytes' kernel, from a QuantState that points at our buffers."""
     bnb, t = _bnb_functional(), _tables(weight.device)
     nested = bnb.QuantState(absmax=nested_absmax, code=t["dyn"], blocksize=NESTED_BLOCK, dtype=torch.float32)
-    state = bnb.QuantState(
-        absmax=absmax,
-        shape=torch.Size(shape),
-        code=t["nf4"],
-        blocksize=BLOCK,
-        quant_type="nf4",
-        dtype=dtype,
-        offset=offset,
-        state2=nested,
-    )
+    kw = dict(quant_type="nf4", dtype=dtype, offset=offset, state2=nested)
+    state = bnb.QuantState(absmax=absmax, shape=torch.Size(shape), code=t["nf4"], blocksize=BLOCK, **kw)
     return bnb.dequantize_4bit(weight, state)
 
 
@@ -238,29 +228,18 @@ def dequantize_triton(weight, absmax, nested_absmax, offset, shape, dtype):
 
 @functools.cache
 def cuda_dequantize():
-    """The CUDA implementation, chosen on first use: bitsandbytes' kernel when bitsandbytes imports with a CUDA build
-    (a CPU-only or broken install is passed over), else the Triton kernel when triton is installed, else the
-    PyTorch reference."""
-    cuda_bnb = _bnb_functional() is not None and torch._C._dispatch_has_kernel_for_dispatch_key(
-        "bitsandbytes::dequantize_4bit", "CUDA"
-    )
-    if cuda_bnb:
+    """The CUDA implementation, chosen on first use as the file docstring says (a CPU-only bitsandbytes passes)."""
+    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    if _bnb_functional() is not None and has_kernel("bitsandbytes::dequantize_4bit", "CUDA"):
         return dequantize_bnb
     return dequantize_triton if importlib.util.find_spec("triton") is not None else dequantize_nf4
 
 
 # ----------------------------------------------------------------------------- the op and the linear
-
-
 @torch.library.custom_op("nanoqlora::dequantize_nf4", mutates_args=())
 def dequantize(
-    weight: torch.Tensor,
-    absmax: torch.Tensor,
-    nested_absmax: torch.Tensor,
-    offset: torch.Tensor,
-    shape: list[int],
-    dtype: torch.dtype,
-) -> torch.Tensor:
+    weight: Tensor, absmax: Tensor, nested_absmax: Tensor, offset: Tensor, shape: list[int], dtype: torch.dtype
+) -> Tensor:
     """dequantize_nf4 as one opaque op: the PyTorch code on every device but CUDA, cuda_dequantize on CUDA."""
     return dequantize_nf4(weight, absmax, nested_absmax, offset, shape, dtype)
 
@@ -303,8 +282,7 @@ class NF4Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.compute_dtype = in_features, out_features, compute_dtype
         self.rel_error = None
-        n = in_features * out_features
-        nb = -(-n // BLOCK)
+        n, nb = in_features * out_features, -(-in_features * out_features // BLOCK)
         self.register_buffer("weight", torch.zeros((n + 1) // 2, 1, dtype=torch.uint8, device=device))
         self.register_buffer("absmax", torch.zeros(nb, dtype=torch.uint8, device=device))
         self.register_buffer("nested_absmax", torch.zeros(-(-nb // NESTED_BLOCK), device=device))
@@ -352,8 +330,6 @@ class NF4Linear(nn.Module):
 
 
 # ----------------------------------------------------------------------------- whole models
-
-
 @torch.no_grad()
 def relative_error(w, q):
     """||W - dequant(q)||_F / ||W||_F of a weight W and its NF4Weight q, in fp32 (0 for an all-zero W)."""

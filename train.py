@@ -126,8 +126,6 @@ class Config:
 
 
 # ----------------------------------------------------------------------------- config loading
-
-
 def load_config(argv: list[str]) -> Config:
     """Config file(s) and --key=value overrides -> Config. Unknown keys fail with the nearest valid key."""
     fields = {f.name: f for f in dataclasses.fields(Config)}
@@ -194,16 +192,9 @@ CHOICES = {
 
 def check_config(cfg: Config):
     """Every field against its allowed range, all mistakes at once: a ValueError with one line per mistake."""
-    errors = [
-        f"{k}: {getattr(cfg, k)!r} is out of range (expected {what})"
-        for k, (ok, what) in RANGES.items()
-        if not ok(getattr(cfg, k))
-    ]
-    errors += [
-        f"{k}: expected one of {', '.join(choices)}, got {getattr(cfg, k)!r}"
-        for k, choices in CHOICES.items()
-        if getattr(cfg, k) not in choices
-    ]
+    v = vars(cfg)
+    errors = [f"{k}: {v[k]!r} is out of range (expected {w})" for k, (ok, w) in RANGES.items() if not ok(v[k])]
+    errors += [f"{k}: expected one of {', '.join(c)}, got {v[k]!r}" for k, c in CHOICES.items() if v[k] not in c]
     if cfg.chunked_loss and "lm_head" in cfg.lora_targets.split(","):
         errors.append("lora_targets: lm_head needs chunked_loss=False (the chunked loss fuses a plain lm_head)")
     if cfg.resume and cfg.overwrite:
@@ -234,8 +225,6 @@ def check_type(key, value, annotation, where):
 
 
 # ----------------------------------------------------------------------------- set-up
-
-
 @dataclass
 class Run:
     """What every step needs to know about this process: the settings, its rank among `world` processes, where it
@@ -334,14 +323,9 @@ def build_model(run: Run, model_dir: str) -> Llama:
     """The QLoRA (or LoRA) model of the run, with its switches for checkpointing, the chunked loss and compile."""
     cfg = run.cfg
     adapters = dict(targets=lora_targets(cfg), r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout)
+    adapters |= dict(use_rslora=cfg.use_rslora, lora_dtype=torch.float32)
     torch.manual_seed(cfg.seed)  # the same adapter init on every rank
-    model = hf.load_model(
-        model_dir,
-        run.dtype,
-        run.device,
-        quantize=cfg.quantize,
-        add_lora=adapters | dict(use_rslora=cfg.use_rslora, lora_dtype=torch.float32),
-    )
+    model = hf.load_model(model_dir, run.dtype, run.device, quantize=cfg.quantize, add_lora=adapters)
     model.activation_checkpointing = cfg.activation_checkpointing
     model.loss_chunk = model.loss_chunk if cfg.chunked_loss else 0
     if cfg.compile:
@@ -363,16 +347,9 @@ def build_data(cfg: Config, tok, max_positions: int, master: bool, world: int = 
         train_examples, val_examples = stdlib_examples("train"), stdlib_examples("val")
     if cfg.max_examples:
         train_examples = train_examples[: cfg.max_examples]
-    common = dict(
-        template=cfg.template or None,
-        train_on_prompt=cfg.train_on_prompt,
-        truncate=cfg.truncate,
-        pack=cfg.pack,
-        pad_to_max=cfg.pad_to_max,
-        cache_dir=cfg.cache_dir,
-        seed=cfg.seed,
-        max_context=max_positions,
-    )
+    common = dict(template=cfg.template or None, train_on_prompt=cfg.train_on_prompt, truncate=cfg.truncate)
+    common |= dict(pack=cfg.pack, pad_to_max=cfg.pad_to_max, cache_dir=cfg.cache_dir, seed=cfg.seed)
+    common["max_context"] = max_positions
     trainset = pack.build_dataset(train_examples, tok, cfg.context_length, **common)
     if cfg.batch_tokens < trainset.context_length * world:
         rows = f"one row of {trainset.context_length} tokens" + (f" per rank on {world} ranks" if world > 1 else "")
@@ -390,24 +367,15 @@ def build_data(cfg: Config, tok, max_positions: int, master: bool, world: int = 
 
 
 # ----------------------------------------------------------------------------- memory, FLOPs, peak
-
-
 # Dense bf16 (fp16 on pre-Ampere cards) tensor-core peaks in TFLOP/s, no sparsity, by the words of
 # torch.cuda.get_device_name: every word of a key must appear, so "L40" is not "L40S" and "A10" is not "A10G".
 # The first key that matches wins (the PCIe H100 before the SXM one); a GPU none matches gets a measured peak.
+# fmt: off
 PEAK_TFLOPS = {
-    ("H100", "PCIE"): 756,
-    ("H100",): 989,
-    ("H200",): 989,
-    ("A100",): 312,
-    ("L40S",): 362,
-    ("L40",): 181,
-    ("L4",): 121,
-    ("A10",): 125,
-    ("A6000",): 155,
-    ("V100",): 125,
-    ("T4",): 65,
+    ("H100", "PCIE"): 756, ("H100",): 989, ("H200",): 989, ("A100",): 312, ("L40S",): 362, ("L40",): 181,
+    ("L4",): 121, ("A10",): 125, ("A6000",): 155, ("V100",): 125, ("T4",): 65,
 }
+# fmt: on
 
 
 def matmul_peak(device, dtype, seconds=0.3) -> float:
@@ -475,17 +443,10 @@ def current_rss() -> int:
 
 
 # ----------------------------------------------------------------------------- checkpoints
-
-
 def save_checkpoint(path, model, opt, sched, step, cfg):
     """Adapter weights, optimizer and schedule. No RNG state: every step reseeds from (seed, step, rank)."""
-    state = {
-        "step": step,
-        "lora": {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad},
-        "optimizer": opt.state_dict(),
-        "scheduler": sched.state_dict(),
-        "config": dataclasses.asdict(cfg),
-    }
+    state = dict(step=step, lora={n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
+    state |= dict(optimizer=opt.state_dict(), scheduler=sched.state_dict(), config=dataclasses.asdict(cfg))
 
     def write(tmp):
         with open(tmp, "wb") as f:  # a file object: torch's zip writer refuses the temp file's dotted name
@@ -508,10 +469,8 @@ def load_checkpoint(path, model, opt, sched, cfg) -> int:
     except Exception as e:  # any unreadable file is reported, never half-loaded
         raise ValueError(f"{path}: corrupted checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
     for key in RESUME_KEYS:
-        if state["config"].get(key) != getattr(cfg, key):
-            raise ValueError(
-                f"{path}: checkpoint has {key}={state['config'].get(key)!r}, config has {getattr(cfg, key)!r}"
-            )
+        if (saved := state["config"].get(key)) != getattr(cfg, key):
+            raise ValueError(f"{path}: checkpoint has {key}={saved!r}, config has {getattr(cfg, key)!r}")
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if params.keys() != lora_state.keys():
         missing = sorted(params.keys() ^ lora_state.keys())[0]
@@ -539,8 +498,6 @@ def read_metrics(path, step) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- the loop
-
-
 def make_optimizer(cfg: Config, params, device):
     """AdamW: fused on CUDA, foreach on CPU; or bitsandbytes' 8-bit AdamW (paged: its state can spill to the host)."""
     kw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
@@ -615,19 +572,9 @@ def auto_micro_rows(run: Run, model, trainset, rows_per_rank) -> int:
 def estimate(run: Run, config, tokens) -> dict:
     """memory.estimate for this run's settings: bytes by part for a micro-batch of `tokens` tokens."""
     cfg = run.cfg
-    return memory.estimate(
-        config,
-        tokens,
-        run.dtype,
-        cfg.quantize,
-        cfg.lora_r,
-        lora_targets(cfg),
-        cfg.lora_dropout,
-        optimizer_bytes(cfg),
-        cfg.activation_checkpointing,
-        run.device.type == "cpu",
-        cfg.chunked_loss,
-    )
+    adapters = (cfg.lora_r, lora_targets(cfg), cfg.lora_dropout, optimizer_bytes(cfg))
+    switches = (cfg.activation_checkpointing, run.device.type == "cpu", cfg.chunked_loss)
+    return memory.estimate(config, tokens, run.dtype, cfg.quantize, *adapters, *switches)
 
 
 def probe_micro_rows(attempt, max_rows, device) -> int:
@@ -724,10 +671,8 @@ def report_plan(run: Run, model, trainset, rows, micro_rows, process):
             f"batch: {rows * run.world} rows x {ctx} tokens per step = {run.world} rank(s) x "
             f"{math.ceil(rows / micro_rows)} micro-batch(es) x {micro_rows} rows"
         )
-        print(
-            f"memory estimate {memory.fmt(sum(est.values()))}: "
-            + ", ".join(f"{k} {memory.fmt(v)}" for k, v in est.items())
-        )
+        parts = ", ".join(f"{k} {memory.fmt(v)}" for k, v in est.items())
+        print(f"memory estimate {memory.fmt(sum(est.values()))}: {parts}")
         print(f"MFU is measured against a {source} peak of {peak / 1e12:.2f} TFLOP/s")
     return sum(est.values()), flops_per_token(model.config, ctx), peak
 
@@ -895,9 +840,8 @@ def finish(run: Run, model, tok, held_out, history, sample_before, model_dir):
         used = sorted(set(sources.values()))
         print(f"merged model written to {merged_dir} (merged into {'/'.join(used)} weights; max logit diff {diff:.2e})")
         if cfg.export_gguf:
-            path = convert.export_gguf(
-                merged_dir, os.path.join(cfg.out_dir, f"model-{cfg.export_gguf}.gguf"), cfg.export_gguf
-            )
+            gguf = os.path.join(cfg.out_dir, f"model-{cfg.export_gguf}.gguf")
+            path = convert.export_gguf(merged_dir, gguf, cfg.export_gguf)
             print(f"GGUF written to {path} (Ollama: ollama create NAME -f {convert.modelfile_path(path)})")
 
 
@@ -908,12 +852,9 @@ def plot_losses(history, path):
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    train_pts = [(h["step"], h["loss"]) for h in history if "loss" in h]
-    val_pts = [(h["step"], h["val_loss"]) for h in history if "val_loss" in h]
-    if train_pts:
-        ax.plot(*zip(*train_pts, strict=True), label="train")
-    if val_pts:
-        ax.plot(*zip(*val_pts, strict=True), "o-", label="validation")
+    for key, style, label in (("loss", "-", "train"), ("val_loss", "o-", "validation")):
+        if points := [(h["step"], h[key]) for h in history if key in h]:
+            ax.plot(*zip(*points, strict=True), style, label=label)
     ax.set(xlabel="step", ylabel="loss (nats / supervised token)", title="nanoqlora")
     ax.legend()
     fig.tight_layout()
