@@ -423,7 +423,7 @@ def run_child(argv, log_path):
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
         while proc.poll() is None:
-            peak = max(peak, train.vm_hwm(proc.pid))
+            peak = max(peak, memory.vm_hwm(proc.pid))
             time.sleep(0.05)
     return proc.returncode, peak, time.perf_counter() - start
 

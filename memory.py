@@ -1,4 +1,4 @@
-"""How much memory a LoRA or QLoRA run takes, and which settings fit a GPU.
+"""How much memory a LoRA or QLoRA run takes, which settings fit a GPU, and what a run really used.
 
 The breakdown
 -------------
@@ -46,9 +46,15 @@ parts that do not depend on the batch fit at one row (16-bit base with AdamW; el
 AdamW; activations at one row with checkpointing), then the activations (without checkpointing if one row fits,
 else with it), then grow the micro-batch while it fits. Packed varlen attention is assumed throughout: its activations
 grow with tokens, not with tokens squared.
+
+The measurement
+---------------
+train.py prints the estimate beside what the first steps really took: torch's allocator peak on CUDA, the process's
+peak resident set (VmHWM) on CPU, both reset after loading so that they count the steps alone.
 """
 
 import math
+import os
 
 import torch
 import torch.nn as nn
@@ -187,3 +193,40 @@ def report(config, spec, context, max_rows, dtype, lora_r, targets, dropout):
             f"--activation_checkpointing={ckpt} --micro_batch_tokens={r * context})"
         )
     return "\n".join(lines)
+
+
+def peak(device) -> int:
+    """Peak bytes since reset_peak: torch's CUDA allocator peak, or on CPU the process's peak resident set
+    (Linux's VmHWM; ru_maxrss elsewhere, which also counts what a parent held when it forked us)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    if os.path.exists("/proc/self/status"):
+        return vm_hwm()
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def vm_hwm(pid="self") -> int:
+    """A live Linux process's peak resident bytes since its exec or its last reset (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), 0)
+    except (FileNotFoundError, ProcessLookupError):  # a child that exited between a poll and this read
+        return 0
+
+
+def reset_peak(device):
+    """Start the peak afresh, so that it measures the training steps, not loading (a checkpoint read through mmap
+    counts in the resident set) or data preparation. On Linux, writing 5 to /proc/self/clear_refs resets VmHWM."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif os.path.exists("/proc/self/clear_refs"):
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+
+def process_rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss

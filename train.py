@@ -366,7 +366,7 @@ def build_data(cfg: Config, tok, max_positions: int, master: bool, world: int = 
     return trainset, valset, val_examples[0]
 
 
-# ----------------------------------------------------------------------------- memory, FLOPs, peak
+# ----------------------------------------------------------------------------- peak FLOP/s
 # Dense bf16 (fp16 on pre-Ampere cards) tensor-core peaks in TFLOP/s, no sparsity, by the words of
 # torch.cuda.get_device_name: every word of a key must appear, so "L40" is not "L40S" and "A10" is not "A10G".
 # The first key that matches wins (the PCIe H100 before the SXM one); a GPU none matches gets a measured peak.
@@ -403,43 +403,6 @@ def peak_flops(device, dtype) -> tuple[float, str]:
         if tflops is not None:
             return tflops * 1e12 * (0.5 if dtype == torch.float32 else 1.0), "datasheet"  # TF32: half the 16-bit rate
     return matmul_peak(device, dtype), "measured"
-
-
-def peak_memory(device) -> int:
-    """Peak bytes since reset_peak_memory: torch's CUDA allocator peak, or on CPU the process's peak resident set
-    (Linux's VmHWM; ru_maxrss elsewhere, which also counts what a parent held when it forked us)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    if os.path.exists("/proc/self/status"):
-        return vm_hwm()
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def vm_hwm(pid="self") -> int:
-    """A live Linux process's peak resident bytes since its exec or its last reset (0 once it is gone)."""
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), 0)
-    except (FileNotFoundError, ProcessLookupError):  # a child that exited between a poll and this read
-        return 0
-
-
-def reset_peak_memory(device):
-    """Start the peak afresh, so that it measures the training steps, not loading (a checkpoint read through mmap
-    counts in the resident set) or data preparation. On Linux, writing 5 to /proc/self/clear_refs resets VmHWM."""
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    elif os.path.exists("/proc/self/clear_refs"):
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-
-
-def current_rss() -> int:
-    import psutil
-
-    return psutil.Process().memory_info().rss
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -600,7 +563,7 @@ def probe_micro_rows(attempt, max_rows, device) -> int:
         while lo < hi:
             mid = (lo + hi + 1) // 2
             lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    reset_peak_memory(device)
+    memory.reset_peak(device)
     return hi
 
 
@@ -719,7 +682,7 @@ def log_step(run: Run, model, valset, rec, bar, estimated):
     estimate."""
     cfg, step = run.cfg, rec["step"]
     if run.device.type == "cuda":
-        rec["peak_mem"] = peak_memory(run.device)
+        rec["peak_mem"] = memory.peak(run.device)
     if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps):
         rec["val_loss"] = evaluate(model, valset, cfg.eval_rows, run)
         rec["val_ppl"] = math.exp(min(rec["val_loss"], 50))
@@ -732,7 +695,7 @@ def log_step(run: Run, model, valset, rec, bar, estimated):
     )
     bar.update(1)
     if step == min(2, cfg.max_steps):  # the estimate, checked against what the first steps really took
-        peak = memory.fmt(peak_memory(run.device))
+        peak = memory.fmt(memory.peak(run.device))
         bar.write(f"measured peak memory after {step} steps: {peak} (estimated {memory.fmt(estimated)})")
 
 
@@ -759,7 +722,7 @@ def fit(cfg: Config) -> list[dict]:
 def loop(run: Run, model_dir, tok, trainset, valset, held_out) -> list[dict]:
     """Build the model and optimizer, then train step by step, evaluating, logging and saving as configured."""
     cfg = run.cfg
-    process = current_rss() if run.device.type == "cpu" else 0  # on CPU the measured peak is the whole process's
+    process = memory.process_rss() if run.device.type == "cpu" else 0  # on CPU the measured peak is the whole process's
     model = build_model(run, model_dir)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(cfg, params, run.device)
@@ -776,7 +739,7 @@ def loop(run: Run, model_dir, tok, trainset, valset, held_out) -> list[dict]:
         history, sample_before = start(run, model, tok, valset, held_out)
     from tqdm import tqdm
 
-    reset_peak_memory(run.device)
+    memory.reset_peak(run.device)
     bar = tqdm(total=cfg.max_steps, initial=step, disable=not run.master, dynamic_ncols=True)
     try:
         while step < cfg.max_steps:
@@ -809,7 +772,7 @@ def loop(run: Run, model_dir, tok, trainset, valset, held_out) -> list[dict]:
     if run.master:  # the checkpoint first: finish's merged export folds the adapters into the base in place
         save_state(run, model, opt, sched, step, history)
         finish(run, model, tok, held_out, history, sample_before, model_dir)
-        print(f"peak {'RSS' if run.device.type == 'cpu' else 'GPU memory'}: {memory.fmt(peak_memory(run.device))}")
+        print(f"peak {'RSS' if run.device.type == 'cpu' else 'GPU memory'}: {memory.fmt(memory.peak(run.device))}")
     if run.world > 1:
         dist.destroy_process_group()
     return history
