@@ -207,8 +207,6 @@ def bench_smollm2_load(repeat):
 
 
 # ----------------------------------------------------------------------------- training benchmark: what both sides see
-
-
 def matmul_peak(dtype, n=2048, seconds=1.5) -> float:
     """FLOP/s of an n x n @ n x n matmul in `dtype`: the best of three timed windows after a warm-up."""
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
@@ -289,8 +287,6 @@ def batch_hash(batch) -> str:
 
 
 # ----------------------------------------------------------------------------- the peer: transformers + PEFT
-
-
 def run_peer(data, train_on_prompt, precision, nf4, steps, out):
     """N optimizer steps of transformers + PEFT LoRA on our batches; per-step seconds, tokens and supervised tokens,
     the step-1 loss and the first batch's hash go to the JSON file `out`."""
@@ -791,8 +787,6 @@ def batch_stats(batch):
 
 
 # ----------------------------------------------------------------------------- GPU benchmark: the systems
-
-
 @dataclass
 class System:
     """One trainer under test: forward(batch) gives the mean loss over the supervised tokens, on the device."""

@@ -183,8 +183,6 @@ CHECK_TEXTS = ("  Be brief.\n", 'Say "hi"\n\nplease ', " Hi! ", "  x = 1\n", "ok
 
 
 # ----------------------------------------------------------------------------- reading GGUF
-
-
 def _meta(reader, path, key, default=KeyError):
     field = reader.fields.get(key)
     if field is None and default is KeyError:
@@ -405,8 +403,6 @@ def smollm2_dir(root="checkpoints"):
 
 
 # ----------------------------------------------------------------------------- writing GGUF: the model
-
-
 class Planned(NamedTuple):
     """One tensor of the file: what the header says about it, and how to make its bytes when their turn comes."""
 
@@ -515,8 +511,6 @@ def _plan(cfg, ckpt, permute, file_type):
 
 
 # ----------------------------------------------------------------------------- writing GGUF: the tokenizer
-
-
 class Vocab(NamedTuple):
     """The tokenizer as GGUF stores it."""
 
@@ -613,8 +607,6 @@ def _vocab(model_dir, cfg):
 
 
 # ----------------------------------------------------------------------------- writing GGUF: the file
-
-
 def _write_hparams(w, cfg, file_type, name):
     import gguf
 
@@ -726,8 +718,6 @@ def export_gguf(model_dir, out_path, file_type="q8_0", modelfile=True):
 
 
 # ----------------------------------------------------------------------------- the Ollama Modelfile
-
-
 class ChatTurns(NamedTuple):
     """A chat template as fixed text around each message: prefix, then per message pre[role] + content +
     suf[role] (no suffix after a final assistant message), then pre["assistant"] to prompt a reply."""
@@ -907,8 +897,6 @@ def write_modelfile(gguf_path, vocab):
 
 
 # ----------------------------------------------------------------------------- command line
-
-
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
     to_gguf = argv[:1] == ["to-gguf"]

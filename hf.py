@@ -290,9 +290,11 @@ def save_quantized(model, out_dir):
         tensors[key] = t
     for name, m in nf4.items():
         w = m.nf4_weight()
-        state = dict(quant_type="nf4", blocksize=quant.BLOCK, dtype=dtype_name(m.compute_dtype))
-        state |= dict(shape=[m.out_features, m.in_features], nested_blocksize=quant.NESTED_BLOCK)
-        state |= dict(nested_dtype="float32", nested_offset=w.offset.item())
+        # fmt: off
+        state = dict(quant_type="nf4", blocksize=quant.BLOCK, dtype=dtype_name(m.compute_dtype),
+                     shape=[m.out_features, m.in_features], nested_blocksize=quant.NESTED_BLOCK,
+                     nested_dtype="float32", nested_offset=w.offset.item())
+        # fmt: on
         tensors |= {
             f"{name}.weight": w.packed,
             f"{name}.weight.absmax": w.absmax,
@@ -304,9 +306,11 @@ def save_quantized(model, out_dir):
     dense = [v.dtype for v in tensors.values() if v.is_floating_point()]  # dtype of the unquantized tensors
     config = config_json(model.config, dense[0] if dense else torch.bfloat16)
     compute = dtype_name(next((m.compute_dtype for m in nf4.values()), torch.bfloat16))
-    q = dict(quant_method="bitsandbytes", load_in_4bit=True, load_in_8bit=False, bnb_4bit_quant_type="nf4")
-    q |= dict(bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=compute, bnb_4bit_quant_storage="uint8")
-    config["quantization_config"] = q
+    # fmt: off
+    config["quantization_config"] = dict(quant_method="bitsandbytes", load_in_4bit=True, load_in_8bit=False,
+                                         bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                         bnb_4bit_compute_dtype=compute, bnb_4bit_quant_storage="uint8")
+    # fmt: on
     write_safetensors(os.path.join(out_dir, "model.safetensors"), tensors)
     write_json(os.path.join(out_dir, "config.json"), config)
 

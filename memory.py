@@ -227,6 +227,7 @@ def reset_peak(device):
 
 
 def process_rss() -> int:
+    """The process's resident bytes now (psutil)."""
     import psutil
 
     return psutil.Process().memory_info().rss

@@ -377,7 +377,8 @@ def _flash_attn_imports():
 
 def varlen_attention(device, dtype, head_dim=128, windowed=False):
     """The packed-document attention for a model on `device` computing in `dtype`, chosen once as the file docstring
-    says; torch's kernel also needs head_dim a multiple of 8, and a torch that takes a window when the model slides."""
+    says. torch's kernel has flash-attn's limits, and needs head_dim a multiple of 8 and a torch that takes a window
+    when the model slides."""
     device = torch.device(device)
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or head_dim > 256:
         return sdpa_varlen
@@ -528,8 +529,9 @@ class Llama(nn.Module):
         self.compiled_block = None  # set by compile_blocks
 
     def compile_blocks(self):
-        """torch.compile the blocks' training forward (and so their backward): one graph serves every block, with the
-        opaque per-document op and dynamic shapes (no recompiles); evaluation and generation (no grad) stay eager."""
+        """torch.compile the blocks' training forward (and so their backward). One graph serves every block; the
+        per-document SDPA loop becomes its opaque twin, so nothing in a block breaks the graph; shapes are dynamic, so
+        other document counts or lengths do not recompile. Evaluation and generation (no grad) stay eager."""
         for block in self.model.layers:
             if block.self_attn.varlen is sdpa_varlen:
                 block.self_attn.varlen = sdpa_varlen_opaque

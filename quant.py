@@ -228,7 +228,8 @@ def dequantize_triton(weight, absmax, nested_absmax, offset, shape, dtype):
 
 @functools.cache
 def cuda_dequantize():
-    """The CUDA implementation, chosen on first use as the file docstring says (a CPU-only bitsandbytes passes)."""
+    """The CUDA implementation, chosen on first use as the file docstring says (a CPU-only bitsandbytes is passed
+    over)."""
     has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
     if _bnb_functional() is not None and has_kernel("bitsandbytes::dequantize_4bit", "CUDA"):
         return dequantize_bnb
@@ -282,7 +283,8 @@ class NF4Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.compute_dtype = in_features, out_features, compute_dtype
         self.rel_error = None
-        n, nb = in_features * out_features, -(-in_features * out_features // BLOCK)
+        n = in_features * out_features
+        nb = -(-n // BLOCK)
         self.register_buffer("weight", torch.zeros((n + 1) // 2, 1, dtype=torch.uint8, device=device))
         self.register_buffer("absmax", torch.zeros(nb, dtype=torch.uint8, device=device))
         self.register_buffer("nested_absmax", torch.zeros(-(-nb // NESTED_BLOCK), device=device))

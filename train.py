@@ -347,9 +347,11 @@ def build_data(cfg: Config, tok, max_positions: int, master: bool, world: int = 
         train_examples, val_examples = stdlib_examples("train"), stdlib_examples("val")
     if cfg.max_examples:
         train_examples = train_examples[: cfg.max_examples]
-    common = dict(template=cfg.template or None, train_on_prompt=cfg.train_on_prompt, truncate=cfg.truncate)
-    common |= dict(pack=cfg.pack, pad_to_max=cfg.pad_to_max, cache_dir=cfg.cache_dir, seed=cfg.seed)
-    common["max_context"] = max_positions
+    # fmt: off
+    common = dict(template=cfg.template or None, train_on_prompt=cfg.train_on_prompt, truncate=cfg.truncate,
+                  pack=cfg.pack, pad_to_max=cfg.pad_to_max, cache_dir=cfg.cache_dir, seed=cfg.seed,
+                  max_context=max_positions)
+    # fmt: on
     trainset = pack.build_dataset(train_examples, tok, cfg.context_length, **common)
     if cfg.batch_tokens < trainset.context_length * world:
         rows = f"one row of {trainset.context_length} tokens" + (f" per rank on {world} ranks" if world > 1 else "")
@@ -535,9 +537,11 @@ def auto_micro_rows(run: Run, model, trainset, rows_per_rank) -> int:
 def estimate(run: Run, config, tokens) -> dict:
     """memory.estimate for this run's settings: bytes by part for a micro-batch of `tokens` tokens."""
     cfg = run.cfg
-    adapters = (cfg.lora_r, lora_targets(cfg), cfg.lora_dropout, optimizer_bytes(cfg))
-    switches = (cfg.activation_checkpointing, run.device.type == "cpu", cfg.chunked_loss)
-    return memory.estimate(config, tokens, run.dtype, cfg.quantize, *adapters, *switches)
+    adapters = dict(
+        lora_r=cfg.lora_r, targets=lora_targets(cfg), dropout=cfg.lora_dropout, opt_bytes=optimizer_bytes(cfg)
+    )
+    switches = dict(checkpointing=cfg.activation_checkpointing, cpu=run.device.type == "cpu", chunked=cfg.chunked_loss)
+    return memory.estimate(config, tokens, run.dtype, cfg.quantize, **adapters, **switches)
 
 
 def probe_micro_rows(attempt, max_rows, device) -> int:
