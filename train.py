@@ -410,8 +410,11 @@ def peak_flops(device, dtype) -> tuple[float, str]:
 # ----------------------------------------------------------------------------- checkpoints
 def save_checkpoint(path, model, opt, sched, step, cfg):
     """Adapter weights, optimizer and schedule. No RNG state: every step reseeds from (seed, step, rank)."""
-    state = dict(step=step, lora={n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad})
-    state |= dict(optimizer=opt.state_dict(), scheduler=sched.state_dict(), config=dataclasses.asdict(cfg))
+    lora_state = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    # fmt: off
+    state = dict(step=step, lora=lora_state, optimizer=opt.state_dict(), scheduler=sched.state_dict(),
+                 config=dataclasses.asdict(cfg))
+    # fmt: on
 
     def write(tmp):
         with open(tmp, "wb") as f:  # a file object: torch's zip writer refuses the temp file's dotted name

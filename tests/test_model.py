@@ -475,8 +475,7 @@ def test_compiled_training_step_has_no_breaks_and_no_recompiles(device, dtype):
     kernel varlen_attention picks for the GPU): no graph break anywhere in a block (NF4 dequantization and the
     per-document attention are opaque ops), the graphs of the first step serve every later batch whatever its
     document count and lengths, and loss and LoRA gradients equal eager (1e-4 in fp32, 2e-2 relative in bf16);
-    evaluation and
-    generation never reach the compiler."""
+    evaluation and generation never reach the compiler."""
     torch._dynamo.reset()
     counters.clear()
     eager, compiled = qlora_tiny(dtype=dtype).to(device), qlora_tiny(dtype=dtype).to(device)
