@@ -85,10 +85,10 @@ Two workloads, 4 x 512 tokens per optimizer step:
 Per run: N steps; the first `--warmup` are dropped. Step time is the median of the rest; token rates are the tokens of
 those steps over their total time, leaving out any step under half the median tokens/s (a hiccup of the shared
 machine; such steps are counted and named). MFU = model FLOPs per token (train.py's formula: 4N for a frozen-base
-LoRA step plus causal attention at 512 tokens) x tokens/s / the matmul peak measured here for the precision in use.
-With --repeat=R the whole plan runs R times in rounds (every configuration once per round), so each ours/peer pair is
-measured minutes apart in every round; the tables pool the repeats' steps, take the highest peak RSS, and give each
-ratio as the median of the R per-round ratios.
+LoRA step plus causal attention at 512 tokens) x tokens/s / train.matmul_peak of the precision in use (the 2048^3
+matmul train.py times on CPU, timed for 1.5 s here). With --repeat=R the whole plan runs R times in rounds (every
+configuration once per round), so each ours/peer pair is measured minutes apart in every round; the tables pool the
+repeats' steps, take the highest peak RSS, and give each ratio as the median of the R per-round ratios.
 """
 
 import argparse
@@ -207,20 +207,6 @@ def bench_smollm2_load(repeat):
 
 
 # ----------------------------------------------------------------------------- training benchmark: what both sides see
-def matmul_peak(dtype, n=2048, seconds=1.5) -> float:
-    """FLOP/s of an n x n @ n x n matmul in `dtype`: the best of three timed windows after a warm-up."""
-    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
-    a @ b
-    best = 0.0
-    for _ in range(3):
-        start, k = time.perf_counter(), 0
-        while (elapsed := time.perf_counter() - start) < seconds / 3:
-            a @ b
-            k += 1
-        best = max(best, 2 * n**3 * k / elapsed)
-    return best
-
-
 def cpu_name() -> str:
     return next((s.split(":", 1)[1].strip() for s in open("/proc/cpuinfo") if s.startswith("model name")), "unknown")
 
@@ -610,7 +596,8 @@ def bench_train(steps, warmup, only, repeat=1):
     n_long = write_padded_jsonl(padded, Tokenizer(model_dir))
     runs = select_runs(plan(padded), only) if only else plan(padded)
     info = machine()
-    peaks = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
+    cpu = torch.device("cpu")  # train.py's CPU peak, timed longer
+    peaks = {"fp32": train.matmul_peak(cpu, torch.float32, 1.5), "bf16": train.matmul_peak(cpu, torch.bfloat16, 1.5)}
     print(
         f"{info['cpu']}, {info['cores']} cores ({info['threads']} torch threads), {info['ram_gib']} GiB RAM; python "
         f"{info['python']}, torch {info['torch']}, transformers {info['transformers']}, peft {info['peft']}, "
