@@ -581,13 +581,15 @@ def probe_micro_rows(attempt, max_rows, device) -> int:
 
 
 @torch.no_grad()
-def evaluate(model, valset, rows: int, run: Run) -> float:
-    """Mean loss per supervised token over the first `rows` validation rows (0 = all), 4 rows per forward."""
+def evaluate(model, valset, rows: int, micro_rows: int, run: Run) -> float:
+    """Mean loss per supervised token over the first `rows` validation rows (0 = all), `micro_rows` rows per forward:
+    the training micro-batch, whose memory the estimate and the probe vouch for. Without gradients it keeps nothing
+    for backward, but its loss chunk and transients grow with its rows, so a wider batch could outgrow training."""
     model.eval()
     total, count = torch.zeros((), dtype=torch.float64), 0
     end = min(rows or len(valset), len(valset))
-    for i in range(0, end, 4):
-        loss, n = forward_loss(model, valset.collate(range(i, min(i + 4, end))), run)
+    for i in range(0, end, micro_rows):
+        loss, n = forward_loss(model, valset.collate(range(i, min(i + micro_rows, end))), run)
         total += loss.double().cpu()
         count += n
     model.train()
@@ -653,7 +655,7 @@ def report_plan(run: Run, model, trainset, rows, micro_rows, process):
     return sum(est.values()), flops_per_token(model.config, ctx), peak
 
 
-def start(run: Run, model, tok, valset, held_out):
+def start(run: Run, model, tok, valset, held_out, micro_rows):
     """A fresh run's (history, sample before training): the NF4 quantization error, the step-0 validation loss and the
     held-out answer."""
     cfg, history = run.cfg, []
@@ -667,7 +669,7 @@ def start(run: Run, model, tok, valset, held_out):
         )
     before = sample(model, tok, held_out, run) if cfg.sample else ""
     if cfg.eval_every:
-        history.append({"step": 0, "val_loss": evaluate(model, valset, cfg.eval_rows, run)})
+        history.append({"step": 0, "val_loss": evaluate(model, valset, cfg.eval_rows, micro_rows, run)})
         print(f"step 0: val loss {history[-1]['val_loss']:.4f}")
     return history, before
 
@@ -690,14 +692,14 @@ def adapter_report(model, rec, bar):
         )
 
 
-def log_step(run: Run, model, valset, rec, bar, estimated):
+def log_step(run: Run, model, valset, micro_rows, rec, bar, estimated):
     """Evaluation and adapter health when due, the progress bar, and once, after step 2, the measured peak beside the
     estimate."""
     cfg, step = run.cfg, rec["step"]
     if run.device.type == "cuda":
         rec["peak_mem"] = memory.peak(run.device)
     if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps):
-        rec["val_loss"] = evaluate(model, valset, cfg.eval_rows, run)
+        rec["val_loss"] = evaluate(model, valset, cfg.eval_rows, micro_rows, run)
         rec["val_ppl"] = math.exp(min(rec["val_loss"], 50))
         adapter_report(model, rec, bar)
     bar.set_postfix_str(
@@ -749,7 +751,7 @@ def loop(run: Run, model_dir, tok, trainset, valset, held_out) -> list[dict]:
         history, sample_before = read_metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), step), ""
     else:
         step = last_good = 0
-        history, sample_before = start(run, model, tok, valset, held_out)
+        history, sample_before = start(run, model, tok, valset, held_out, micro_rows)
     from tqdm import tqdm
 
     memory.reset_peak(run.device)
@@ -770,7 +772,7 @@ def loop(run: Run, model_dir, tok, trainset, valset, held_out) -> list[dict]:
             rec |= {"tokens_per_s": tokens / dt, "supervised_per_s": rec.pop("supervised") / dt}
             rec["mfu"] = flops * tokens / dt / run.world / peak
             if run.master:
-                log_step(run, model, valset, rec, bar, total)
+                log_step(run, model, valset, micro_rows, rec, bar, total)
                 history.append(rec)
                 if cfg.save_every and step % cfg.save_every == 0:
                     last_good = save_state(run, model, opt, sched, step, history)

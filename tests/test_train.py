@@ -250,15 +250,21 @@ def test_smollm2_qlora_run_lowers_val_loss(smollm2_dir, tmp_path):
     assert len(open(out / "metrics.jsonl").readlines()) == 10  # NF4's error and the step-0 loss, then 8 steps
 
 
-def test_evaluate_covers_exactly_the_requested_rows(tiny_dir):
+@pytest.mark.parametrize("micro_rows", [1, 3, 4])
+def test_evaluate_covers_exactly_the_requested_rows_a_micro_batch_at_a_time(tiny_dir, monkeypatch, micro_rows):
+    """The mean over exactly 10 rows, whatever the batching, and no forward wider than a training micro-batch (a wider
+    one would need more memory than the steps the estimate was made for)."""
     model = load_model(tiny_dir)
     valset = build_dataset(stdlib_examples("val")[:60], Tokenizer(tiny_dir), 128)
     assert len(valset) > 10
     run = train.Run(train.Config(), 0, 1, torch.device("cpu"), torch.float32)
-    got = train.evaluate(model, valset, 10, run)  # batches of 4, 4 and 2 rows
+    widths, forward_loss = [], train.forward_loss
+    monkeypatch.setattr(train, "forward_loss", lambda m, b, r: widths.append(len(b["labels"])) or forward_loss(m, b, r))
+    got = train.evaluate(model, valset, 10, micro_rows, run)
     with torch.no_grad():
         loss, n = model(**{k: v for k, v in valset.collate(range(10)).items()})
     assert abs(got - loss.item() / n) < 1e-5
+    assert sum(widths) == 10 and max(widths) == micro_rows
 
 
 @pytest.mark.parametrize(
@@ -486,10 +492,11 @@ def test_every_config_file_is_valid():
 
 def test_default_run_memory_estimate_within_15_percent(tmp_path):
     """The default run (SmolLM2 QLoRA, bf16 on CPU, 4 rows of 512 tokens): the estimate train.py prints is within 15%
-    of the peak it measures after 2 steps, in a fresh process whose peak RSS is its own."""
+    of the peak it measures after 2 steps, evaluations at steps 0 and 2 included, in a fresh process whose peak RSS is
+    its own."""
     import re
 
-    argv = [sys.executable, "train.py", "--max_steps=2", "--eval_every=0", "--sample=False", "--device=cpu"]
+    argv = [sys.executable, "train.py", "--max_steps=2", "--eval_rows=4", "--sample=False", "--device=cpu"]
     argv += [f"--out_dir={tmp_path / 'out'}", f"--cache_dir={tmp_path / 'cache'}"]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
