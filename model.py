@@ -45,9 +45,9 @@ cu_seqlens = [0, 5, 8, 15]. The function that attends over them is chosen once, 
 (`varlen_attention`): FlashAttention-2 (Dao, https://arxiv.org/abs/2307.08691) where flash-attn really imports and
 the GPU can run it (compute capability 8.0+, 16-bit, head size <= 256); else torch's own FlashAttention varlen kernel
 (torch.nn.attention.varlen); else, on CPU and older GPUs, one causal scaled_dot_product_attention call per document,
-over a span rounded up to a multiple of SHAPE_BUCKET tokens so that the kernels meet few shapes. All three take the
-window. For torch.compile the per-document loop becomes one opaque op (a torch.library custom op whose backward
-recomputes each document's attention), so the compiler sees no data-dependent Python in a block.
+zero-padded to one of a few lengths (`bucket`) so that the kernels meet few shapes. All three take the window. For
+torch.compile the per-document loop becomes one opaque op (a torch.library custom op whose backward recomputes each
+document's attention), so the compiler sees no data-dependent Python in a block.
 
 Loss
 ----
@@ -82,7 +82,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 LOSS_CHUNK = 1024  # supervised tokens per lm_head + cross-entropy chunk
-SHAPE_BUCKET = 64  # documents (attention) and loss chunks are rounded up to a multiple of this many tokens
+SHAPE_BUCKET = 64  # beyond this many tokens, documents (attention) and loss chunks grow in steps of it (bucket)
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 PLAIN_KEYS = ("rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id")
 ROPE_KEYS = {"default": (), "linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
@@ -274,25 +274,29 @@ def causal_sdpa(q, k, v, window=None, start=0):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
+def bucket(n):
+    """n >= 1 rounded up to a power of two up to SHAPE_BUCKET, to a multiple of SHAPE_BUCKET beyond: the few lengths
+    that sdpa_varlen and linear_cross_entropy hand their kernels, whatever the data (powers of two keep a short
+    document's padding under its own length)."""
+    return 1 << (n - 1).bit_length() if n <= SHAPE_BUCKET else -(-n // SHAPE_BUCKET) * SHAPE_BUCKET
+
+
 def sdpa_varlen(q, k, v, docs, window=None):
     """Packed attention as one causal SDPA call per document. q (N, H, D), k/v (N, Hkv, D) -> (N, H, D).
 
-    Each document of length L is attended as a span of P = L rounded up to SHAPE_BUCKET tokens: its own tokens, then
-    the next document's (or zeros past the end). Causality makes the extra keys invisible to the L real queries, and
-    the P - L extra outputs are dropped, so their gradients are exactly zero. Why: PyTorch's bf16 CPU attention builds
-    and keeps a matmul kernel for every shape it meets, so the hundreds of document lengths of a run keep growing the
-    process, step after step; a few dozen span lengths do not."""
+    A document of L tokens is attended with zeros appended up to bucket(L) tokens. Causality hides the zero keys from
+    the L real queries, and the outputs of the zero queries are dropped, so the result is the document's own
+    attention. Why: PyTorch's bf16 CPU attention builds and keeps a matmul kernel for every shape it meets, so the
+    hundreds of document lengths of a run keep growing the process, step after step; a few dozen buckets do not."""
     b = docs.bounds.tolist()
-    pad = (0, 0, 0, 0, 0, SHAPE_BUCKET)  # (N + SHAPE_BUCKET, heads, D): every span fits
-    q, k, v = F.pad(q, pad), F.pad(k, pad), F.pad(v, pad)
 
-    # Spans as 4-D (1, heads, P, D): with 3-D inputs PyTorch's CPU attention skips its fused kernel and keeps the
-    # whole (heads, P, P) attention matrix of every document for backward.
-    def span(t, s, e):
-        return t[s : s + (e - s + SHAPE_BUCKET - 1) // SHAPE_BUCKET * SHAPE_BUCKET].transpose(0, 1)[None]
+    # Each document as 4-D (1, heads, bucket(L), D): with 3-D inputs PyTorch's CPU attention skips its fused kernel
+    # and keeps the whole (heads, L, L) attention matrix of every document for backward.
+    def doc(t, s, e):
+        return F.pad(t[s:e], (0, 0, 0, 0, 0, bucket(e - s) - (e - s))).transpose(0, 1)[None]
 
     outs = [
-        causal_sdpa(span(q, s, e), span(k, s, e), span(v, s, e), window)[0, :, : e - s]
+        causal_sdpa(doc(q, s, e), doc(k, s, e), doc(v, s, e), window)[0, :, : e - s]
         for s, e in zip(b[:-1], b[1:], strict=True)
     ]
     return torch.cat(outs, dim=1).transpose(0, 1).contiguous()
@@ -410,17 +414,17 @@ def varlen_attention(device, dtype, head_dim=128, windowed=False):
 def linear_cross_entropy(h, weight, labels, chunk, grad=False):
     """sum_i CE(h_i W^T, y_i) over rows h (n, hidden), chunk rows at a time; with grad=True also dL/dh (n, hidden)
     and dL/dW (None for a frozen W), from dL/dlogits = softmax(logits) - onehot(y) while each chunk's logits exist.
-    The last chunk is padded with zero rows to a multiple of SHAPE_BUCKET, so its matmuls meet a few shapes over a
-    run, not one per supervised-token count (see sdpa_varlen for why that matters on CPU)."""
+    A chunk of c rows is padded with zero rows to bucket(c), so the matmuls meet a few shapes over a run, not one per
+    supervised-token count (see sdpa_varlen for why that matters on CPU)."""
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
     grad_h = torch.empty_like(h) if grad else None
     grad_w = torch.zeros_like(weight, dtype=torch.float32) if grad and weight.requires_grad else None
     for i in range(0, labels.numel(), chunk):
         yc = labels[i : i + chunk]
         c = yc.numel()
-        hc = h[i : i + chunk] if c % SHAPE_BUCKET == 0 else F.pad(h[i : i + chunk], (0, 0, 0, -c % SHAPE_BUCKET))
-        # hc (P, hidden): zero rows up to a multiple of SHAPE_BUCKET. logits (P, vocab) fp32: the only vocabulary-wide
-        # tensor, one chunk at a time.
+        hc = h[i : i + chunk] if bucket(c) == c else F.pad(h[i : i + chunk], (0, 0, 0, bucket(c) - c))
+        # hc (P, hidden): zero rows up to P = bucket(c). logits (P, vocab) fp32: the only vocabulary-wide tensor, one
+        # chunk at a time.
         logits = (hc @ weight.t()).float()
         lse = logits.logsumexp(-1)  # (P,)
         loss += (lse[:c] - logits[:c].gather(1, yc[:, None])[:, 0]).sum()
