@@ -7,9 +7,9 @@ lora.add_lora_ share; an adapted lm_head, which the chunked loss refuses in one 
 Attention backends: every backend that runs on CPU equals an fp64 per-document reference (forward and gradients, GQA,
 windows); flash-attn and torch's varlen kernel are checked by contract against stand-ins that enforce their own input
 checks and signatures; the backend choice is right for simulated GPUs (pre-Ampere, fp32, big heads) and broken
-flash-attn installs; per-document attention and the loss chunks reach their kernels only at a few bucket lengths;
-a compiled packed QLoRA step has no graph break, does not recompile for other document counts, and equals
-eager. On a GPU, every kernel it runs equals the reference in bf16, and the compiled step holds there too.
+flash-attn installs; per-document attention and the loss chunks reach their kernels only at a few bucket lengths; a
+compiled packed QLoRA step has no graph break, does not recompile for other document counts, and equals eager. On a GPU,
+every kernel it runs equals the reference in bf16, and the compiled step holds there too.
 
 On CPU every comparison runs in fp32 on tiny random models, so it is fast and exact up to float rounding.
 """
