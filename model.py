@@ -281,6 +281,12 @@ def bucket(n):
     return 1 << (n - 1).bit_length() if n <= SHAPE_BUCKET else -(-n // SHAPE_BUCKET) * SHAPE_BUCKET
 
 
+def pad_to_bucket(t):
+    """t (n, ...) with zero rows appended up to bucket(n) rows; t itself when n is a bucket length already."""
+    n = t.shape[0]
+    return t if bucket(n) == n else F.pad(t, (0, 0) * (t.dim() - 1) + (0, bucket(n) - n))
+
+
 def sdpa_varlen(q, k, v, docs, window=None):
     """Packed attention as one causal SDPA call per document. q (N, H, D), k/v (N, Hkv, D) -> (N, H, D).
 
@@ -293,7 +299,7 @@ def sdpa_varlen(q, k, v, docs, window=None):
     # Each document as 4-D (1, heads, bucket(L), D): with 3-D inputs PyTorch's CPU attention skips its fused kernel
     # and keeps the whole (heads, L, L) attention matrix of every document for backward.
     def doc(t, s, e):
-        return F.pad(t[s:e], (0, 0, 0, 0, 0, bucket(e - s) - (e - s))).transpose(0, 1)[None]
+        return pad_to_bucket(t[s:e]).transpose(0, 1)[None]
 
     outs = [
         causal_sdpa(doc(q, s, e), doc(k, s, e), doc(v, s, e), window)[0, :, : e - s]
@@ -422,7 +428,7 @@ def linear_cross_entropy(h, weight, labels, chunk, grad=False):
     for i in range(0, labels.numel(), chunk):
         yc = labels[i : i + chunk]
         c = yc.numel()
-        hc = h[i : i + chunk] if bucket(c) == c else F.pad(h[i : i + chunk], (0, 0, 0, bucket(c) - c))
+        hc = pad_to_bucket(h[i : i + chunk])
         # hc (P, hidden): zero rows up to P = bucket(c). logits (P, vocab) fp32: the only vocabulary-wide tensor, one
         # chunk at a time.
         logits = (hc @ weight.t()).float()
