@@ -583,11 +583,11 @@ def qlora_step(model_dir, device, precision, adapters=None):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_bf16_step_equals_the_fp32_step(tiny_dir, device, monkeypatch):
+def test_bf16_step_equals_the_fp32_step(tiny_dir, device):
     """One bf16 QLoRA step (bf16 autocast over a bf16 base with NF4 blocks, fp32 adapters) against the same step in
     fp32 (TF32 off) on the same adapters and packed batch: the loss within 2e-3 nats and every LoRA gradient within
     5% (the norm of the difference over the norm; bf16 keeps 8 significant bits). On CPU: 1e-4 nats and 1.1%."""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    torch.backends.cuda.matmul.allow_tf32 = False  # conftest's autouse fixture restores it
     loss32, grads32, adapters = qlora_step(tiny_dir, device, "fp32")
     loss16, grads16, _ = qlora_step(tiny_dir, device, "bf16", adapters)
     errors = {k: float((grads16[k] - g).norm() / g.norm()) for k, g in grads32.items()}
@@ -692,7 +692,7 @@ def test_cuda_end_to_end_on_a_1b_shape(smollm2_dir, tmp_path, monkeypatch):
     tok = Tokenizer(base)
     ids = torch.tensor([tok.encode("def add(a, b):\n    return a + b\n", bos=False)], device="cuda")
     load = lambda d: transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).cuda().eval()  # noqa: E731
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)  # train.setup turned TF32 on
+    torch.backends.cuda.matmul.allow_tf32 = False  # train.setup turned TF32 on; conftest's fixture restores it
     with torch.no_grad():
         merged = load(tmp_path / "full" / "merged")(ids).logits
         untrained = load(base)(ids).logits
