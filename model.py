@@ -365,12 +365,11 @@ def flash_varlen(q, k, v, docs, window=None):
 
 def torch_varlen(q, k, v, docs, window=None):
     """torch's own FlashAttention varlen kernel (torch.nn.attention.varlen), the same contract. Causal attention is
-    window_size=(-1, 0), a window W is (W - 1, 0); the first release (2.9) takes is_causal instead (and no window),
-    and those without enable_gqa (2.11) need k/v heads repeated up to the query heads."""
+    window_size=(-1, 0), a window W is (W - 1, 0); the first release (2.9) takes is_causal instead (and no window).
+    GQA is the kernel's own in every release (Hkv dividing H, k/v never copied up to H heads): later releases only
+    ask for enable_gqa=True before they let unequal head counts through."""
     varlen_attn, params = _torch_varlen()
     c, m, _ = docs
-    if "enable_gqa" not in params and k.shape[1] != q.shape[1]:
-        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     kw = {"enable_gqa": True} if "enable_gqa" in params else {}
     if "is_causal" in params:  # its default is False: without it, attention would see the whole document
         kw["is_causal"] = True

@@ -388,12 +388,14 @@ def test_flash_attn_contract_and_selection(monkeypatch, tmp_path):
 def test_torch_varlen_contract(monkeypatch, release):
     """torch_varlen against stand-ins of torch.nn.attention.varlen.varlen_attn in the three signatures seen in
     releases: the first takes is_causal (default False) and no window_size (a window is refused loudly, and
-    varlen_attention does not pick it for a sliding model), then window_size=(left, 0), then enable_gqa (without
-    it, k/v heads must be repeated up to the query heads, which the stand-ins check)."""
+    varlen_attention does not pick it for a sliding model), then window_size=(left, 0), then enable_gqa, which must
+    be True for unequal head counts. In all three the k/v reach the kernel with their own 2 heads, never copied up
+    to the query heads (the kernel does GQA itself; memory.py counts them so)."""
     import torch.nn.attention.varlen as varlen
 
     def check(q, k, v, cu_q, cu_k, max_q, max_k, window_size, enable_gqa):
-        assert q.shape[1] == k.shape[1] or enable_gqa, "k/v heads differ without enable_gqa"
+        assert k.shape[1] == v.shape[1] == 2 < q.shape[1], "k/v copied up to the query heads"
+        assert enable_gqa or release != "newer", "unequal head counts without enable_gqa"
         assert window_size[1] == 0 and cu_q.dtype == torch.int32 and max_q == max_k == 11
         return naive_varlen(q, k, v, cu_q, None if window_size[0] < 0 else window_size[0] + 1).to(q.dtype)
 
