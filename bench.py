@@ -1186,7 +1186,7 @@ def print_gpu_header(results, cfg, device):
         f"shape {results['shape']} ({SHAPES[results['shape']][0]}, {size} parameters, random weights), bf16, "
         f"LoRA r={LORA['r']} alpha={LORA['alpha']:g} dropout {LORA['dropout']} on every block linear"
     )
-    dequant = quant.cuda_dequantize.__name__ if device.type == "cuda" else "dequantize_nf4"
+    dequant = quant.cuda_dequantize().__name__ if device.type == "cuda" else "dequantize_nf4"
     compiled = ", blocks torch.compile'd" if results["compile"] else ""
     print(f"ours: attention {results['attention']}, NF4 {dequant}{compiled}")
     print(

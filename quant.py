@@ -44,11 +44,12 @@ the 4-bit buffers.
 Where dequantization runs. `dequantize_nf4` below is the reference: a few PyTorch ops, fp32 math, one rounding. It is
 what runs on CPU (and any device but CUDA). On CUDA the implementation is chosen once, on first use: bitsandbytes'
 kernel when bitsandbytes imports with a CUDA build (`dequantize_bnb`), else a small Triton kernel when triton is
-installed (`dequantize_triton`: one launch instead of a dozen PyTorch kernels and their fp32 temporaries), else the
-reference. The Triton kernel does the reference's fp32 operations in the reference's order and is launched with
-`enable_fp_fusion=False`, so the compiler never merges a multiply and an add into one FMA (one rounding instead of two):
-its output is bit-identical to the reference, which the tests prove on CPU through Triton's interpreter and on a GPU
-directly. Neither package is required; without them CUDA runs the reference.
+installed and the kernel, tried once on a small tensor, builds and matches the reference there (`dequantize_triton`: one
+launch instead of a dozen PyTorch kernels and their fp32 temporaries), else the reference. The Triton kernel does the
+reference's fp32 operations in the reference's order and is launched with `enable_fp_fusion=False`, so the compiler
+never merges a multiply and an add into one FMA (one rounding instead of two): its output is bit-identical to the
+reference, which the tests prove on CPU through Triton's interpreter and on a GPU directly. Neither package is required;
+without them CUDA runs the reference.
 
 torch.compile. To the compiler, dequantization is one opaque operator, `torch.ops.nanoqlora.dequantize_nf4`
 (`dequantize`, a torch.library custom op): its default implementation is the reference, CUDA gets the choice above,
@@ -233,7 +234,27 @@ def cuda_dequantize():
     has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
     if _bnb_functional() is not None and has_kernel("bitsandbytes::dequantize_4bit", "CUDA"):
         return dequantize_bnb
-    return dequantize_triton if importlib.util.find_spec("triton") is not None else dequantize_nf4
+    if importlib.util.find_spec("triton") is not None and runs_like_reference(dequantize_triton, "cuda"):
+        return dequantize_triton
+    return dequantize_nf4
+
+
+def runs_like_reference(impl, device):
+    """Whether impl dequantizes a small NF4 tensor on `device` (300 values: four 64-value blocks and a partial one)
+    to the reference's bits, in bf16. Triton builds its launcher at the first launch with a C compiler and Python's
+    headers, which a machine can lack: one line then says so and the reference runs, instead of the first step
+    failing."""
+    q = quantize_nf4(torch.randn(3, 100, generator=torch.Generator().manual_seed(0))).to(device)
+    try:
+        out = impl(*q, [3, 100], torch.bfloat16)
+    except Exception as e:  # a missing compiler, a driver too old for the PTX: anything but a result
+        why = (str(e).strip().splitlines() or [""])[0][:200]
+        print(f"{impl.__name__} does not run here ({type(e).__name__}: {why}); NF4 dequantizes with PyTorch")
+        return False
+    if not torch.equal(out, dequantize_nf4(*q, [3, 100], torch.bfloat16)):
+        print(f"{impl.__name__} differs from the reference here; NF4 dequantizes with PyTorch")
+        return False
+    return True
 
 
 # ----------------------------------------------------------------------------- the op and the linear

@@ -7,8 +7,9 @@ bits per parameter. (The bnb-4bit file format is tested in test_hf.py.)
 
 The CUDA paths, proven without a GPU: the Triton kernel, run by Triton's CPU interpreter, is bit-identical to the
 PyTorch reference for fp32/bf16/fp16 and awkward shapes; compiled for real GPUs (sm_75 to sm_120) with the launch
-options, its PTX has no FMA, and it has FMA without them (so that check can fail). With a GPU, the tests marked cuda
-check every installed CUDA implementation and NF4Linear on CUDA against the CPU reference.
+options, its PTX has no FMA, and it has FMA without them (so that check can fail); a kernel that raises or differs on
+the one-tensor trial before CUDA picks it is passed over, with one line. With a GPU, the tests marked cuda check every
+installed CUDA implementation and NF4Linear on CUDA against the CPU reference.
 
 torch.compile: the dequantize op passes torch.library.opcheck; dynamo traces an NF4Linear forward and backward as one
 graph, the compiled forward keeps only the 4-bit buffers for backward (no dense weight) and the backward recomputes W;
@@ -247,14 +248,15 @@ for shape in json.loads(sys.argv[1]):
         ref, out = quant.dequantize_nf4(*q, shape, dtype), quant.dequantize_triton(*q, shape, dtype)
         same = out.dtype == dtype and out.shape == ref.shape and torch.equal(out, ref)
         results.append(dict(shape=shape, dtype=name, equal=same, differ=int((out != ref).sum())))
-print(json.dumps(dict(kernel=kernel, results=results)))
+print(json.dumps(dict(kernel=kernel, results=results, tried=quant.runs_like_reference(quant.dequantize_triton, "cpu"))))
 """
 
 
 def test_triton_kernel_equals_reference_in_the_interpreter():
     """dequantize_triton, run by Triton's CPU interpreter (TRITON_INTERPRET=1, in a subprocess because triton reads it
     at import), equals dequantize_nf4 bit for bit in fp32, bf16 and fp16 for every shape of SHAPES: whole blocks, a
-    partial last block, two nested blocks and an odd count, spread over several programs."""
+    partial last block, two nested blocks and an odd count, spread over several programs; runs_like_reference says
+    so too."""
     pytest.importorskip("triton", reason="triton is pinned in requirements-test.txt")
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
     proc = subprocess.run(
@@ -263,6 +265,7 @@ def test_triton_kernel_equals_reference_in_the_interpreter():
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["kernel"] == "InterpretedFunction"  # the interpreter ran it, not a GPU
+    assert out["tried"]  # the one-tensor trial that lets cuda_dequantize pick it agrees
     assert len(out["results"]) == len(SHAPES) * len(DTYPES)
     for r in out["results"]:
         assert r["equal"], r
@@ -293,6 +296,31 @@ def test_triton_kernel_compiles_for_gpus_without_fma():
             code = ptx(dtype, capability, quant.TRITON_OPTIONS)
             assert "st.global" in code and not re.search(r"\bfma\.", code), (capability, dtype)
     assert re.search(r"\bfma\.rn\.f32", ptx(torch.float32, 90, dict(enable_fp_fusion=True)))
+
+
+def test_a_kernel_that_fails_or_differs_is_not_chosen(capsys):
+    """runs_like_reference, the trial behind cuda_dequantize's choice: the reference passes; a kernel that raises (as
+    Triton does where it cannot build its launcher, or here, handed CPU tensors outside its interpreter) or returns
+    other bits fails, each with one line naming the kernel and saying that PyTorch dequantizes instead."""
+    assert quant.runs_like_reference(quant.dequantize_nf4, "cpu")
+    assert capsys.readouterr().out == ""
+
+    def no_compiler(*args):
+        raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.\nmore")
+
+    def off_by_one_ulp(*args):
+        out = quant.dequantize_nf4(*args)
+        out.view(torch.int16)[0, 0] += 1
+        return out
+
+    failing = [no_compiler, off_by_one_ulp]
+    failing += [quant.dequantize_triton] if importlib.util.find_spec("triton") else []
+    for impl in failing:
+        assert not quant.runs_like_reference(impl, "cpu"), impl.__name__
+        lines = capsys.readouterr().out.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(impl.__name__), lines
+        assert lines[0].endswith("NF4 dequantizes with PyTorch"), lines
+    print(f"\n{lines[0]}")
 
 
 # ----------------------------------------------------------------------------- torch.compile
