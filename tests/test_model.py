@@ -8,12 +8,15 @@ Attention backends: every backend that runs on CPU equals an fp64 per-document r
 windows); flash-attn and torch's varlen kernel are checked by contract against stand-ins that enforce their own input
 checks and signatures; the backend choice is right for simulated GPUs (pre-Ampere, fp32, big heads) and broken
 flash-attn installs; per-document attention and the loss chunks reach their kernels only at a few bucket lengths; a
-compiled packed QLoRA step has no graph break, does not recompile for other document counts, and equals eager. On a GPU,
-every kernel it runs equals the reference in bf16, and the compiled step holds there too.
+compiled packed QLoRA step has no graph break, does not recompile for other document counts, and equals eager (in bf16
+autocast: no farther from the fp32 step than eager is). On a GPU, every kernel it runs equals the reference in bf16,
+and the compiled step holds there too.
 
-On CPU every comparison runs in fp32 on tiny random models, so it is fast and exact up to float rounding.
+On CPU the comparisons run on tiny random models in fp32 (the compiled step also in bf16), so they are fast and exact up
+to float rounding.
 """
 
+import copy
 import importlib.util
 import json
 import math
@@ -503,40 +506,43 @@ def qlora_tiny(seed=0, dtype=torch.float32):
     "device, dtype",
     [
         ("cpu", torch.float32),
+        ("cpu", torch.bfloat16),
         pytest.param("cuda", torch.float32, marks=cuda),
         pytest.param("cuda", torch.bfloat16, marks=cuda),
     ],
 )
 def test_compiled_training_step_has_no_breaks_and_no_recompiles(device, dtype):
-    """compile_blocks on packed QLoRA training steps (inductor on CPU; on CUDA also in bf16 autocast with the attention
+    """compile_blocks on packed QLoRA training steps (inductor; also in bf16 autocast, on CUDA with the attention
     kernel varlen_attention picks for the GPU): no graph break anywhere in a block (NF4 dequantization and the
     per-document attention are opaque ops), the graphs of the first step serve every later batch whatever its
-    document count and lengths, and loss and LoRA gradients equal eager (1e-4 in fp32, 2e-2 relative in bf16);
-    evaluation and generation never reach the compiler."""
+    document count and lengths, and loss and LoRA gradients equal eager: within 1e-4 in fp32; in bf16, where the
+    compiled kernels round differently, no farther from the same step in fp32 than twice eager's distance (measured
+    on CPU: 1.5x at most); evaluation and generation never reach the compiler."""
     torch._dynamo.reset()
     counters.clear()
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference; conftest's autouse fixture restores it
     eager, compiled = qlora_tiny(dtype=dtype).to(device), qlora_tiny(dtype=dtype).to(device)
-    for model in (eager, compiled) if device == "cuda" else ():  # the kernel load_model would pick on this GPU
+    ref = copy.deepcopy(eager).float()  # the same weights and NF4 codes, computed in fp32
+    for model, kind in ((eager, dtype), (compiled, dtype), (ref, torch.float32)):  # the kernels load_model would pick
         for block in model.model.layers:
-            block.self_attn.varlen = M.varlen_attention(device, dtype, model.config.head_dim)
+            block.self_attn.varlen = M.varlen_attention(device, kind, model.config.head_dim)
     compiled.compile_blocks()
     graphs = None
     for lens in ([5, 3, 8], [4, 4, 4, 4], [16], [2, 2, 2, 2, 2, 6], [7, 9, 11, 3]):
         pos = torch.cat([torch.arange(n) for n in lens])[None].to(device)
         ids, labels = torch.randint(0, 97, pos.shape, device=device), torch.randint(0, 97, pos.shape, device=device)
         results = []
-        for model in (eager, compiled):
+        for model in (eager, compiled, ref):
             model.zero_grad()
-            with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32):
+            with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32 and model is not ref):
                 loss, _ = model(ids, pos, labels=labels)
             loss.backward()
-            results.append((loss.detach(), [p.grad for p in model.parameters() if p.requires_grad]))
-        (le, ge), (lc, gc) = results
+            results.append([loss.detach()] + [p.grad for p in model.parameters() if p.requires_grad])
         if dtype == torch.float32:
-            assert torch.allclose(lc, le, rtol=1e-5)
-            assert all(torch.allclose(c, e, rtol=1e-4, atol=1e-6) for c, e in zip(gc, ge, strict=True))
-        else:  # bf16: the compiled kernels round differently, so the norms of the differences are compared
-            assert rel(lc, le) < 2e-2 and all(rel(c, e) < 2e-2 for c, e in zip(gc, ge, strict=True))
+            assert all(torch.allclose(c, e, rtol=1e-4, atol=1e-6) for c, e in zip(results[1], results[0], strict=True))
+        else:
+            for e, c, r in zip(*results, strict=True):
+                assert rel(c, r) <= 2 * rel(e, r) + 1e-4, (rel(c, r), rel(e, r))
         graphs = graphs or counters["stats"]["unique_graphs"]
         assert counters["stats"]["unique_graphs"] == graphs  # no recompilation after the first step
     assert graphs <= 2 and not counters["graph_break"], dict(counters["graph_break"])  # x needs grad after layer 0
