@@ -516,14 +516,21 @@ def test_compiled_training_step_has_no_breaks_and_no_recompiles(device, dtype):
     kernel varlen_attention picks for the GPU): no graph break anywhere in a block (NF4 dequantization and the
     per-document attention are opaque ops), the graphs of the first step serve every later batch whatever its
     document count and lengths, and loss and LoRA gradients equal eager: within 1e-4 in fp32; in bf16, where the
-    compiled kernels round differently, no farther from the same step in fp32 than twice eager's distance (measured
-    on CPU: 1.5x at most); evaluation and generation never reach the compiler."""
+    compiled kernels round differently, each is no farther from the same step in fp32 than twice eager's distance
+    plus 1e-4 (gradients: 1.5x at most on CPU; the loss differs by about 1e-4 either way, so the 1e-4 bounds it);
+    evaluation and generation never reach the compiler."""
     torch._dynamo.reset()
     counters.clear()
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference; conftest's autouse fixture restores it
     eager, compiled = qlora_tiny(dtype=dtype).to(device), qlora_tiny(dtype=dtype).to(device)
-    ref = copy.deepcopy(eager).float()  # the same weights and NF4 codes, computed in fp32
-    for model, kind in ((eager, dtype), (compiled, dtype), (ref, torch.float32)):  # the kernels load_model would pick
+    models = [eager, compiled]
+    if dtype != torch.float32:  # the same weights and NF4 codes, every matmul in fp32
+        models.append(copy.deepcopy(eager).float())
+        for m in models[2].modules():
+            if isinstance(m, quant.NF4Linear):
+                m.compute_dtype = torch.float32
+    for model in models:  # the kernels load_model would pick for the model's dtype
+        kind = next(model.parameters()).dtype
         for block in model.model.layers:
             block.self_attn.varlen = M.varlen_attention(device, kind, model.config.head_dim)
     compiled.compile_blocks()
@@ -532,9 +539,9 @@ def test_compiled_training_step_has_no_breaks_and_no_recompiles(device, dtype):
         pos = torch.cat([torch.arange(n) for n in lens])[None].to(device)
         ids, labels = torch.randint(0, 97, pos.shape, device=device), torch.randint(0, 97, pos.shape, device=device)
         results = []
-        for model in (eager, compiled, ref):
+        for model in models:
             model.zero_grad()
-            with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32 and model is not ref):
+            with torch.autocast(device, dtype=dtype, enabled=dtype != torch.float32 and len(results) < 2):
                 loss, _ = model(ids, pos, labels=labels)
             loss.backward()
             results.append([loss.detach()] + [p.grad for p in model.parameters() if p.requires_grad])
