@@ -64,6 +64,7 @@ Quantization error. quantize_ records on each layer it quantizes from 16-bit wei
 weights NF4 with blocks of 64 loses about 9% of the norm; real checkpoints come close to that (tests/test_quant.py).
 """
 
+import contextlib
 import functools
 import importlib.util
 import math
@@ -223,7 +224,9 @@ def dequantize_triton(weight, absmax, nested_absmax, offset, shape, dtype):
     n, t = out.numel(), _tables(weight.device)
     args = (weight, absmax, nested_absmax, offset, t["nf4"], t["dyn"], out, n)
     consts = dict(SIZE=TRITON_BLOCK, Q=BLOCK, NESTED=NESTED_BLOCK, BF16=dtype == torch.bfloat16)
-    _triton_kernel()[(-(-n // TRITON_BLOCK),)](*args, **consts, **TRITON_OPTIONS)
+    # Triton launches on the current GPU: make it the weight's (cuda:1 while cuda:0 is current would fault).
+    with torch.cuda.device(weight.device) if weight.is_cuda else contextlib.nullcontext():
+        _triton_kernel()[(-(-n // TRITON_BLOCK),)](*args, **consts, **TRITON_OPTIONS)
     return out
 
 

@@ -298,10 +298,11 @@ def test_triton_kernel_compiles_for_gpus_without_fma():
     assert re.search(r"\bfma\.rn\.f32", ptx(torch.float32, 90, dict(enable_fp_fusion=True)))
 
 
-def test_a_kernel_that_fails_or_differs_is_not_chosen(capsys):
+def test_a_kernel_that_fails_or_differs_is_not_chosen(capsys, monkeypatch):
     """runs_like_reference, the trial behind cuda_dequantize's choice: the reference passes; a kernel that raises (as
     Triton does where it cannot build its launcher, or here, handed CPU tensors outside its interpreter) or returns
-    other bits fails, each with one line naming the kernel and saying that PyTorch dequantizes instead."""
+    other bits fails, each with one line naming the kernel and saying that PyTorch dequantizes instead. Without
+    bitsandbytes, cuda_dequantize takes the Triton kernel exactly when the trial passes."""
     assert quant.runs_like_reference(quant.dequantize_nf4, "cpu")
     assert capsys.readouterr().out == ""
 
@@ -314,13 +315,23 @@ def test_a_kernel_that_fails_or_differs_is_not_chosen(capsys):
         return out
 
     failing = [no_compiler, off_by_one_ulp]
-    failing += [quant.dequantize_triton] if importlib.util.find_spec("triton") else []
+    if importlib.util.find_spec("triton") and not os.environ.get("TRITON_INTERPRET"):  # interpreted, it would run
+        failing.append(quant.dequantize_triton)
     for impl in failing:
         assert not quant.runs_like_reference(impl, "cpu"), impl.__name__
         lines = capsys.readouterr().out.splitlines()
         assert len(lines) == 1 and lines[0].startswith(impl.__name__), lines
         assert lines[0].endswith("NF4 dequantizes with PyTorch"), lines
     print(f"\n{lines[0]}")
+
+    monkeypatch.setattr(quant, "_bnb_functional", lambda: None)
+    for verdict in (False, True):
+        tried = []
+        trial = lambda impl, device, v=verdict, t=tried: t.append(impl) or v  # noqa: E731
+        monkeypatch.setattr(quant, "runs_like_reference", trial)
+        chosen = quant.cuda_dequantize.__wrapped__()  # the choice itself, not the one cached for this process
+        assert tried == [quant.dequantize_triton]
+        assert chosen is (quant.dequantize_triton if verdict else quant.dequantize_nf4), chosen.__name__
 
 
 # ----------------------------------------------------------------------------- torch.compile
