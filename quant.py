@@ -247,14 +247,15 @@ def runs_like_reference(impl, device):
     to the reference's bits, in bf16. Triton builds its launcher at the first launch with a C compiler and Python's
     headers, which a machine can lack: one line then says so and the reference runs, instead of the first step
     failing."""
-    q = quantize_nf4(torch.randn(3, 100, generator=torch.Generator().manual_seed(0))).to(device)
+    shape = [3, 100]
+    q = quantize_nf4(torch.randn(shape, generator=torch.Generator().manual_seed(0))).to(device)
     try:
-        out = impl(*q, [3, 100], torch.bfloat16)
+        out = impl(*q, shape, torch.bfloat16)
     except Exception as e:  # a missing compiler, a driver too old for the PTX: anything but a result
         why = (str(e).strip().splitlines() or [""])[0][:200]
         print(f"{impl.__name__} does not run here ({type(e).__name__}: {why}); NF4 dequantizes with PyTorch")
         return False
-    if not torch.equal(out, dequantize_nf4(*q, [3, 100], torch.bfloat16)):
+    if not torch.equal(out, dequantize_nf4(*q, shape, torch.bfloat16)):
         print(f"{impl.__name__} differs from the reference here; NF4 dequantizes with PyTorch")
         return False
     return True
