@@ -5,7 +5,8 @@ ending with the assistant's turn (every assistant turn is trained on, see tokeni
 lines, a JSON array or Parquet and recognises the common layouts by their keys: Magicoder (problem, solution), Alpaca
 (instruction, input, output), plain pairs (instruction, response) and chat messages. A malformed row stops the run
 with one line naming the file and line (or is skipped and counted with skip_bad_rows); a JSON array is walked item by
-item so that its errors name a line too.
+item so that its errors name a line too. Each example keeps its "file:line" as "source", so that what tokenizing it
+finds later (a chat template that rejects it, a warning of the preview) names the line as well.
 
 The stdlib dataset is the default: every documented function and method of this Python's standard library becomes a
 "complete this function" example, signature + docstring -> body, verbatim from the source. The body is answered in a
@@ -37,36 +38,68 @@ FORMATS = {
 def _rows(path):
     """(line, row or ValueError) pairs from JSON lines, a JSON array, or Parquet."""
     if path.suffix == ".parquet":
-        import pyarrow.parquet  # optional: only Parquet inputs need it
-
+        try:
+            import pyarrow.parquet  # optional: only Parquet inputs need it
+        except ImportError:
+            raise ValueError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
         yield from enumerate(pyarrow.parquet.read_table(path).to_pylist(), 1)
         return
     raw = path.read_bytes()
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark, as Windows editors write, is no text
     except UnicodeDecodeError as e:  # name the line, not just a byte offset into the file
         line, column = raw.count(b"\n", 0, e.start) + 1, e.start - raw.rfind(b"\n", 0, e.start)
         raise ValueError(
             f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {column} of the line); "
             "save the file as UTF-8"
         ) from None
-    if not text.lstrip().startswith("["):
-        for line, s in enumerate(text.splitlines(), 1):
-            try:
-                yield from [(line, json.loads(s))] if s.strip() else []
-            except json.JSONDecodeError as e:
-                yield line, ValueError(f"{path}:{line}: invalid JSON ({e.msg} at column {e.colno})")
+    if text.lstrip().startswith("["):
+        yield from _array(path, text)
         return
-    dec, sep = json.JSONDecoder(), re.compile(r"[\s,]*")  # walk the array item by item to know each item's line
-    i, line = text.index("[") + 1, 1
-    while (j := sep.match(text, i).end()) < len(text) and text[j] != "]":
-        line += text.count("\n", i, j)
+    # "\n" only: splitlines() would also cut at U+2028, U+0085 and others, which JSON strings may hold unescaped
+    lines = [(line, s) for line, s in enumerate(text.split("\n"), 1) if s.strip()]
+    for line, s in lines:
         try:
-            row, i = dec.raw_decode(text, j)
-        except json.JSONDecodeError as e:  # the array cannot be resynchronised: fatal even with skip_bad_rows
-            raise ValueError(f"{path}:{e.lineno}: invalid JSON ({e.msg} at column {e.colno})") from None
+            row = json.loads(s)
+        except json.JSONDecodeError as e:
+            if line == lines[0][0] and _is_one_object(text):  # a pretty-printed object fails on its first line
+                raise ValueError(f"{path}: one JSON object, not rows; expected JSON lines or an array") from None
+            row = ValueError(f"{path}:{line}: invalid JSON ({e.msg}: column {e.colno})")
         yield line, row
-        line += text.count("\n", j, i)
+
+
+def _is_one_object(text):
+    try:
+        return isinstance(json.loads(text), dict)
+    except json.JSONDecodeError:
+        return False
+
+
+def _array(path, text):
+    """(line, row) per item of a JSON array, walked item by item so that each row knows its line. Anything but one
+    comma between items, a closing bracket and nothing after it is fatal even with skip_bad_rows: an array cannot be
+    resynchronised, and a second array pasted after the first would otherwise be dropped without a word."""
+    dec, ws, counted = json.JSONDecoder(), re.compile(r"\s*"), [0, 1]  # [position, its line]
+
+    def line(pos):  # positions only grow, so lines are counted once
+        counted[:] = pos, counted[1] + text.count("\n", counted[0], pos)
+        return counted[1]
+
+    i = ws.match(text, text.index("[") + 1).end()
+    closed = text.startswith("]", i)
+    while not closed:
+        try:  # after a comma an item must follow: "[a,]" fails here
+            row, j = dec.raw_decode(text, i)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{e.lineno}: invalid JSON ({e.msg}: column {e.colno})") from None
+        yield line(i), row
+        i = ws.match(text, j).end()
+        if not text.startswith((",", "]"), i):
+            raise ValueError(f"{path}:{line(i)}: invalid JSON array (expected ',' or ']' after the item)")
+        closed = text[i] == "]"
+        i = i if closed else ws.match(text, i + 1).end()
+    if (end := ws.match(text, i + 1).end()) < len(text):
+        raise ValueError(f"{path}:{line(end)}: text after the array's closing ']' (one array per file)")
 
 
 def _example(row, fmt, where):
@@ -105,8 +138,9 @@ def _detect(row, where):
 
 
 def load_examples(path, fmt="auto", skip_bad_rows=False):
-    """Rows of a .jsonl / .json (array) / .parquet file as {"instruction", "response"} or {"messages"} dicts;
-    fmt is "auto", "magicoder", "alpaca", "pairs" or "messages"."""
+    """Rows of a .jsonl / .json (array) / .parquet file as {"instruction", "response"} or {"messages"} dicts, each
+    with its "source" ("file:line", for messages about it later); fmt is "auto", "magicoder", "alpaca", "pairs" or
+    "messages"."""
     path, examples, bad = Path(path), [], []
     if not path.exists():
         raise FileNotFoundError(f"{path}: no such data file")
@@ -114,7 +148,7 @@ def load_examples(path, fmt="auto", skip_bad_rows=False):
         try:
             if fmt == "auto" and not isinstance(row, Exception):
                 fmt = _detect(row, f"{path}:{line}")
-            examples.append(_example(row, fmt, f"{path}:{line}"))
+            examples.append(_example(row, fmt, f"{path}:{line}") | {"source": f"{path}:{line}"})
         except ValueError as e:
             if not skip_bad_rows:
                 raise

@@ -8,6 +8,8 @@ import ast
 import importlib
 import inspect
 import json
+import re
+import sys
 import textwrap
 
 import pytest
@@ -27,7 +29,11 @@ def test_load_formats(tmp_path):
         tmp_path / "m.jsonl",
         [{"problem": "p1", "solution": "s1", "lang": "py"}, "", {"problem": "p2", "solution": "s2"}],
     )
-    assert load_examples(magi) == [{"instruction": "p1", "response": "s1"}, {"instruction": "p2", "response": "s2"}]
+    at = lambda path, line: {"source": f"{path}:{line}"}  # noqa: E731
+    assert load_examples(magi) == [
+        {"instruction": "p1", "response": "s1"} | at(magi, 1),
+        {"instruction": "p2", "response": "s2"} | at(magi, 3),
+    ]
     alpaca = tmp_path / "a.json"
     alpaca.write_text(
         json.dumps(
@@ -35,7 +41,10 @@ def test_load_formats(tmp_path):
             indent=2,
         )
     )
-    assert load_examples(alpaca) == [{"instruction": "i\n\nx", "response": "o"}, {"instruction": "j", "response": "p"}]
+    assert load_examples(alpaca) == [  # each item's line is the line of its opening brace
+        {"instruction": "i\n\nx", "response": "o"} | at(alpaca, 2),
+        {"instruction": "j", "response": "p"} | at(alpaca, 7),
+    ]
     chat = _write(tmp_path / "c.jsonl", [{"messages": CONVERSATIONS[1]}])
     assert load_examples(chat)[0]["messages"][1] == {"role": "user", "content": "Hi"}
     ex = load_examples(magi)
@@ -68,8 +77,58 @@ def test_bad_json_array_line_and_skip_bad_rows(tmp_path, capsys):
         load_examples(arr, skip_bad_rows=True)  # a broken array cannot be resynchronised
     good = {"problem": "a", "solution": "b"}
     path = _write(tmp_path / "x.jsonl", [good, "{oops", {"problem": "a"}, {"problem": 1, "solution": "b"}, good])
-    assert load_examples(path, skip_bad_rows=True) == [{"instruction": "a", "response": "b"}] * 2
+    assert load_examples(path, skip_bad_rows=True) == [
+        {"instruction": "a", "response": "b", "source": f"{path}:{line}"} for line in (1, 5)
+    ]
     assert "skipped 3 bad rows (first: " + str(path) + ":2: invalid JSON" in capsys.readouterr().err
+
+
+def test_unicode_line_separators_and_bom_are_text(tmp_path):
+    """JSON strings may hold U+2028, U+2029 and U+0085 unescaped (json.dumps(ensure_ascii=False) writes them so): they
+    are not line ends. A byte-order mark, as Windows editors write one, is not text either."""
+    rows = [{"problem": f"a{c}b", "solution": "c"} for c in "\u2028\u2029\x85"]
+    path = tmp_path / "u.jsonl"
+    path.write_text("\ufeff" + "".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows), encoding="utf-8")
+    assert [ex["instruction"] for ex in load_examples(path)] == [r["problem"] for r in rows]
+    assert [ex["source"] for ex in load_examples(path)] == [f"{path}:{line}" for line in (1, 2, 3)]
+
+
+ROW = '{"problem": "a", "solution": "b"}'
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        (f"[{ROW}]\n[{ROW}, {ROW}]\n", r"a\.json:2: text after the array's closing '\]' \(one array per file\)"),
+        (f"[{ROW}] and more", r"a\.json:1: text after the array's closing"),
+        (f"[\n{ROW}\n{ROW}\n]", r"a\.json:3: invalid JSON array \(expected ',' or '\]' after the item\)"),
+        (f"[{ROW},\n]", r"a\.json:2: invalid JSON \(Expecting value: column 1\)"),
+        (f"[,{ROW}]", r"a\.json:1: invalid JSON \(Expecting value: column 2\)"),
+        (f"[{ROW},\n{ROW},", r"a\.json:2: invalid JSON \(Expecting value: column 35\)"),
+        ('{\n  "data": [' + ROW + "]\n}\n", r"a\.json: one JSON object, not rows; expected JSON lines or an array"),
+    ],
+)
+def test_a_malformed_json_file_is_one_line_even_with_skip_bad_rows(tmp_path, text, message):
+    """Two arrays pasted together, a missing or stray comma, an unclosed array, a top-level object: each was read in
+    part without a word or failed on every line; now each is one line naming the file and line."""
+    (path := tmp_path / "a.json").write_text(text)
+    with pytest.raises(ValueError, match=f"^{re.escape(str(tmp_path))}/{message}"):
+        load_examples(path, skip_bad_rows=True)
+
+
+def test_a_json_array_names_lines_counted_from_the_top(tmp_path):
+    """Blank lines before the array count: the bad item is on line 5."""
+    (path := tmp_path / "a.json").write_text(f'\n\n[\n  {ROW},\n  {{"problem": 1, "solution": "b"}}\n]\n')
+    with pytest.raises(ValueError, match=r"a\.json:5: field 'problem' must be a string"):
+        load_examples(path)
+    assert load_examples(path, skip_bad_rows=True)[0]["source"] == f"{path}:4"
+
+
+def test_parquet_without_pyarrow_says_what_to_install(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # an import of it raises ImportError
+    (path := tmp_path / "d.parquet").write_bytes(b"PAR1")
+    with pytest.raises(ValueError, match=r"^.*d\.parquet: reading Parquet needs pyarrow \(pip install pyarrow\)$"):
+        load_examples(path)
 
 
 def test_stdlib_examples_are_real_code():
