@@ -12,8 +12,9 @@ text's.
 
 `preview` (and `python pack.py DATA --tokenizer DIR --preview N`) prints the first N documents decoded, BOS and EOS
 visible, the supervised text marked, and one warning line for each example without a supervised token, with a
-double BOS, with a response not ended by EOS, or with tokens that merge across a cut; `check_examples` runs the same
-checks over a whole dataset.
+double BOS, with a response not ended by EOS or holding one before its end (an answer quoting the end-of-turn text,
+which tokenizes as the token itself), or with tokens that merge across a cut; `check_examples` runs the same checks
+over a whole dataset. Messages name an example by its "file:line" (its stdlib function for the default data).
 
 Packing
 -------
@@ -71,42 +72,57 @@ from tokenizer import Tokenizer, segments
 CACHE_VERSION = 2  # 2: every assistant turn supervised, pieces tokenized one by one
 
 
-def _encode(examples, tokenizer, template, first=0):
-    """Per example, its parts in order as (token ids, text, supervised): BOS (text None) where prepended, the pieces
-    of tokenizer.segments tokenized one by one, and EOS (text None) after each response where the template has none."""
-    docs = []
+def _label(ex, i):
+    """Where example i came from, for messages: its file and line, its stdlib function, or else its position."""
+    return ex.get("source") or ex.get("name") or f"example {i}"
+
+
+def _encode(examples, tokenizer, template, first=0, skip_bad_rows=False):
+    """([(label, parts)], [skipped]): per example, its parts in order as (token ids, text, supervised): BOS (text None)
+    where prepended, the pieces of tokenizer.segments tokenized one by one, and EOS (text None) after each response
+    where the template has none. An example the template rejects stops the run, or is skipped with skip_bad_rows."""
+    docs, bad = [], []
     for i, ex in enumerate(examples, first):
         try:
-            docs.append(segments(ex, tokenizer, template))
+            docs.append((_label(ex, i), segments(ex, tokenizer, template)))
         except (ValueError, TemplateError) as e:
-            raise ValueError(f"example {i}: {e}") from None
-    ids = iter(tokenizer.encode_batch([text for pieces, _, _ in docs for text, _ in pieces]))
+            if not skip_bad_rows:
+                raise ValueError(f"{_label(ex, i)}: {e}") from None
+            bad.append(f"{_label(ex, i)}: {e}")
+    ids = iter(tokenizer.encode_batch([text for _, (pieces, _, _) in docs for text, _ in pieces]))
     bos, eos, out = ([tokenizer.bos_id], None, False), ([tokenizer.eos_id], None, True), []
-    for pieces, add_bos, add_eos in docs:
+    for label, (pieces, add_bos, add_eos) in docs:
         parts = [bos] if add_bos else []
         for text, supervised in pieces:
             parts += [(next(ids), text, supervised)] + ([eos] if supervised and add_eos else [])
-        out.append(parts)
-    return out
+        out.append((label, parts))
+    return out, bad
 
 
-def tokenize_examples(examples, tokenizer, template=None, train_on_prompt=False, chunk=4096):
+def renders(ex, tokenizer, template=None):
+    """Whether the template renders example `ex` (what skip_bad_rows keeps)."""
+    return bool(_encode([ex], tokenizer, template, skip_bad_rows=True)[0])
+
+
+def tokenize_examples(examples, tokenizer, template=None, train_on_prompt=False, chunk=4096, skip_bad_rows=False):
     """Flat token stream (tokens uint32 (N,), mask uint8 (N,), offsets int64 (docs + 1,)): document i is
     tokens[offsets[i]:offsets[i + 1]], its pieces tokenized one by one, mask 1 where a token is supervised."""
     if tokenizer.eos_id is None:
         raise ValueError(f"{tokenizer.path}: the tokenizer has no eos token, which ends every response")
-    if not examples:
-        raise ValueError("no examples to tokenize")
-    tokens, mask, lengths = [], [], []
+    tokens, mask, lengths, bad = [], [], [], []
     # chunks bound the peak of Python int lists (tens of bytes per token) to a few thousand examples
     for first in range(0, len(examples), chunk):
-        docs = _encode(examples[first : first + chunk], tokenizer, template, first)
-        parts = [p for parts in docs for p in parts]
+        docs, skipped = _encode(examples[first : first + chunk], tokenizer, template, first, skip_bad_rows)
+        parts, bad = [p for _, parts in docs for p in parts], bad + skipped
         sizes = np.array([len(ids) for ids, _, _ in parts], dtype=np.int64)
         ids = itertools.chain.from_iterable(ids for ids, _, _ in parts)
         tokens.append(np.fromiter(ids, dtype=np.uint32, count=int(sizes.sum())))
         mask.append(np.repeat(np.array([s or train_on_prompt for _, _, s in parts], dtype=np.uint8), sizes))
-        lengths += [sum(len(ids) for ids, _, _ in parts) for parts in docs]
+        lengths += [sum(len(ids) for ids, _, _ in parts) for _, parts in docs]
+    if bad:
+        print(f"skipped {len(bad)} examples the template cannot render (first: {bad[0]})", file=sys.stderr)
+    if not lengths:
+        raise ValueError("no examples to tokenize" + (" (every one skipped)" if bad else ""))
     return np.concatenate(tokens), np.concatenate(mask), np.concatenate([[0], np.cumsum(lengths)])
 
 
@@ -124,7 +140,7 @@ def tokenize_cached(
     """tokenize_examples over a path (read with load_examples) or a list of examples, through the disk cache."""
     if not cache_dir:
         examples = load_examples(data, fmt, skip_bad_rows) if isinstance(data, str | os.PathLike) else data
-        return tokenize_examples(examples, tokenizer, template, train_on_prompt)
+        return tokenize_examples(examples, tokenizer, template, train_on_prompt, skip_bad_rows=skip_bad_rows)
     h = hashlib.sha256(json.dumps([CACHE_VERSION, template, train_on_prompt, fmt, skip_bad_rows]).encode())
     if isinstance(data, str | os.PathLike):
         st = os.stat(data)
@@ -274,63 +290,73 @@ def build_dataset(data, tokenizer, context_length="auto", *, pack=True, truncate
     return PackedDataset(tokens, mask, offsets, context_length, pack, truncate, pad_to_max, seed, tokenizer.pad_id)
 
 
-def _merges(docs, tok, first):
-    """{example: its first cut between two text pieces where tokenizing them joined differs from apart}."""
-    pairs = [(i, a, b) for i, parts in enumerate(docs, first) for a, b in itertools.pairwise(parts)]
-    cuts = [(i, a, b) for i, a, b in pairs if a[1] and b[1]]  # BOS and EOS, ids without text, are not cut
+def _merges(docs, tok):
+    """{j: the first cut of docs[j] between two text pieces where tokenizing them joined differs from apart}."""
+    pairs = [(j, a, b) for j, (_, parts) in enumerate(docs) for a, b in itertools.pairwise(parts)]
+    cuts = [(j, a, b) for j, a, b in pairs if a[1] and b[1]]  # BOS and EOS, ids without text, are not cut
     out = {}
-    for (i, a, b), joined in zip(cuts, tok.encode_batch([a[1] + b[1] for _, a, b in cuts]), strict=True):
+    for (j, a, b), joined in zip(cuts, tok.encode_batch([a[1] + b[1] for _, a, b in cuts]), strict=True):
         if joined != a[0] + b[0]:
-            out.setdefault(i, f"tokens merge across the cut {a[1][-20:]!r} | {b[1][:20]!r}")
+            out.setdefault(j, f"tokens merge across the cut {a[1][-20:]!r} | {b[1][:20]!r}")
     return out
 
 
-def _warnings(docs, tok, train_on_prompt, first=0):
-    """One line per problem: no supervised token, a double BOS, a response not ended by EOS, tokens that merge across
-    a cut between pieces (the joined text tokenizes differently from its pieces tokenized one by one)."""
-    out, eos, merges = [], repr(tok.special_tokens.get("eos_token")), _merges(docs, tok, first)
-    for i, parts in enumerate(docs, first):
+def _warnings(docs, tok, train_on_prompt):
+    """One line per problem: no supervised token, a double BOS, a response not ended by EOS or holding EOS before its
+    end (the end-of-turn text inside an answer tokenizes as the token itself), tokens that merge across a cut between
+    pieces (the joined text tokenizes differently from its pieces tokenized one by one)."""
+    out, eos, merges = [], repr(tok.special_tokens.get("eos_token")), _merges(docs, tok)
+    for j, (label, parts) in enumerate(docs):
         ids, mask = [t for p, _, _ in parts for t in p], [s or train_on_prompt for p, _, s in parts for _ in p]
         if not any(mask[1:]):  # the first token is nobody's target
-            out.append(f"example {i}: no supervised token")
+            out.append(f"{label}: no supervised token")
         if ids[:2] == [tok.bos_id] * 2:
-            out.append(f"example {i}: double BOS {tok.decode(ids[:2])!r} at the start")
+            out.append(f"{label}: double BOS {tok.decode(ids[:2])!r} at the start")
         responses = [k for k, (_, text, s) in enumerate(parts) if s and text is not None]
         for n, k in enumerate(responses, 1):
             end = parts[k + 1][0] if k + 1 < len(parts) and parts[k + 1][1] is None else parts[k][0]
             if end[-1:] != [tok.eos_id]:
                 tail = parts[k][1][-20:]
-                out.append(f"example {i}: response {n} ends with {tail!r}, not EOS {eos}: the model will not stop")
-        if i in merges:
-            out.append(f"example {i}: {merges[i]}; the joined text tokenizes differently from its pieces")
+                out.append(f"{label}: response {n} ends with {tail!r}, not EOS {eos}: the model will not stop")
+            if tok.eos_id in parts[k][0][:-1]:
+                out.append(f"{label}: response {n} holds EOS {eos} before its end: the model learns to stop there")
+        if j in merges:
+            out.append(f"{label}: {merges[j]}; the joined text tokenizes differently from its pieces")
     return out
 
 
-def check_examples(examples, tokenizer, template=None, train_on_prompt=False, chunk=4096):
+def check_examples(examples, tokenizer, template=None, train_on_prompt=False, chunk=4096, skip_bad_rows=False):
     """The warnings of `preview` over all examples."""
     chunks = range(0, len(examples), chunk)
-    docs = [(f, _encode(examples[f : f + chunk], tokenizer, template, f)) for f in chunks]
-    return [w for f, d in docs for w in _warnings(d, tokenizer, train_on_prompt, f)]
+    docs = [_encode(examples[f : f + chunk], tokenizer, template, f, skip_bad_rows)[0] for f in chunks]
+    return [w for d in docs for w in _warnings(d, tokenizer, train_on_prompt)]
 
 
-def preview(examples, tokenizer, template=None, train_on_prompt=False, n=3, color=None):
+def preview(examples, tokenizer, template=None, train_on_prompt=False, n=3, color=None, skip_bad_rows=False):
     """The first n examples as training sees them: decoded with BOS/EOS visible, supervised text marked (green on a
     terminal, in ⟦ ⟧ otherwise; color=None asks sys.stdout.isatty()), then one warning line per problem in them."""
     on, off = ("\x1b[32m", "\x1b[0m") if (sys.stdout.isatty() if color is None else color) else ("⟦", "⟧")
-    docs, tok = _encode(examples[:n], tokenizer, template), tokenizer
+    docs, tok = _encode(examples[:n], tokenizer, template, skip_bad_rows=skip_bad_rows)[0], tokenizer
     name = lambda i: "none" if i is None else f"{tok.decode([i])!r} ({i})"
     out = [f"BOS {name(tok.bos_id)}, EOS {name(tok.eos_id)}, pad {name(tok.pad_id)}; supervised: {on}text{off}"]
-    for i, parts in enumerate(docs):
+    for label, parts in docs:
         runs = [(bool(s or train_on_prompt), ids) for ids, _, s in parts]
         grouped = [(k, [t for _, ids in g for t in ids]) for k, g in itertools.groupby(runs, key=lambda r: r[0])]
         n_sup = sum(len(ids) for k, ids in grouped if k)
-        out.append(f"--- example {i}: {sum(len(ids) for _, ids in grouped)} tokens, {n_sup} supervised ---")
+        out.append(f"--- {label}: {sum(len(ids) for _, ids in grouped)} tokens, {n_sup} supervised ---")
         out.append("".join(on + tok.decode(ids) + off if k else tok.decode(ids) for k, ids in grouped))
     warnings = _warnings(docs, tok, train_on_prompt)
     return "\n".join(out + ([f"warning: {w}" for w in warnings] or [f"no warnings in the {len(docs)} examples shown"]))
 
 
-if __name__ == "__main__":
+def tokens_or_auto(text):
+    """--context: "auto" or a positive number of tokens."""
+    if text == "auto" or text.isdigit() and int(text) > 0:
+        return text if text == "auto" else int(text)
+    raise ValueError(f"expected 'auto' or a positive number of tokens, got {text!r}")
+
+
+def main():
     import argparse
 
     p = argparse.ArgumentParser(description="Tokenize and pack a dataset; print the packing report and the time.")
@@ -338,17 +364,23 @@ if __name__ == "__main__":
     p.add_argument("--tokenizer", required=True, help="a directory with tokenizer.json or tokenizer.model")
     p.add_argument("--template", help="a format string with {instruction} and {response} (default: chat template)")
     p.add_argument("--train-on-prompt", action="store_true")
-    p.add_argument("--context", default="auto", help="'auto' or a number of tokens")
+    p.add_argument("--context", default="auto", type=tokens_or_auto, help="'auto' or a number of tokens")
     p.add_argument("--cache-dir", default="data/cache")
     p.add_argument("--no-pack", action="store_true")
     p.add_argument("--preview", type=int, default=0, metavar="N", help="then show the first N examples as tokenized")
     a = p.parse_args()
-    t0, tok = time.perf_counter(), Tokenizer(a.tokenizer)
-    data = stdlib_examples() if a.data == "stdlib" else a.data
-    ctx = a.context if a.context == "auto" else int(a.context)
-    kw = dict(pack=not a.no_pack, template=a.template, train_on_prompt=a.train_on_prompt, cache_dir=a.cache_dir)
-    print(build_dataset(data, tok, ctx, **kw).report())
-    print(f"built in {time.perf_counter() - t0:.2f}s")
-    if a.preview:
-        examples = data if a.data == "stdlib" else load_examples(data)
-        print(preview(examples, tok, a.template, a.train_on_prompt, a.preview))
+    try:
+        t0, tok = time.perf_counter(), Tokenizer(a.tokenizer)
+        data = stdlib_examples() if a.data == "stdlib" else a.data
+        kw = dict(pack=not a.no_pack, template=a.template, train_on_prompt=a.train_on_prompt, cache_dir=a.cache_dir)
+        print(build_dataset(data, tok, a.context, **kw).report())
+        print(f"built in {time.perf_counter() - t0:.2f}s")
+        if a.preview:
+            examples = data if a.data == "stdlib" else load_examples(data)
+            print(preview(examples, tok, a.template, a.train_on_prompt, a.preview))
+    except (ValueError, OSError) as e:  # bad data or tokenizer: one line, as train.py says it
+        raise SystemExit(f"error: {e}") from None
+
+
+if __name__ == "__main__":
+    main()

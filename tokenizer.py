@@ -20,7 +20,8 @@ assistant turn is supervised, everything else (system and user turns, the templa
 come from rendering prefixes, so any template works. Assistant turn k starts where messages[:k] rendered with
 add_generation_prompt=True ends; that text must be a prefix of the whole render, else a one-line error names the
 turn (Mistral v0.3, for one, moves the system message to whichever user turn is last). The turn ends after the first
-eos token string that follows it, before the next assistant turn starts. Where the template renders none there (a
+eos token string that follows its content (an answer quoting "<|im_end|>" does not end there), before the next
+assistant turn starts. Where the template renders none there (a
 tokenizer whose eos is not the template's end of turn, such as a base Qwen's <|endoftext|> under ChatML) the turn ends
 where the next message starts (the end of messages[:k + 1] rendered alone), nothing is added, and pack.preview warns
 that the model will not learn to stop. With SmolLM2's ChatML:
@@ -189,7 +190,8 @@ def _chat_pieces(msgs, tok):
         starts.append(len(prefix))
     for j, (k, s) in enumerate(zip(turns, starts, strict=True)):
         bound = starts[j + 1] if j + 1 < len(turns) else len(whole)
-        e = whole.find(eos, s, bound) if eos else -1
+        c = whole.find(content := msgs[k]["content"].strip(), s, bound)  # the eos text inside an answer ends nothing
+        e = whole.find(eos, s if c < 0 else c + len(content), bound) if eos else -1
         end = e + len(eos) if e >= 0 else bound
         if e < 0 and j + 1 < len(turns):  # no end-of-turn token: the turn ends where the next one starts
             end = len(upto := tok.apply_chat_template(msgs[: k + 1]))

@@ -136,6 +136,42 @@ def test_unmaskable_template_is_one_clear_line(tmp_path, family_dirs, bpe_dir):
         tokenize_examples([{"instruction": "a", "response": "b"}], bad)
 
 
+def test_a_row_the_template_rejects_names_its_line_or_is_skipped(tmp_path, family_dirs, capsys):
+    """Read from a file, a conversation the template rejects (Mistral v0.3 drops a system message) fails with its file
+    and line; with skip_bad_rows it is left out and counted, and the others tokenize exactly as they do alone."""
+    tok, system = Tokenizer(family_dirs["mistral-v0.3"]), [{"role": "system", "content": "Be brief."}]
+    rows = [CONVERSATIONS[0], system + CONVERSATIONS[0], CONVERSATIONS[0][:1] + [{"role": "assistant", "content": "x"}]]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+    examples = load_examples(path)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}:2: chat template: messages\[:2\] rendered"):
+        tokenize_examples(examples, tok)
+    kept = tokenize_examples(examples, tok, skip_bad_rows=True)
+    assert f"skipped 1 examples the template cannot render (first: {path}:2: chat template" in capsys.readouterr().err
+    alone = tokenize_examples([examples[0], examples[2]], tok)
+    assert [a.tolist() for a in kept] == [a.tolist() for a in alone]
+    assert [pack.renders(ex, tok) for ex in examples] == [True, False, True]
+    with pytest.raises(ValueError, match=r"^no examples to tokenize \(every one skipped\)$"):
+        tokenize_examples(examples[1:2], tok, skip_bad_rows=True)
+    text = preview(examples, tok, skip_bad_rows=True)
+    assert f"--- {path}:1: " in text and f"--- {path}:3: " in text and f"{path}:2" not in text
+
+
+def test_eos_text_inside_an_answer_is_not_the_end_of_the_turn(smollm2_dir):
+    """An answer that quotes "<|im_end|>": the whole answer stays supervised up to the turn's own end-of-turn token
+    (it used to end at the quote), and the preview warns that the quoted text tokenizes as EOS itself (as it does in
+    transformers), so the model would learn to stop there."""
+    tok, ref = Tokenizer(smollm2_dir), reference(Path(smollm2_dir))
+    answer = "Each turn ends with <|im_end|> and then a newline. That is all."
+    msgs = [{"role": "user", "content": "How do turns end?"}, {"role": "assistant", "content": answer}]
+    tokens, mask, _ = tokenize_examples([{"messages": msgs}], tok)
+    assert tok.decode(tokens.tolist()) == ref.apply_chat_template(msgs, tokenize=False)
+    assert tok.decode([t for t, m in zip(tokens.tolist(), mask.tolist(), strict=True) if m]) == answer + "<|im_end|>"
+    warning = "warning: example 0: response 1 holds EOS '<|im_end|>' before its end: the model learns to stop there"
+    assert warning in preview([{"messages": msgs}], tok).splitlines()
+    assert "holds EOS" not in preview([{"messages": CONVERSATIONS[0]}], tok)
+
+
 @pytest.mark.parametrize("base", ["llama_json_dir", "smollm2_dir"])
 def test_plain_format_every_turn_supervised(request, base):
     """A plain format string: one instance per assistant turn (system and user contents since the last answer as
@@ -348,7 +384,8 @@ def test_preview_default_data(smollm2_dir):
     tok, examples = Tokenizer(smollm2_dir), stdlib_examples()
     text = preview(examples, tok, n=3)  # pytest captures stdout: not a terminal, so brackets
     print(text)
-    assert text.count("--- example") == 3 and text.endswith("no warnings in the 3 examples shown")
+    assert text.count("\n--- ") == 3 and text.endswith("no warnings in the 3 examples shown")
+    assert all(f"\n--- {ex['name']}: " in text for ex in examples[:3])  # each named by its function
     assert "EOS '<|im_end|>'" in text.splitlines()[0] and text.count("⟦") == 1 + 3  # the legend, one per example
     for ex in examples[:3]:
         assert f"{ex['instruction']}<|im_end|>\n<|im_start|>assistant\n⟦{ex['response']}<|im_end|>⟧\n" in text
@@ -366,7 +403,7 @@ def test_preview_flags_double_bos(sp_dir):
     for i, ex in enumerate(examples):
         assert tok.add_bos and ref.encode(ex["instruction"], add_special_tokens=False)[0] == ref.bos_token_id
         assert tokens[offsets[i] : offsets[i] + 2].tolist() == [ref.bos_token_id] * 2
-        assert f"warning: example {i}: double BOS '<s><s>'" in text
+        assert f"warning: {DATA / 'llama2_preformatted.jsonl'}:{i + 1}: double BOS '<s><s>'" in text
     clean = [{"instruction": ex["instruction"][3:], "response": ex["response"]} for ex in examples]
     assert "double BOS" not in preview(clean, tok, template="{instruction}{response}")
 
@@ -381,11 +418,14 @@ def test_preview_flags_missing_eos(tmp_path, family_dirs):
     for ex in examples:  # transformers' own tokenization of the conversation holds no EOS either
         assert ref.eos_token_id not in ref.apply_chat_template(ex["messages"], tokenize=True)["input_ids"]
     text = preview(examples, Tokenizer(base), n=len(examples))
-    lines = re.findall(r"warning: example \d: response \d ends with '.*', not EOS '<\|endoftext\|>': .*", text)
+    lines = re.findall(r"warning: .*chat\.jsonl:\d: response \d ends with '.*', not EOS '<\|endoftext\|>': .*", text)
     assert len(lines) == turns and len(text.split("warning:")) == turns + 1
     cli = [sys.executable, "pack.py", str(DATA / "chat.jsonl"), "--tokenizer", str(base), "--preview", "3"]
     out = subprocess.run([*cli, "--cache-dir", str(tmp_path / "cache")], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0 and re.findall(r"warning: .*", out.stdout) == lines, out.stderr
+    (bad := tmp_path / "bad.json").write_text('\n\n[{"problem": 1, "solution": "b"}]')  # the CLI's errors: one line
+    out = subprocess.run([*cli[:2], str(bad), *cli[3:5]], capture_output=True, text=True, cwd=ROOT)
+    assert (out.returncode, out.stderr) == (1, f"error: {bad}:3: field 'problem' must be a string, got int\n")
     instruct = preview(examples, Tokenizer(family_dirs["qwen2.5"]), n=len(examples))
     assert instruct.endswith("no warnings in the 3 examples shown")
 
