@@ -40,6 +40,7 @@ adapters and checkpoints stay readable to the other users and containers that se
 """
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -409,7 +410,9 @@ def export_merged(model, out_dir, tokenizer_dir=None, shard_size=5 * 10**9):
     leftover = [n for n, m in model.named_modules() if isinstance(m, (lora.LoRA, quant.NF4Linear))]
     if leftover:
         raise ValueError(f"export_merged: {leftover[0]} is still a LoRA/NF4 linear (call merge_lora_ first)")
-    tied = model.config.tie_word_embeddings
+    # Still tied only if lm_head still is the embedding: a merged lm_head adapter unties the two, and then both go in
+    # the file and config.json says so (a loader that re-tied them would drop the adapter's update).
+    tied = model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
     state = {k: v for k, v in model.state_dict().items() if not (k == "lm_head.weight" and tied)}
     shards, size = [{}], 0  # greedy: start a new shard when the next tensor would overflow the current one
     for k, v in state.items():
@@ -430,7 +433,8 @@ def export_merged(model, out_dir, tokenizer_dir=None, shard_size=5 * 10**9):
         weight_map = {k: name for name, shard in zip(names, shards, strict=True) for k in shard}
         index = {"metadata": {"total_size": total}, "weight_map": weight_map}
         write_json(os.path.join(out_dir, "model.safetensors.index.json"), index)
-    write_json(os.path.join(out_dir, "config.json"), config_json(model.config, next(iter(state.values())).dtype))
+    config = dataclasses.replace(model.config, tie_word_embeddings=tied)
+    write_json(os.path.join(out_dir, "config.json"), config_json(config, next(iter(state.values())).dtype))
     for f in (*TOKENIZER_FILES, "generation_config.json"):
         if tokenizer_dir and os.path.isfile(os.path.join(tokenizer_dir, f)):
             atomic_write(os.path.join(out_dir, f), lambda t, f=f: shutil.copyfile(os.path.join(tokenizer_dir, f), t))

@@ -245,6 +245,27 @@ def test_merged_export_loads_in_transformers(base_dir, tmp_path):
     assert (merged - base).abs().max() > 0.1
 
 
+@pytest.mark.parametrize("targets", [["q_proj", "lm_head"], ["q_proj"]])
+def test_a_merged_lm_head_adapter_unties_the_export(tmp_path, targets):
+    """A tied model (lm_head is the embedding): with an adapter on lm_head the merged export writes lm_head and says
+    tie_word_embeddings false, and transformers gives the adapter-on-base logits (it used to leave lm_head out, so
+    transformers re-tied it to the embedding and the adapter's update was lost); without one it stays tied."""
+    torch.manual_seed(0)
+    LlamaForCausalLM(HFLlamaConfig(**HF_CONFIG | {"tie_word_embeddings": True})).save_pretrained(tmp_path / "base")
+    model = ours(tmp_path / "base")
+    lora.add_lora_(model, targets, r=4, alpha=8, dropout=0.0)
+    randomize_B(model)
+    with torch.no_grad():
+        adapter = model(IDS)
+    lora.merge_lora_(model)
+    export_merged(model, tmp_path / "merged")
+    untied = "lm_head" in targets
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["tie_word_embeddings"] is not untied
+    assert ("lm_head.weight" in load_file(tmp_path / "merged" / "model.safetensors")) is untied
+    merged = hf_logits(LlamaForCausalLM.from_pretrained(tmp_path / "merged").eval())
+    assert (merged - adapter).abs().max() < 1e-4
+
+
 def test_nf4_merge_into_original_weights(base_dir, tmp_path):
     model = ours(base_dir)
     with torch.no_grad():
