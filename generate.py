@@ -11,6 +11,7 @@ adapter is applied on top, so what you see is what the adapter does, not a merge
 """
 
 import argparse
+import os
 
 import torch
 
@@ -26,10 +27,19 @@ def chat_prompt(tok, text):
     return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True))
 
 
+def model_dir_for(model, adapter):
+    """The base model's directory: --model; else the adapter's own base (its base_model_name_or_path, when that is a
+    model directory here); else the converted SmolLM2."""
+    if model or not adapter:
+        return model or convert.smollm2_dir()
+    base = hf.read_json(os.path.join(adapter, "adapter_config.json")).get("base_model_name_or_path") or ""
+    return base if os.path.isfile(os.path.join(base, "config.json")) else convert.smollm2_dir()
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("prompt")
-    p.add_argument("--model", default="", help="HF-format directory (default: the converted SmolLM2-135M-Instruct)")
+    p.add_argument("--model", default="", help="HF-format directory (default: the adapter's base, else SmolLM2)")
     p.add_argument("--adapter", default="", help="PEFT-format adapter directory to apply")
     p.add_argument("--quantize", action="store_true", help="NF4 base weights, as in QLoRA training")
     p.add_argument("--max_new_tokens", type=int, default=200)
@@ -38,7 +48,7 @@ def main():
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     try:
-        model_dir = args.model or convert.smollm2_dir()
+        model_dir = model_dir_for(args.model, args.adapter)
         tok = Tokenizer(model_dir)
         model = hf.load_model(model_dir, torch.float32, quantize=args.quantize, adapter=args.adapter).eval()
     except (ValueError, OSError, ImportError) as e:  # a bad directory or adapter: one line, as train.py says it

@@ -1,11 +1,14 @@
 """What this file proves about generate.py: the converted SmolLM2-135M-Instruct, prompted through its own chat template,
-answers a coding request greedily with Python that parses and runs, and the NF4-quantized base does too."""
+answers a coding request greedily with Python that parses and runs, and the NF4-quantized base does too; an adapter
+without --model runs on the base it names, where that base is here."""
 
+import json
 import re
 
 import pytest
 import torch
 
+import convert
 import generate
 from hf import load_model
 from model import generate as model_generate
@@ -25,3 +28,14 @@ def test_smollm2_writes_a_string_reverser(smollm2_dir, quantize):
     exec(code.group(0), namespace)  # the model's own code, run on a real input
     funcs = [v for k, v in namespace.items() if callable(v) and not k.startswith("__")]
     assert funcs and funcs[0]("nanoqlora") == "arolqonan", answer
+
+
+def test_an_adapter_runs_on_the_base_it_names(tmp_path):
+    (base := tmp_path / "base").mkdir()
+    (base / "config.json").write_text("{}")
+    (adapter := tmp_path / "adapter").mkdir()
+    for named, want in [(str(base), str(base)), (str(tmp_path / "gone"), convert.smollm2_dir()), (None, None)]:
+        (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": named}))
+        assert generate.model_dir_for("", str(adapter)) == (want or convert.smollm2_dir())
+    assert generate.model_dir_for("mine", str(adapter)) == "mine"
+    assert generate.model_dir_for("", "") == convert.smollm2_dir()
