@@ -28,9 +28,10 @@ What happens, in order:
 6. Bookkeeping. A progress bar with loss, lr, tokens/s, supervised tokens/s, MFU (model.flops_per_token over the
    GPU's datasheet peak, or a measured matmul peak) and time per phase; metrics.jsonl; eval loss and perplexity every
    `eval_every` steps; an atomic checkpoint (adapter, optimizer, scheduler; the data position and the dropout draws
-   follow from the step) every `save_every` steps and on Ctrl-C; a NaN loss stops the run with the last good
-   checkpoint intact. At the end: the PEFT-format adapter, a loss-curve PNG, a sample before and after, and on request
-   a merged Hugging Face export and a GGUF with its Ollama Modelfile.
+   follow from the step) every `save_every` steps and on Ctrl-C (after the step under way; twice stops at once); a
+   NaN or inf loss or gradient stops the run before its update, the last checkpoint intact. At the end: the
+   PEFT-format adapter, a loss-curve PNG, a sample before and after, and on request a merged Hugging Face export and
+   a GGUF with its Ollama Modelfile.
 7. Diagnostics. Every setting is checked against its range before any work, and a run never silently replaces
    another run's checkpoint. At load: NF4's quantization error per linear. After two steps: the measured peak memory
    beside the estimate (memory.py). At every evaluation: each adapter's size relative to its layer and whether its B
@@ -46,9 +47,12 @@ import json
 import math
 import os
 import re
+import signal
 import sys
+import threading
 import time
-from contextlib import nullcontext
+import traceback
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -127,7 +131,8 @@ class Config:
 
 # ----------------------------------------------------------------------------- config loading
 def load_config(argv: list[str]) -> Config:
-    """Config file(s) and --key=value overrides -> Config. Unknown keys fail with the nearest valid key."""
+    """Config file(s), then --key=value overrides (wherever they stand) -> Config. Unknown keys fail with the nearest
+    valid key."""
     fields = {f.name: f for f in dataclasses.fields(Config)}
     values: dict = {}
 
@@ -138,19 +143,35 @@ def load_config(argv: list[str]) -> Config:
             raise ValueError(f"{where}: unknown config key '{key}'{hint}")
         values[key] = check_type(key, value, fields[key].type, where)
 
-    for arg in argv:
-        if arg.startswith("--"):
-            key, eq, raw = arg[2:].partition("=")
-            put(key.replace("-", "_"), parse_value(raw) if eq else True, f"--{key}")
-        else:
-            if not os.path.isfile(arg):
-                raise FileNotFoundError(f"{arg}: config file not found")
-            namespace: dict = {}
-            exec(compile(open(arg).read(), arg, "exec"), namespace)  # an isolated namespace, nothing leaks in or out
-            for key, value in namespace.items():
-                if not key.startswith("_") and not callable(value) and type(value).__name__ != "module":
-                    put(key, value, arg)
+    flags = [arg[2:].partition("=") for arg in argv if arg.startswith("--")]
+    for name, eq, _ in flags:  # first: "--data path" would otherwise read path as a config file
+        if (field := fields.get(name.replace("-", "_"))) and field.type is not bool and not eq:
+            raise ValueError(f"--{name}: needs a value, as --{name}=VALUE")
+    for arg in [a for a in argv if not a.startswith("--")]:
+        for key, value in run_config_file(arg).items():
+            if not key.startswith("_") and not callable(value) and type(value).__name__ != "module":
+                put(key, value, arg)
+    for name, eq, raw in flags:
+        key = name.replace("-", "_")
+        text = key in fields and fields[key].type is str  # kept as typed: --out_dir=2024 names a directory
+        put(key, raw if text else parse_value(raw) if eq else True, f"--{name}")
     return Config(**values)
+
+
+def run_config_file(path) -> dict:
+    """The names a config file assigns, run in an isolated namespace (nothing leaks in or out); a mistake in it is one
+    line naming the file and line."""
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: config file not found")
+    namespace: dict = {}
+    try:
+        exec(compile(Path(path).read_text(encoding="utf-8-sig"), path, "exec"), namespace)
+    except SyntaxError as e:
+        raise ValueError(f"{path}:{e.lineno}: {e.msg}") from None
+    except Exception as e:  # a config is plain assignments: whatever it raises is the config's mistake
+        line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == path), "?")
+        raise ValueError(f"{path}:{line}: {type(e).__name__}: {e}") from None
+    return namespace
 
 
 # What each field allows, checked before any work: (test, what to expect). Choices are listed in their messages.
@@ -289,20 +310,20 @@ def check_inputs(cfg: Config) -> str:
 
 
 def claim_out_dir(cfg: Config):
-    """Make sure this run may write to out_dir. A run already there (a checkpoint) is continued with --resume or
+    """Make sure this run may write to out_dir. A run already there (see run_files) is continued with --resume or
     replaced with --overwrite; otherwise a chosen out_dir is refused, and the default one moves on to out-2, out-3,
     ... (saying so), so running the default twice keeps both runs. cfg.out_dir is updated in place."""
     ckpt = os.path.join(cfg.out_dir, "checkpoint.pt")
     if cfg.resume and not os.path.isfile(ckpt):
         raise FileNotFoundError(f"{ckpt}: no checkpoint to resume from")
-    if os.path.isfile(ckpt) and not (cfg.resume or cfg.overwrite):
+    if (held := run_files(cfg.out_dir)) and not (cfg.resume or cfg.overwrite):
         if cfg.out_dir != Config.out_dir:
             raise FileExistsError(
-                f"out_dir: {cfg.out_dir} already holds a run ({ckpt}); continue it with --resume, replace it with "
+                f"out_dir: {cfg.out_dir} already holds a run ({held[0]}); continue it with --resume, replace it with "
                 "--overwrite, or choose another out_dir"
             )
-        n = 2  # the first out-N without a checkpoint (every rank of a torchrun finds the same one)
-        while os.path.isfile(os.path.join(f"{cfg.out_dir}-{n}", "checkpoint.pt")):
+        n = 2  # the first out-N without a run (every rank of a torchrun finds the same one)
+        while run_files(f"{cfg.out_dir}-{n}"):
             n += 1
         print(f"out_dir: {cfg.out_dir} holds an earlier run, kept as it is; this run writes to {cfg.out_dir}-{n}")
         cfg.out_dir = f"{cfg.out_dir}-{n}"
@@ -313,6 +334,11 @@ def claim_out_dir(cfg: Config):
         os.remove(probe)
     except OSError as e:
         raise PermissionError(f"out_dir: cannot write to '{cfg.out_dir}' ({e.strerror})") from None
+
+
+def run_files(out_dir) -> list[str]:
+    """The files in out_dir that show a run was there: its checkpoint, its adapter, its metrics."""
+    return [p for f in ("checkpoint.pt", "adapter", "metrics.jsonl") if os.path.exists(p := os.path.join(out_dir, f))]
 
 
 def lora_targets(cfg: Config):
@@ -340,17 +366,24 @@ def build_data(cfg: Config, tok, max_positions: int, master: bool, world: int = 
         if cfg.val_data:
             val_examples = load_examples(cfg.val_data, fmt=cfg.data_format, skip_bad_rows=cfg.skip_bad_rows)
         else:
+            n = len(train_examples)
             train_examples, val_examples = split_examples(train_examples, cfg.val_fraction, seed=cfg.seed)
-            if not val_examples:
-                raise ValueError(f"val_fraction: {cfg.val_fraction} of {len(train_examples)} examples holds out none")
+            if not (val_examples and train_examples):
+                left = "holds out none" if not val_examples else "leaves none to train on"
+                raise ValueError(f"val_fraction: {cfg.val_fraction} of the {n} examples in {cfg.data} {left}")
     else:
         train_examples, val_examples = stdlib_examples("train"), stdlib_examples("val")
     if cfg.max_examples:
         train_examples = train_examples[: cfg.max_examples]
+    if isinstance(cfg.context_length, int) and cfg.context_length > max_positions:
+        raise ValueError(
+            f"context_length: {cfg.context_length} is beyond the model's max_position_embeddings {max_positions}"
+            " (positions it was never trained on); lower it or use 'auto'"
+        )
     # fmt: off
     common = dict(template=cfg.template or None, train_on_prompt=cfg.train_on_prompt, truncate=cfg.truncate,
                   pack=cfg.pack, pad_to_max=cfg.pad_to_max, cache_dir=cfg.cache_dir, seed=cfg.seed,
-                  max_context=max_positions)
+                  max_context=max_positions, skip_bad_rows=cfg.skip_bad_rows)
     # fmt: on
     trainset = pack.build_dataset(train_examples, tok, cfg.context_length, **common)
     if cfg.batch_tokens < trainset.context_length * world:
@@ -360,12 +393,15 @@ def build_data(cfg: Config, tok, max_positions: int, master: bool, world: int = 
     if master:
         print(trainset.report())
         if cfg.preview:  # the first examples shown, then the same checks over every training example
-            print(pack.preview(train_examples, tok, cfg.template or None, cfg.train_on_prompt))
-            warnings = pack.check_examples(train_examples, tok, cfg.template or None, cfg.train_on_prompt)
+            seen = dict(
+                template=cfg.template or None, train_on_prompt=cfg.train_on_prompt, skip_bad_rows=cfg.skip_bad_rows
+            )
+            print(pack.preview(train_examples, tok, **seen))
+            warnings = pack.check_examples(train_examples, tok, **seen)
             print(f"{len(warnings)} warning(s) over all {len(train_examples)} training examples")
             for w in warnings[:20]:
                 print(f"warning: {w}")
-    return trainset, valset, val_examples[0]
+    return trainset, valset, next(ex for ex in val_examples if pack.renders(ex, tok, cfg.template or None))
 
 
 # ----------------------------------------------------------------------------- peak FLOP/s
@@ -414,12 +450,13 @@ def peak_flops(device, dtype) -> tuple[float, str]:
 
 
 # ----------------------------------------------------------------------------- checkpoints
-def save_checkpoint(path, model, opt, sched, step, cfg):
-    """Adapter weights, optimizer and schedule. No RNG state: every step reseeds from (seed, step, rank)."""
+def save_checkpoint(path, model, opt, sched, scaler, step, cfg):
+    """Adapter weights, optimizer, schedule and fp16's loss scale. No RNG state: every step reseeds from (seed, step,
+    rank)."""
     lora_state = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
     # fmt: off
     state = dict(step=step, lora=lora_state, optimizer=opt.state_dict(), scheduler=sched.state_dict(),
-                 config=dataclasses.asdict(cfg))
+                 scaler=scaler.state_dict(), config=dataclasses.asdict(cfg))
     # fmt: on
 
     def write(tmp):
@@ -429,14 +466,15 @@ def save_checkpoint(path, model, opt, sched, step, cfg):
     hf.atomic_write(path, write)
 
 
-# Settings a resumed run must share with the checkpoint: they shape the adapters, the optimizer state or the data order.
-RESUME_KEYS = (
-    "model quantize lora_r lora_alpha lora_targets use_rslora optimizer data template max_examples pack".split()
-)
+# Settings a resumed run must share with the checkpoint: they shape the adapters, the optimizer (whose saved state
+# carries lr, betas and weight decay: a new value would be silently ignored) or the data and its order. max_steps,
+# warmup_steps and min_lr_ratio may change: the schedule is recomputed from them.
+RESUME_KEYS = "model quantize lora_r lora_alpha lora_targets use_rslora optimizer lr beta1 beta2 weight_decay".split()
+RESUME_KEYS += "data val_data data_format skip_bad_rows template train_on_prompt max_examples pack truncate".split()
 RESUME_KEYS += "context_length batch_tokens val_fraction seed".split()
 
 
-def load_checkpoint(path, model, opt, sched, cfg) -> int:
+def load_checkpoint(path, model, opt, sched, scaler, cfg) -> int:
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
         step, lora_state = state["step"], state["lora"]
@@ -454,20 +492,31 @@ def load_checkpoint(path, model, opt, sched, cfg) -> int:
             params[name].copy_(value)
     opt.load_state_dict(state["optimizer"])
     sched.load_state_dict(state["scheduler"])
+    if state.get("scaler"):  # fp16's loss scale ({} when off)
+        scaler.load_state_dict(state["scaler"])
     return step
 
 
-def save_state(run: Run, model, opt, sched, step, history) -> int:
+def save_state(run: Run, model, opt, sched, scaler, step, history) -> int:
     """out_dir/checkpoint.pt and out_dir/metrics.jsonl, each written whole; returns the step saved."""
-    save_checkpoint(os.path.join(run.cfg.out_dir, "checkpoint.pt"), model, opt, sched, step, run.cfg)
+    save_checkpoint(os.path.join(run.cfg.out_dir, "checkpoint.pt"), model, opt, sched, scaler, step, run.cfg)
+    save_metrics(run, history)
+    return step
+
+
+def save_metrics(run: Run, history):
     lines = "".join(json.dumps(h) + "\n" for h in history)
     hf.atomic_write(os.path.join(run.cfg.out_dir, "metrics.jsonl"), lambda tmp: Path(tmp).write_text(lines))
-    return step
 
 
 def read_metrics(path, step) -> list[dict]:
     """The metrics of a resumed run up to its checkpoint's step."""
-    history = [json.loads(line) for line in open(path)] if os.path.exists(path) else []
+    history = []
+    for i, line in enumerate(open(path) if os.path.exists(path) else [], 1):
+        try:
+            history.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{i}: invalid JSON ({e.msg}); fix or delete that line to resume") from None
     return [h for h in history if h["step"] <= step]
 
 
@@ -628,13 +677,20 @@ def train_step(run: Run, model, params, opt, scaler, batch, micro_rows) -> dict:
             p.grad.copy_(g.view_as(p))
         dist.all_reduce(loss_sum)
     scaler.unscale_(opt)
-    norm = torch.nn.utils.clip_grad_norm_(params, run.cfg.grad_clip) if run.cfg.grad_clip else torch.zeros(())
-    scaler.step(opt)
+    norm = float(torch.nn.utils.clip_grad_norm_(params, run.cfg.grad_clip or math.inf))  # the norm, clipped or not
+    rec |= {"loss": loss_sum.item() / max(1.0, n_sup.item()), "grad_norm": norm, "supervised": n_sup.item()}
+    if finite(rec, scaler):  # else the update is never applied, and the loop stops
+        scaler.step(opt)
     scaler.update()
     opt.zero_grad(set_to_none=True)
-    rec |= {"loss": loss_sum.item() / max(1.0, n_sup.item()), "grad_norm": float(norm), "supervised": n_sup.item()}
     rec["opt_s"] = time.perf_counter() - t
     return rec
+
+
+def finite(rec, scaler) -> bool:
+    """Whether a step's loss and gradient norm are finite; fp16's scaler expects inf gradients now and then (it skips
+    those steps and lowers its scale), so with it only the loss counts."""
+    return math.isfinite(rec["loss"]) and (math.isfinite(rec["grad_norm"]) or scaler.is_enabled())
 
 
 def report_plan(run: Run, model, trainset, rows, micro_rows, process):
@@ -743,54 +799,104 @@ def loop(run: Run, model_dir, tok, trainset, valset, held_out) -> list[dict]:
     opt = make_optimizer(cfg, params, run.device)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(cfg))
     scaler = torch.amp.GradScaler("cuda", enabled=run.dtype == torch.float16)
+    state = (model, opt, sched, scaler)  # what a checkpoint holds
     rows = max(1, cfg.batch_tokens // trainset.context_length // run.world)  # this rank's rows per step
     micro_rows = auto_micro_rows(run, model, trainset, rows)
     total, flops, peak = report_plan(run, model, trainset, rows, micro_rows, process)
     if cfg.resume:
-        step = last_good = load_checkpoint(os.path.join(cfg.out_dir, "checkpoint.pt"), model, opt, sched, cfg)
+        step = last_good = load_checkpoint(os.path.join(cfg.out_dir, "checkpoint.pt"), *state, cfg)
         history, sample_before = read_metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), step), ""
     else:
-        step = last_good = 0
+        step, last_good = 0, None
         history, sample_before = start(run, model, tok, valset, held_out, micro_rows)
     from tqdm import tqdm
 
     memory.reset_peak(run.device)
     bar = tqdm(total=cfg.max_steps, initial=step, disable=not run.master, dynamic_ncols=True)
     try:
-        while step < cfg.max_steps:
-            torch.manual_seed(hash((cfg.seed, step, run.rank)) % 2**63)  # dropout: a function of the step, resumable
-            t0, batch = time.perf_counter(), trainset.step_batch(step, rows, run.rank, run.world)
-            rec = {"step": step + 1, "lr": sched.get_last_lr()[0]}
-            rec |= train_step(run, model, params, opt, scaler, batch, micro_rows)
-            if not math.isfinite(rec["loss"]):
-                raise FloatingPointError(
-                    f"loss is {rec['loss']} at step {step + 1}; stopped, the last good checkpoint "
-                    f"(step {last_good}) in {cfg.out_dir} is intact"
-                )
-            sched.step()
-            step, dt, tokens = step + 1, time.perf_counter() - t0, batch["input_ids"].numel() * run.world
-            rec |= {"tokens_per_s": tokens / dt, "supervised_per_s": rec.pop("supervised") / dt}
-            rec["mfu"] = flops * tokens / dt / run.world / peak
-            if run.master:
-                log_step(run, model, valset, micro_rows, rec, bar, total)
-                history.append(rec)
-                if cfg.save_every and step % cfg.save_every == 0:
-                    last_good = save_state(run, model, opt, sched, step, history)
-    except KeyboardInterrupt:
-        if run.master:
-            save_state(run, model, opt, sched, step, history)
-            path = os.path.join(cfg.out_dir, "checkpoint.pt")
-            print(f"\ninterrupted: checkpoint at step {step} written to {path}; continue with --resume")
+        with stop_requests() as asked:
+            while step < cfg.max_steps and not any_rank(run, asked):
+                torch.manual_seed(hash((cfg.seed, step, run.rank)) % 2**63)  # dropout: a function of the step
+                t0, batch = time.perf_counter(), trainset.step_batch(step, rows, run.rank, run.world)
+                rec = {"step": step + 1, "lr": sched.get_last_lr()[0]}
+                rec |= train_step(run, model, params, opt, scaler, batch, micro_rows)
+                if not finite(rec, scaler):
+                    stop_not_finite(run, history + [rec], last_good)
+                sched.step()
+                step, dt, tokens = step + 1, time.perf_counter() - t0, batch["input_ids"].numel() * run.world
+                rec |= {"tokens_per_s": tokens / dt, "supervised_per_s": rec.pop("supervised") / dt}
+                rec["mfu"] = flops * tokens / dt / run.world / peak
+                if run.master:
+                    history.append(rec)  # before the evaluation, which a second Ctrl-C may break into
+                    log_step(run, model, valset, micro_rows, rec, bar, total)
+                    if cfg.save_every and step % cfg.save_every == 0:
+                        last_good = save_state(run, *state, step, history)
+    except KeyboardInterrupt:  # a second Ctrl-C, in the middle of a step: nothing of it is saved
+        where = f"the checkpoint of step {last_good} stands" if last_good is not None else "no checkpoint was written"
+        print(f"\nstopped at once: {where}", file=sys.stderr)
         raise SystemExit(130) from None
     finally:
         bar.close()  # so that an error message starts on a line of its own
+    if step < cfg.max_steps:  # Ctrl-C: stopped between two steps, so the checkpoint is exactly step `step`
+        if run.master:
+            save_state(run, *state, step, history)
+            print(f"interrupted: checkpoint at step {step} written; continue with --resume --out_dir={cfg.out_dir}")
+        raise SystemExit(130)
     if run.master:  # the checkpoint first: finish's merged export folds the adapters into the base in place
-        save_state(run, model, opt, sched, step, history)
+        save_state(run, *state, step, history)
         finish(run, model, tok, held_out, history, sample_before, model_dir)
         print(f"peak {'RSS' if run.device.type == 'cpu' else 'GPU memory'}: {memory.fmt(memory.peak(run.device))}")
     if run.world > 1:
         dist.destroy_process_group()
     return history
+
+
+@contextmanager
+def stop_requests():
+    """Ctrl-C while training asks the loop to stop after the step under way, so that the checkpoint it writes sits
+    exactly between two steps (and the step's record is kept); a second Ctrl-C stops at once, saving nothing. Yields a
+    list that is non-empty once a stop was asked for. Outside the main thread signals cannot be caught: no-op."""
+    asked: list = []
+
+    def on_sigint(signum, frame):
+        if asked:
+            raise KeyboardInterrupt
+        asked.append(signum)
+        print("\nCtrl-C: stopping after this step (press it again to stop at once, without a checkpoint)", flush=True)
+
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, on_sigint) if main else None
+    try:
+        yield asked
+    finally:
+        if main:
+            signal.signal(signal.SIGINT, previous)
+
+
+def any_rank(run: Run, asked) -> bool:
+    """Whether any rank was asked to stop: all ranks must leave the loop at the same step, or the others would wait
+    in their next all-reduce forever."""
+    if run.world == 1:
+        return bool(asked)
+    flag = torch.tensor(float(bool(asked)), device=run.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    return bool(flag.item())
+
+
+def stop_not_finite(run: Run, history, last_good):
+    """A NaN or inf loss or gradient norm (the update was not applied): the metrics up to it are written for a look,
+    the last checkpoint is left as it is, and the run stops."""
+    rec, cfg = history[-1], run.cfg
+    if run.master:
+        save_metrics(run, history)
+    kept = (
+        f"the checkpoint of step {last_good} in {cfg.out_dir} is intact"
+        if last_good is not None
+        else "no checkpoint was written yet"
+    )
+    raise FloatingPointError(
+        f"loss {rec['loss']}, gradient norm {rec['grad_norm']} at step {rec['step']}: stopped before the update; {kept}"
+    )
 
 
 def finish(run: Run, model, tok, held_out, history, sample_before, model_dir):

@@ -1,13 +1,16 @@
 """What this file proves about train.py, on a tiny random Llama that shares SmolLM2's tokenizer:
 
-- config files and --key=value overrides load; a typo names the nearest valid key; a wrong type is refused;
+- config files and --key=value overrides load (a flag wins wherever it stands); a typo names the nearest valid key; a
+  wrong type is refused; a mistake inside a config file names its line;
 - gradient accumulation over micro-batches gives the same update as one batch (1e-6, fp32), although the micro-batches
   hold different numbers of supervised tokens, because the loss is normalised by the global supervised-token count;
-- a run interrupted at step 2 and resumed reaches the same losses and the same adapter bytes as an uninterrupted run,
-  with LoRA dropout on (its randomness is a function of the step, so nothing random needs saving);
+- a run interrupted at step 2 (Ctrl-C lets the step finish) and resumed reaches the same losses and the same adapter
+  bytes as an uninterrupted run, with LoRA dropout on (its randomness is a function of the step, so nothing random
+  needs saving); a second Ctrl-C stops at once and writes nothing; fp16's loss scale is checkpointed;
 - torchrun with 2 CPU processes (gloo) gives the same losses as one process with the same global batch;
-- a config typo, a missing data file, an unwritable out_dir, a corrupted checkpoint and a NaN loss each end with a
-  one-line error and leave the existing checkpoint untouched;
+- a config typo, a missing data file, an unwritable out_dir, a corrupted checkpoint, a resume with changed optimizer
+  or data settings, a NaN loss and a non-finite gradient (never applied) each end with a one-line error and leave the
+  existing checkpoint untouched; a folder holding only a finished run's adapter is still a run;
 - the real SmolLM2 QLoRA run lowers the validation loss and writes a PEFT adapter, a loss plot and metrics;
 - the CUDA set-up on simulated GPUs: MFU's peak comes from the datasheet for a known name matched word by word (L40 is
   not L4, A10G not A10) and from a measured matmul for any other, never zero; precision "auto" is fp16 on pre-Ampere
@@ -22,7 +25,9 @@
 import json
 import math
 import os
+import re
 import shutil
+import signal
 import subprocess
 import sys
 
@@ -109,6 +114,24 @@ def test_config_file_overrides_and_typos(tmp_path):
         train.load_config([str(bad)])
 
 
+def test_overrides_win_wherever_they_stand_and_config_mistakes_name_the_line(tmp_path):
+    """A flag before the config file still overrides it; a str field keeps its text; "--data path" (a space, not =)
+    is refused before path is read as a config file; a syntax or name error in a config file is one line naming the
+    file and line, not a traceback; a byte-order mark is no mistake."""
+    tiny = os.path.join(ROOT, "configs/tiny.py")
+    assert train.load_config(["--lr=3e-4", tiny]).lr == train.load_config([tiny, "--lr=3e-4"]).lr == 3e-4
+    assert train.load_config(["--out_dir=2024", "--template={instruction}{response}"]).out_dir == "2024"
+    with pytest.raises(ValueError, match=r"^--data: needs a value, as --data=VALUE$"):
+        train.load_config(["--data", "mine.jsonl"])
+    cases = {"lr = 2e-4\nlora_r = 16 *\n": ":2: invalid syntax", "\n\nlr = base_lr * 2\n": ":3: NameError: name "}
+    for text, message in cases.items():
+        (bad := tmp_path / "bad.py").write_text(text)
+        with pytest.raises(ValueError, match=f"^{re.escape(str(bad) + message)}"):
+            train.load_config([str(bad)])
+    (bom := tmp_path / "bom.py").write_text("\ufefflr = 2e-4\n", encoding="utf-8")
+    assert train.load_config([str(bom)]).lr == 2e-4
+
+
 def test_accumulation_equals_one_batch(tiny_dir, tmp_path):
     one = tmp_path / "one"
     many = tmp_path / "many"
@@ -122,30 +145,45 @@ def test_accumulation_equals_one_batch(tiny_dir, tmp_path):
     assert any(v.abs().max() > 0 for k, v in a.items() if "lora_B" in k)
 
 
-def run_interrupted(argv, at_step, monkeypatch):
-    """Run train.py as if Ctrl-C were pressed when step `at_step` begins: it exits after writing a checkpoint."""
+def run_interrupted(argv, at_step, monkeypatch, presses=1):
+    """Run train.py as if Ctrl-C were pressed `presses` times while step `at_step` (1-based) fetches its batch: once,
+    the run finishes that step, writes a checkpoint and exits; twice, it stops at once."""
     real_step_batch = PackedDataset.step_batch
 
     def interrupt(ds, step, *a):
-        if step == at_step:
-            raise KeyboardInterrupt
+        for _ in range(presses if step == at_step - 1 else 0):
+            signal.raise_signal(signal.SIGINT)
         return real_step_batch(ds, step, *a)
 
-    with monkeypatch.context() as m, pytest.raises(SystemExit):
+    with monkeypatch.context() as m, pytest.raises(SystemExit) as e:
         m.setattr(PackedDataset, "step_batch", interrupt)
         run(argv)
+    assert e.value.code == 130
 
 
-def test_resume_is_step_exact(tiny_dir, tmp_path, monkeypatch):
+def test_resume_is_step_exact(tiny_dir, tmp_path, monkeypatch, capsys):
     full = run(args(tiny_dir, tmp_path / "full", "--lora_dropout=0.1"))
     run_interrupted(args(tiny_dir, tmp_path / "resumed", "--lora_dropout=0.1"), 2, monkeypatch)
-    assert torch.load(tmp_path / "resumed" / "out" / "checkpoint.pt", weights_only=False)["step"] == 2
+    out = tmp_path / "resumed" / "out"
+    assert (
+        f"interrupted: checkpoint at step 2 written; continue with --resume --out_dir={out}" in capsys.readouterr().out
+    )
+    assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 2
+    assert [json.loads(x)["step"] for x in open(out / "metrics.jsonl")][-1] == 2  # the interrupted step's record
     resumed = run(args(tiny_dir, tmp_path / "resumed", "--lora_dropout=0.1", "--resume"))
     losses = lambda h: [(r["step"], r["loss"]) for r in h if "loss" in r]  # noqa: E731
     assert losses(resumed) == losses(full)
     a = open(tmp_path / "full" / "out" / "adapter" / "adapter_model.safetensors", "rb").read()
-    b = open(tmp_path / "resumed" / "out" / "adapter" / "adapter_model.safetensors", "rb").read()
+    b = open(out / "adapter" / "adapter_model.safetensors", "rb").read()
     assert a == b
+
+
+def test_ctrl_c_twice_stops_at_once_and_saves_nothing(tiny_dir, tmp_path, monkeypatch, capsys):
+    """The second Ctrl-C breaks into the step: nothing of it is written, and the SIGINT handler is put back."""
+    before = signal.getsignal(signal.SIGINT)
+    run_interrupted(args(tiny_dir, tmp_path, "--save_every=0"), 2, monkeypatch, presses=2)
+    assert "stopped at once: no checkpoint was written" in capsys.readouterr().err
+    assert not (tmp_path / "out" / "checkpoint.pt").exists() and signal.getsignal(signal.SIGINT) is before
 
 
 def test_torchrun_two_processes_match_one(tiny_dir, tmp_path):
@@ -212,6 +250,56 @@ def test_bad_input_gives_one_line_errors_and_keeps_checkpoints(tiny_dir, tmp_pat
     assert ckpt.read_bytes() == before
 
 
+def test_resume_refuses_what_it_would_ignore_and_out_dir_sees_any_run(tiny_dir, tmp_path, capsys):
+    """--resume with a new lr, weight decay or data setting is refused (the optimizer's saved state would silently
+    keep the old values, the data would change under the step count); a broken metrics.jsonl line is named; a folder
+    that holds a finished run's adapter but no checkpoint is still a run, not overwritten."""
+    run(args(tiny_dir, tmp_path, "--max_steps=2", "--eval_every=0", "--sample=False"))
+    out = tmp_path / "out"
+    for flag in ("--lr=5e-4", "--weight_decay=0.1", "--train_on_prompt=True", "--truncate=False"):
+        err = one_line_error(args(tiny_dir, tmp_path, "--max_steps=4", "--resume", flag), capsys)
+        assert err.startswith(f"error: {out / 'checkpoint.pt'}: checkpoint has {flag[2:].split('=')[0]}=")
+    metrics = (out / "metrics.jsonl").read_text()
+    (out / "metrics.jsonl").write_text(metrics + '{"step": 3, "lo')
+    err = one_line_error(args(tiny_dir, tmp_path, "--max_steps=4", "--resume"), capsys)
+    assert err.startswith(f"error: {out / 'metrics.jsonl'}:{metrics.count(chr(10)) + 1}: invalid JSON (")
+    (out / "checkpoint.pt").unlink()
+    before = (out / "adapter" / "adapter_model.safetensors").read_bytes()
+    err = one_line_error(args(tiny_dir, tmp_path, "--max_steps=2", "--lora_r=4"), capsys)
+    assert err.startswith(f"error: out_dir: {out} already holds a run ({out / 'adapter'})")
+    assert (out / "adapter" / "adapter_model.safetensors").read_bytes() == before
+
+
+def test_data_settings_that_cannot_work_are_one_line(tiny_dir, tmp_path, capsys):
+    """A context longer than the model's positions; a validation share that leaves nothing to train on."""
+    err = one_line_error(args(tiny_dir, tmp_path, "--context_length=9000", "--batch_tokens=9000", "--preview"), capsys)
+    assert err == (
+        "error: context_length: 9000 is beyond the model's max_position_embeddings 8192 (positions it was never "
+        "trained on); lower it or use 'auto'"
+    )
+    (data := tmp_path / "d.jsonl").write_text('{"instruction": "a", "response": "b"}\n' * 2)
+    err = one_line_error(args(tiny_dir, tmp_path, f"--data={data}", "--val_fraction=0.9", "--preview"), capsys)
+    assert err == f"error: val_fraction: 0.9 of the 2 examples in {data} leaves none to train on"
+
+
+def test_the_fp16_loss_scale_is_checkpointed(tmp_path):
+    """fp16's GradScaler state goes into the checkpoint and comes back on resume (it used to restart at its initial
+    scale, so a resumed fp16 run was not step-exact). On CPU, torch's GradScaler for "cpu" stands in for CUDA's."""
+    cfg, model = train.Config(), torch.nn.Linear(4, 2)
+
+    def parts():  # an optimizer and its schedule
+        opt = torch.optim.AdamW(model.parameters())
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    scaler.scale(torch.ones(()))
+    scaler.update(new_scale=1234.0)
+    train.save_checkpoint(tmp_path / "c.pt", model, *parts(), scaler, 7, cfg)
+    fresh = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    assert train.load_checkpoint(tmp_path / "c.pt", model, *parts(), fresh, cfg) == 7
+    assert fresh.get_scale() == 1234.0
+
+
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tiny_dir, tmp_path, monkeypatch, capsys):
     run(args(tiny_dir, tmp_path, "--max_steps=2", "--eval_every=0"))
     ckpt = tmp_path / "out" / "checkpoint.pt"
@@ -224,8 +312,48 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(tiny_dir, tmp_path, monke
 
     monkeypatch.setattr(train, "forward_loss", nan_loss)
     err = one_line_error(args(tiny_dir, tmp_path, "--max_steps=4", "--resume"), capsys)
-    assert "loss is nan at step 3" in err
+    assert err.startswith("error: loss nan, gradient norm nan at step 3: stopped before the update; the checkpoint")
+    assert err.endswith(f"of step 2 in {tmp_path / 'out'} is intact")
     assert ckpt.read_bytes() == before
+
+
+class InfGrad(torch.autograd.Function):
+    """The identity whose gradient is infinite: a finite loss with a non-finite gradient."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        return g * math.inf
+
+
+@pytest.mark.parametrize("save_every", [2, 0])
+def test_a_non_finite_gradient_is_never_applied_nor_saved(tiny_dir, tmp_path, monkeypatch, capsys, save_every):
+    """Step 3's loss is finite but its gradient is not: the run stops before the update, the checkpoint of step 2 (if
+    any was written) stays finite and the metrics up to step 3 are written; it used to apply the NaN update and save
+    it over the last checkpoint at the next save."""
+    steps, real_step, real_loss = [], train.train_step, train.forward_loss
+
+    def forward_loss(*a):
+        loss, n = real_loss(*a)
+        return InfGrad.apply(loss) if len(steps) == 3 else loss, n
+
+    monkeypatch.setattr(train, "train_step", lambda *a: steps.append(1) or real_step(*a))
+    monkeypatch.setattr(train, "forward_loss", forward_loss)
+    argv = args(tiny_dir, tmp_path, "--max_steps=4", f"--save_every={save_every}", "--eval_every=0", "--sample=False")
+    err = one_line_error(argv, capsys)
+    out = tmp_path / "out"
+    kept = f"the checkpoint of step 2 in {out} is intact" if save_every else "no checkpoint was written yet"
+    assert re.fullmatch(
+        rf"error: loss [0-9.]+, gradient norm (nan|inf) at step 3: stopped before the update; {kept}", err
+    )
+    assert [json.loads(x)["step"] for x in open(out / "metrics.jsonl")][-3:] == [1, 2, 3]
+    assert (out / "checkpoint.pt").exists() == bool(save_every)
+    if save_every:
+        state = torch.load(out / "checkpoint.pt", weights_only=False)
+        assert state["step"] == 2 and all(bool(v.isfinite().all()) for v in state["lora"].values())
 
 
 def test_smollm2_qlora_run_lowers_val_loss(smollm2_dir, tmp_path):
@@ -520,7 +648,8 @@ def test_plan_and_preview_load_no_model_and_write_nothing(tiny_dir, tmp_path, mo
     assert "fastest that fits: 16-bit base, AdamW, checkpointing off, 4 row(s)" in out
     assert run(args(tiny_dir, tmp_path, "--preview")) == []
     out = capsys.readouterr().out
-    assert "tokens kept" in out and "--- example 0:" in out and "supervised ---" in out
+    first = stdlib_examples("train")[0]["name"]  # each example named by its function
+    assert "tokens kept" in out and f"--- {first}: " in out and "supervised ---" in out
     assert not (tmp_path / "out").exists()
 
 
