@@ -56,8 +56,8 @@ def _rows(path):
     if text.lstrip().startswith("["):
         yield from _array(path, text)
         return
-    # "\n" only: splitlines() would also cut at U+2028, U+0085 and others, which JSON strings may hold unescaped
-    lines = [(line, s) for line, s in enumerate(text.split("\n"), 1) if s.strip()]
+    # Line ends only: splitlines() would also cut at U+2028, U+0085 and others, which JSON strings may hold unescaped
+    lines = [(line, s) for line, s in enumerate(re.split(r"\r\n|\r|\n", text), 1) if s.strip()]
     for line, s in lines:
         try:
             row = json.loads(s)

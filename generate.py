@@ -33,7 +33,7 @@ def model_dir_for(model, adapter):
     if model or not adapter:
         return model or convert.smollm2_dir()
     base = hf.read_json(os.path.join(adapter, "adapter_config.json")).get("base_model_name_or_path") or ""
-    return base if os.path.isfile(os.path.join(base, "config.json")) else convert.smollm2_dir()
+    return base if base and os.path.isfile(os.path.join(base, "config.json")) else convert.smollm2_dir()
 
 
 def main():

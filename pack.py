@@ -52,6 +52,7 @@ the tokenizer libraries' native threads rather than a process pool, whose start-
 Python-side work it would spread.
 """
 
+import argparse
 import bisect
 import hashlib
 import itertools
@@ -143,6 +144,8 @@ def tokenize_cached(
         return tokenize_examples(examples, tokenizer, template, train_on_prompt, skip_bad_rows=skip_bad_rows)
     h = hashlib.sha256(json.dumps([CACHE_VERSION, template, train_on_prompt, fmt, skip_bad_rows]).encode())
     if isinstance(data, str | os.PathLike):
+        if not os.path.isfile(data):
+            raise FileNotFoundError(f"{data}: no such data file")
         st = os.stat(data)
         big = f"{Path(data).resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()
         h.update(Path(data).read_bytes() if st.st_size < (64 << 20) else big)
@@ -353,12 +356,10 @@ def tokens_or_auto(text):
     """--context: "auto" or a positive number of tokens."""
     if text == "auto" or text.isdigit() and int(text) > 0:
         return text if text == "auto" else int(text)
-    raise ValueError(f"expected 'auto' or a positive number of tokens, got {text!r}")
+    raise argparse.ArgumentTypeError(f"expected 'auto' or a positive number of tokens, got {text!r}")
 
 
 def main():
-    import argparse
-
     p = argparse.ArgumentParser(description="Tokenize and pack a dataset; print the packing report and the time.")
     p.add_argument("data", help="a .jsonl / .json / .parquet file, or 'stdlib' for the embedded dataset")
     p.add_argument("--tokenizer", required=True, help="a directory with tokenizer.json or tokenizer.model")

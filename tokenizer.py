@@ -190,8 +190,11 @@ def _chat_pieces(msgs, tok):
         starts.append(len(prefix))
     for j, (k, s) in enumerate(zip(turns, starts, strict=True)):
         bound = starts[j + 1] if j + 1 < len(turns) else len(whole)
-        c = whole.find(content := msgs[k]["content"].strip(), s, bound)  # the eos text inside an answer ends nothing
-        e = whole.find(eos, s if c < 0 else c + len(content), bound) if eos else -1
+        # An answer quoting the eos text does not end there: look for the eos after the answer's own text, if the
+        # answer is rendered verbatim in its own turn (found before the first eos; not in a later message quoting it)
+        first = whole.find(eos, s, bound) if eos else -1
+        c = whole.find(content := msgs[k]["content"].strip(), s, bound)
+        e = whole.find(eos, c + len(content), bound) if 0 <= c <= first else first
         end = e + len(eos) if e >= 0 else bound
         if e < 0 and j + 1 < len(turns):  # no end-of-turn token: the turn ends where the next one starts
             end = len(upto := tok.apply_chat_template(msgs[: k + 1]))

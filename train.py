@@ -152,9 +152,10 @@ def load_config(argv: list[str]) -> Config:
             if not key.startswith("_") and not callable(value) and type(value).__name__ != "module":
                 put(key, value, arg)
     for name, eq, raw in flags:
-        key = name.replace("-", "_")
-        text = key in fields and fields[key].type is str  # kept as typed: --out_dir=2024 names a directory
-        put(key, raw if text else parse_value(raw) if eq else True, f"--{name}")
+        key, value = name.replace("-", "_"), parse_value(raw) if eq else True
+        if key in fields and fields[key].type is str and not isinstance(value, str):
+            value = raw  # a str field keeps what was typed: --out_dir=2024 names a directory, not a number
+        put(key, value, f"--{name}")
     return Config(**values)
 
 
@@ -361,6 +362,11 @@ def build_model(run: Run, model_dir: str) -> Llama:
 
 def build_data(cfg: Config, tok, max_positions: int, master: bool, world: int = 1):
     """Examples -> (training, validation) packed datasets, plus the first held-out example for the sample."""
+    if isinstance(cfg.context_length, int) and cfg.context_length > max_positions:
+        raise ValueError(
+            f"context_length: {cfg.context_length} is beyond the model's max_position_embeddings {max_positions}"
+            " (positions it was never trained on); lower it or use 'auto'"
+        )
     if cfg.data:
         train_examples = load_examples(cfg.data, fmt=cfg.data_format, skip_bad_rows=cfg.skip_bad_rows)
         if cfg.val_data:
@@ -375,11 +381,6 @@ def build_data(cfg: Config, tok, max_positions: int, master: bool, world: int = 
         train_examples, val_examples = stdlib_examples("train"), stdlib_examples("val")
     if cfg.max_examples:
         train_examples = train_examples[: cfg.max_examples]
-    if isinstance(cfg.context_length, int) and cfg.context_length > max_positions:
-        raise ValueError(
-            f"context_length: {cfg.context_length} is beyond the model's max_position_embeddings {max_positions}"
-            " (positions it was never trained on); lower it or use 'auto'"
-        )
     # fmt: off
     common = dict(template=cfg.template or None, train_on_prompt=cfg.train_on_prompt, truncate=cfg.truncate,
                   pack=cfg.pack, pad_to_max=cfg.pad_to_max, cache_dir=cfg.cache_dir, seed=cfg.seed,
@@ -748,13 +749,13 @@ def adapter_report(model, rec, bar):
         )
 
 
-def log_step(run: Run, model, valset, micro_rows, rec, bar, estimated):
-    """Evaluation and adapter health when due, the progress bar, and once, after step 2, the measured peak beside the
-    estimate."""
+def log_step(run: Run, model, valset, micro_rows, rec, bar, estimated, stopping=False):
+    """Evaluation and adapter health when due (not when stopping: torchrun kills its workers 30 s after passing Ctrl-C
+    on), the progress bar, and once, after step 2, the measured peak beside the estimate."""
     cfg, step = run.cfg, rec["step"]
     if run.device.type == "cuda":
         rec["peak_mem"] = memory.peak(run.device)
-    if cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps):
+    if cfg.eval_every and not stopping and (step % cfg.eval_every == 0 or step == cfg.max_steps):
         rec["val_loss"] = evaluate(model, valset, cfg.eval_rows, micro_rows, run)
         rec["val_ppl"] = math.exp(min(rec["val_loss"], 50))
         adapter_report(model, rec, bar)
@@ -828,7 +829,7 @@ def loop(run: Run, model_dir, tok, trainset, valset, held_out) -> list[dict]:
                 rec["mfu"] = flops * tokens / dt / run.world / peak
                 if run.master:
                     history.append(rec)  # before the evaluation, which a second Ctrl-C may break into
-                    log_step(run, model, valset, micro_rows, rec, bar, total)
+                    log_step(run, model, valset, micro_rows, rec, bar, total, stopping=bool(asked))
                     if cfg.save_every and step % cfg.save_every == 0:
                         last_good = save_state(run, *state, step, history)
     except KeyboardInterrupt:  # a second Ctrl-C, in the middle of a step: nothing of it is saved
@@ -862,15 +863,16 @@ def stop_requests():
         if asked:
             raise KeyboardInterrupt
         asked.append(signum)
-        print("\nCtrl-C: stopping after this step (press it again to stop at once, without a checkpoint)", flush=True)
+        # os.write, not print: a handler that prints while the loop is inside a print fails ("reentrant call")
+        os.write(2, b"\nCtrl-C: stopping after this step (press it again to stop at once, without a checkpoint)\n")
 
     main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, on_sigint) if main else None
     try:
         yield asked
     finally:
-        if main:
-            signal.signal(signal.SIGINT, previous)
+        if main:  # None: a handler set outside Python, which cannot be put back; the default takes its place
+            signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
 
 
 def any_rank(run: Run, asked) -> bool:

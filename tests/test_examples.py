@@ -85,11 +85,13 @@ def test_bad_json_array_line_and_skip_bad_rows(tmp_path, capsys):
 
 def test_unicode_line_separators_and_bom_are_text(tmp_path):
     """JSON strings may hold U+2028, U+2029 and U+0085 unescaped (json.dumps(ensure_ascii=False) writes them so): they
-    are not line ends. A byte-order mark, as Windows editors write one, is not text either."""
+    are not line ends; CR LF and a lone CR are. A byte-order mark, as Windows editors write one, is not text."""
     rows = [{"problem": f"a{c}b", "solution": "c"} for c in "\u2028\u2029\x85"]
     path = tmp_path / "u.jsonl"
     path.write_text("\ufeff" + "".join(json.dumps(r, ensure_ascii=False) + "\r\n" for r in rows), encoding="utf-8")
     assert [ex["instruction"] for ex in load_examples(path)] == [r["problem"] for r in rows]
+    assert [ex["source"] for ex in load_examples(path)] == [f"{path}:{line}" for line in (1, 2, 3)]
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\r" for r in rows), encoding="utf-8")  # old Mac
     assert [ex["source"] for ex in load_examples(path)] == [f"{path}:{line}" for line in (1, 2, 3)]
 
 

@@ -20,6 +20,7 @@
 - Length policy, cache reuse (a second build does not tokenize), and >= 97% packing efficiency on the stdlib dataset.
 """
 
+import itertools
 import json
 import random
 import re
@@ -170,6 +171,24 @@ def test_eos_text_inside_an_answer_is_not_the_end_of_the_turn(smollm2_dir):
     warning = "warning: example 0: response 1 holds EOS '<|im_end|>' before its end: the model learns to stop there"
     assert warning in preview([{"messages": msgs}], tok).splitlines()
     assert "holds EOS" not in preview([{"messages": CONVERSATIONS[0]}], tok)
+
+
+def test_a_later_message_quoting_an_answer_is_not_supervised(smollm2_dir):
+    """A template that renders an answer changed (here upper-cased, as Qwen3 drops earlier reasoning): the answer's
+    text is not in its own turn, and a later user message that quotes it must not be taken for it, which would have
+    supervised the user's message up to its end-of-turn token."""
+    tok = Tokenizer(smollm2_dir)
+    tok.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if m['role'] == 'assistant' %}{{ m['content'] | upper }}{% else %}{{ m['content'] }}{% endif %}"
+        "<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]
+    msgs += [{"role": "user", "content": "you said: ok"}, {"role": "assistant", "content": "fine"}]
+    tokens, mask, _ = tokenize_examples([{"messages": msgs}], tok)
+    runs = itertools.groupby(zip(tokens.tolist(), mask.tolist(), strict=True), key=lambda t: t[1])
+    assert [tok.decode([t for t, _ in run]) for m, run in runs if m] == ["OK<|im_end|>", "FINE<|im_end|>"]
 
 
 @pytest.mark.parametrize("base", ["llama_json_dir", "smollm2_dir"])

@@ -169,7 +169,9 @@ def test_resume_is_step_exact(tiny_dir, tmp_path, monkeypatch, capsys):
         f"interrupted: checkpoint at step 2 written; continue with --resume --out_dir={out}" in capsys.readouterr().out
     )
     assert torch.load(out / "checkpoint.pt", weights_only=False)["step"] == 2
-    assert [json.loads(x)["step"] for x in open(out / "metrics.jsonl")][-1] == 2  # the interrupted step's record
+    last = [json.loads(x) for x in open(out / "metrics.jsonl")][-1]  # the interrupted step's record, without the
+    assert last["step"] == 2 and "val_loss" not in last  # evaluation due then: stopping comes first
+    assert "val_loss" in next(h for h in full if h["step"] == 2 and "loss" in h)
     resumed = run(args(tiny_dir, tmp_path / "resumed", "--lora_dropout=0.1", "--resume"))
     losses = lambda h: [(r["step"], r["loss"]) for r in h if "loss" in r]  # noqa: E731
     assert losses(resumed) == losses(full)
@@ -340,8 +342,16 @@ def test_a_non_finite_gradient_is_never_applied_nor_saved(tiny_dir, tmp_path, mo
         loss, n = real_loss(*a)
         return InfGrad.apply(loss) if len(steps) == 3 else loss, n
 
+    applied, real_make = [], train.make_optimizer
+
+    def make_optimizer(*a):  # counts the updates really applied
+        opt = real_make(*a)
+        opt.register_step_post_hook(lambda *_: applied.append(1))
+        return opt
+
     monkeypatch.setattr(train, "train_step", lambda *a: steps.append(1) or real_step(*a))
     monkeypatch.setattr(train, "forward_loss", forward_loss)
+    monkeypatch.setattr(train, "make_optimizer", make_optimizer)
     argv = args(tiny_dir, tmp_path, "--max_steps=4", f"--save_every={save_every}", "--eval_every=0", "--sample=False")
     err = one_line_error(argv, capsys)
     out = tmp_path / "out"
@@ -349,7 +359,7 @@ def test_a_non_finite_gradient_is_never_applied_nor_saved(tiny_dir, tmp_path, mo
     assert re.fullmatch(
         rf"error: loss [0-9.]+, gradient norm (nan|inf) at step 3: stopped before the update; {kept}", err
     )
-    assert [json.loads(x)["step"] for x in open(out / "metrics.jsonl")][-3:] == [1, 2, 3]
+    assert [json.loads(x)["step"] for x in open(out / "metrics.jsonl")][-3:] == [1, 2, 3] and len(applied) == 2
     assert (out / "checkpoint.pt").exists() == bool(save_every)
     if save_every:
         state = torch.load(out / "checkpoint.pt", weights_only=False)
