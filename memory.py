@@ -27,7 +27,8 @@ which this count leaves out: 13% more of them on the default stdlib data, about 
 gate, silu(gate) and up (3Ai); the frozen base linears keep nothing (dL/dx needs only W, dequantized again in backward);
 each adapted linear keeps r numbers of its LoRA branch, and with dropout a dropped copy of its input plus a byte mask
 per element ((A + 1) times its input size), without dropout only down_proj's input (Ai), the others sharing tensors
-already kept. The full-vocabulary loss (chunked_loss=False) keeps all (tokens, V) fp32 logits. Activation checkpointing
+already kept. The full-vocabulary loss (chunked_loss=False) keeps all (tokens, V) fp32 logits, and its transient
+below spans every token, not one chunk: 12 bytes per logit in all. Activation checkpointing
 keeps only each block's input (Ah) and recomputes one block at a time in backward. The loss works on c = min(tokens,
 1024) rows (zero-padded to model.bucket(c)) of the vocabulary V at a time, at the end of forward when everything else is
 alive: its fp32 logits, and beside them the matmul's 16-bit output, logsumexp's scratch copy or the 16-bit gradient, 8
@@ -65,19 +66,20 @@ from model import LOSS_CHUNK, Llama, find_linears
 
 GIB = 2**30
 CUDA_CONTEXT = GIB  # the CUDA context and kernels, outside torch's allocator
-GPU_GIB = {  # memory of common cards in GiB, for --plan=NAME
-    "H200": 141,
-    "H100": 80,
-    "A100-80GB": 80,
-    "A100-40GB": 40,
-    "L40S": 48,
-    "A6000": 48,
-    "L4": 24,
-    "A10G": 24,
-    "RTX4090": 24,
-    "RTX3090": 24,
-    "T4": 16,
-    "V100": 16,
+MIB = 2**20
+GPU_MIB = {  # what nvidia-smi reports as each card's total, for --plan=NAME (below the GB the card is sold as)
+    "H200": 143771,
+    "H100": 81559,
+    "A100-80GB": 81920,
+    "A100-40GB": 40960,
+    "L40S": 46068,
+    "A6000": 49140,
+    "L4": 23034,
+    "A10G": 23028,
+    "RTX4090": 24564,
+    "RTX3090": 24576,
+    "T4": 15360,
+    "V100": 16160,
 }
 
 
@@ -109,8 +111,9 @@ def estimate(
     first = {n.rsplit(".", 1)[-1]: m for n, m in adapted.items() if n.startswith("model.layers.0.")}
     per_block += sum(a * lora_r + ((a + 1) * m.in_features if dropout > 0 else 0) for m in first.values())
     per_block += a * i if dropout == 0 and "down_proj" in first else 0  # silu(gate) * up, kept for down's LoRA
-    # the loss chunk's fp32 logits beside the matmul's output, logsumexp's scratch or the gradient: 8 bytes a logit
-    transient = min(tokens, LOSS_CHUNK) * c.vocab_size * 8
+    # the loss's fp32 logits beside the matmul's output, logsumexp's scratch or the gradient: 8 bytes a logit, of one
+    # chunk, or of every token for the full-vocabulary loss (on top of the logits it keeps)
+    transient = (min(tokens, LOSS_CHUNK) if chunked else tokens) * c.vocab_size * 8
     transient += max(m.weight.numel() for m in blocks.values()) * a if quantize else 0  # W dequantized in backward
     layers = c.num_hidden_layers
     kept = tokens * a * h * layers if checkpointing else tokens * per_block * layers  # saved by the forward
@@ -132,19 +135,19 @@ def fmt(n):
 
 
 def budget_bytes(spec):
-    """A memory budget from "H100", "24GB" or "24GiB" (GB taken as GiB, as cards are sold), minus the CUDA context."""
+    """A memory budget from "H100", "24GB" or "24GiB" (GB taken as GiB), minus the CUDA context."""
     name = spec.upper().replace(" ", "")
-    if name in GPU_GIB:
-        return GPU_GIB[name] * GIB - CUDA_CONTEXT
+    if name in GPU_MIB:
+        return GPU_MIB[name] * MIB - CUDA_CONTEXT
     number = name.removesuffix("GIB").removesuffix("GB")
     try:
         return float(number) * GIB - CUDA_CONTEXT
     except ValueError:
-        known = ", ".join(GPU_GIB)
+        known = ", ".join(GPU_MIB)
         raise ValueError(f"plan: {spec!r} is neither a size like 24GB nor a known GPU ({known})") from None
 
 
-def plan(config, budget, context, max_rows, dtype, lora_r, targets, dropout):
+def plan(config, budget, context, max_rows, dtype, lora_r, targets, dropout, chunked=True):
     """(table rows, choice) of the decision tree for `config` in `budget` bytes: every NF4/16-bit base, optimizer,
     checkpointing and micro-batch size in powers of two up to max_rows, each with its estimate, and the first that
     the tree reaches (fastest first: 16-bit before NF4, AdamW before 8-bit, no checkpointing before checkpointing,
@@ -155,7 +158,10 @@ def plan(config, budget, context, max_rows, dtype, lora_r, targets, dropout):
         for opt_bytes in (8, 2):
             for ckpt in (False, True):
                 for rows in rows_options:
-                    parts = estimate(config, rows * context, dtype, quantize, lora_r, targets, dropout, opt_bytes, ckpt)
+                    tokens = rows * context
+                    parts = estimate(
+                        config, tokens, dtype, quantize, lora_r, targets, dropout, opt_bytes, ckpt, chunked=chunked
+                    )
                     table[quantize, opt_bytes, ckpt, rows] = sum(parts.values())
     fits = lambda key: table[key] <= budget  # noqa: E731
     base = next(((qz, ob) for qz in (False, True) for ob in (8, 2) if fits((qz, ob, True, 1))), None)
@@ -166,10 +172,10 @@ def plan(config, budget, context, max_rows, dtype, lora_r, targets, dropout):
     return table, (*base, ckpt, rows)
 
 
-def report(config, spec, context, max_rows, dtype, lora_r, targets, dropout):
+def report(config, spec, context, max_rows, dtype, lora_r, targets, dropout, chunked=True):
     """The plan as text: the table of estimates, then the choice and the tree's reasons."""
     budget = budget_bytes(spec)
-    table, choice = plan(config, budget, context, max_rows, dtype, lora_r, targets, dropout)
+    table, choice = plan(config, budget, context, max_rows, dtype, lora_r, targets, dropout, chunked)
     rows = sorted({k[3] for k in table})
     lines = [
         f"memory plan for {spec} ({fmt(budget)} after the CUDA context), rows of {context} tokens, LoRA r={lora_r}"

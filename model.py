@@ -441,6 +441,8 @@ def linear_cross_entropy(h, weight, labels, chunk, grad=False):
             grad_h[i : i + chunk] = (g @ weight.to(h.dtype))[:c]  # (c, hidden)
             if grad_w is not None:
                 grad_w += (g.t() @ hc).float()  # (vocab, hidden)
+            del g
+        del logits  # freed before the next chunk's are made: else two chunks' would be alive at once
     return loss, grad_h, grad_w
 
 

@@ -784,7 +784,8 @@ def fit(cfg: Config) -> list[dict]:
         )
         rows = max(1, cfg.batch_tokens // context)
         dtype = torch.float32 if cfg.precision == "fp32" else torch.bfloat16
-        print(memory.report(config, cfg.plan, context, rows, dtype, cfg.lora_r, lora_targets(cfg), cfg.lora_dropout))
+        args = (cfg.lora_r, lora_targets(cfg), cfg.lora_dropout)
+        print(memory.report(config, cfg.plan, context, rows, dtype, *args, chunked=cfg.chunked_loss))
         return []
     tok = Tokenizer(model_dir)
     trainset, valset, held_out = build_data(cfg, tok, config.max_position_embeddings, run.master, run.world)

@@ -17,7 +17,7 @@ import torch
 import lora
 import memory
 import quant
-from model import Llama, LlamaConfig
+from model import LOSS_CHUNK, Llama, LlamaConfig
 
 CFG = dict(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4)
 
@@ -64,17 +64,20 @@ def saved_bytes(model, ids, pos, labels):
     return sum(seen.values()), loss
 
 
-@pytest.mark.parametrize("dropout, checkpointing", [(0.0, False), (0.1, False), (0.1, True)])
-def test_activations_equal_what_autograd_saves(dropout, checkpointing):
+@pytest.mark.parametrize(
+    "dropout, checkpointing, chunked", [(0.0, False, True), (0.1, False, True), (0.1, True, True), (0.0, False, False)]
+)
+def test_activations_equal_what_autograd_saves(dropout, checkpointing, chunked):
     """The activations part is what the hooks see (the transient part, the loss chunk, a dequantized weight and the
-    block checkpointing recomputes, lives only while its step runs)."""
-    cfg, tokens = config(num_hidden_layers=4), 256
+    block checkpointing recomputes, lives only while its step runs); the full-vocabulary loss keeps its logits."""
+    cfg, tokens = config(num_hidden_layers=4, vocab_size=2048), 256
     model = qlora(cfg, "all-linear", dropout).train()
-    model.activation_checkpointing = checkpointing
+    model.activation_checkpointing, model.loss_chunk = checkpointing, model.loss_chunk if chunked else 0
     pos = torch.cat([torch.arange(n) for n in (100, 60, 96)])[None]
     ids, labels = torch.randint(0, 128, (1, tokens)), torch.randint(0, 128, (1, tokens))
     got, loss = saved_bytes(model, ids, pos, labels)
-    want = memory.estimate(cfg, tokens, torch.bfloat16, True, 4, "all-linear", dropout, 8, checkpointing)["activations"]
+    args = (cfg, tokens, torch.bfloat16, True, 4, "all-linear", dropout, 8, checkpointing)
+    want = memory.estimate(*args, chunked=chunked)["activations"]
     assert abs(got - want) <= 0.1 * got, (got, want)
     loss.backward()  # the model really trains from what was saved
 
@@ -95,4 +98,11 @@ def test_plan_follows_the_decision_tree():
     assert "fastest that fits: 16-bit base, AdamW, checkpointing off, 8 row(s)" in text
     with pytest.raises(ValueError, match="plan: 'H300' is neither a size like 24GB nor a known GPU"):
         memory.budget_bytes("H300")
-    assert memory.budget_bytes("H100") == memory.budget_bytes("80GB") == 79 * 2**30
+    assert memory.budget_bytes("80GB") == 79 * 2**30  # sizes in GB are taken as GiB; a known card is what
+    assert memory.budget_bytes("H100") == 81559 * 2**20 - 2**30  # nvidia-smi reports, less than it is sold as
+    full = memory.plan(cfg, 0, 512, 8, torch.bfloat16, 4, "all-linear", 0.05, chunked=False)[0]
+    logits = 512 * cfg.vocab_size  # per row: the full-vocabulary loss keeps 4 bytes a logit, and 8 more pass through
+    assert all(
+        full[k] - table[k] == 12 * k[3] * logits - 8 * min(k[3] * 512, LOSS_CHUNK) * cfg.vocab_size for k in table
+    )
+    assert "fastest that fits" in memory.report(cfg, "L4", 512, 8, torch.bfloat16, 4, "all-linear", 0.05, chunked=False)

@@ -1,8 +1,9 @@
 """model.py against references: transformers' LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and
 MistralForCausalLM for logits (sliding windows included) and greedy generation (loaded through hf.load_model);
-single-document runs for packed rows; full-logit cross-entropy for the chunked loss; a full recompute for the KV
-cache; config.json round trips with only Hugging Face keys; the one target-matching rule that quant.quantize_ and
-lora.add_lora_ share; an adapted lm_head, which the chunked loss refuses in one line.
+single-document runs for packed rows; full-logit cross-entropy for the chunked loss (which holds one chunk of logits
+at a time, as memory.py counts); a full recompute for the KV cache; config.json round trips with only Hugging Face
+keys; the one target-matching rule that quant.quantize_ and lora.add_lora_ share; an adapted lm_head, which the
+chunked loss refuses in one line.
 
 Attention backends: every backend that runs on CPU equals an fp64 per-document reference (forward and gradients, GQA,
 windows); flash-attn and torch's varlen kernel are checked by contract against stand-ins that enforce their own input
@@ -21,12 +22,14 @@ import importlib.util
 import json
 import math
 import sys
+import weakref
 
 import pytest
 import torch
 import torch.nn.functional as F
 import transformers
 from torch._dynamo.utils import counters
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import lora
 import model as M
@@ -268,6 +271,40 @@ def naive_varlen(q, k, v, cu_seqlens, window=None):
         scores = (qd @ kd.transpose(1, 2) / math.sqrt(q.shape[-1])).masked_fill(~allowed, float("-inf"))
         out[s:e] = (scores.softmax(-1) @ vd).transpose(0, 1)
     return out
+
+
+class LiveBytes(TorchDispatchMode):
+    """The most bytes held at once by the tensors of at least `numel` elements that ops return (a view or an in-place
+    result is the tensor it acts on, counted once), each counted until Python frees it."""
+
+    def __init__(self, numel):
+        super().__init__()
+        self.numel, self.live, self.peak, self.held = numel, 0, 0, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.numel() >= self.numel and t._base is None and id(t) not in self.held:
+                self.held.add(id(t))
+                self.live += (n := t.numel() * t.element_size())
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(t, self._free, id(t), n)
+        return out
+
+    def _free(self, key, n):
+        self.held.discard(key)
+        self.live -= n
+
+
+def test_the_chunked_loss_holds_one_chunk_of_logits_at_a_time():
+    """Over three chunks of bf16 rows: at most 8 bytes a logit of one chunk are alive at once (fp32 logits beside the
+    matmul's output or the bf16 gradient), as memory.py counts; the previous chunk's logits and gradient used to stay
+    alive while the next chunk's were made, 12 bytes a logit."""
+    chunk, vocab, n = 64, 512, 3 * 64
+    h, w = torch.randn(n, 32, dtype=torch.bfloat16), torch.randn(vocab, 32, dtype=torch.bfloat16)
+    with torch.no_grad(), LiveBytes(chunk * vocab) as live:
+        M.linear_cross_entropy(h, w, torch.randint(0, vocab, (n,)), chunk, grad=True)
+    assert 6 * chunk * vocab <= live.peak <= 8 * chunk * vocab, live.peak / (chunk * vocab)
 
 
 def test_kernels_meet_only_bucket_lengths():
