@@ -363,7 +363,10 @@ def convert_gguf(gguf_path, out_dir, dtype=torch.float32):
     from gguf import GGUFReader  # imported here: training only needs smollm2_dir's already converted directory
 
     try:
-        reader = GGUFReader(gguf_path)
+        try:
+            reader = GGUFReader(gguf_path)
+        except ValueError as e:  # numpy's words for bytes that are not a GGUF file, or a truncated one
+            raise ValueError(f"{gguf_path}: not a valid GGUF file ({e})") from None
         cfg = _config(reader, gguf_path, dtype)
         tok, tokens = _tokenizer(reader, gguf_path)
         tok_cfg = _tokenizer_config(reader, gguf_path, tokens)

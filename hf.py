@@ -64,7 +64,7 @@ PEFT_PREFIX = "base_model.model."
 # adapter_config.json options that change what the adapter computes and that plain LoRA here does not implement
 UNSUPPORTED = (
     "use_dora fan_in_fan_out rank_pattern alpha_pattern layers_to_transform modules_to_save lora_bias "
-    "target_parameters trainable_token_indices"
+    "target_parameters trainable_token_indices alora_invocation_tokens use_qalora exclude_modules layer_replication"
 ).split()
 NF4_STATE = ".quant_state.bitsandbytes__nf4"
 
@@ -145,7 +145,11 @@ class Checkpoint:
         self.path, self._handles = str(path), {}
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.isfile(index):
-            self.files = {name: os.path.join(path, f) for name, f in read_json(index)["weight_map"].items()}
+            d = read_json(index)
+            weight_map = d.get("weight_map") if isinstance(d, dict) else None
+            if not isinstance(weight_map, dict):
+                raise ValueError(f"{index}: no weight_map (tensor name -> shard file)")
+            self.files = {name: os.path.join(path, f) for name, f in weight_map.items()}
         else:
             single = os.path.join(path, "model.safetensors")
             if not os.path.isfile(single):

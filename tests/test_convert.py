@@ -206,6 +206,18 @@ def test_crash_leaves_no_directory(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_file_that_is_no_whole_gguf_is_one_line(tmp_path):
+    """A text file and a GGUF cut in half: gguf's reader fails in numpy's words; the error names the file and says
+    it is no valid GGUF, and nothing is left behind."""
+    half = open(convert.smollm2_gguf_path(), "rb").read(50_000_000)
+    for name, data in [("text.gguf", b"hello\n"), ("half.gguf", half)]:
+        (path := tmp_path / name).write_bytes(data)
+        with pytest.raises(ValueError) as e:
+            convert.convert_gguf(str(path), tmp_path / "out")
+        assert str(e.value).startswith(f"{path}: not a valid GGUF file (") and "\n" not in str(e.value)
+    assert sorted(os.listdir(tmp_path)) == ["half.gguf", "text.gguf"]
+
+
 def test_reconverts_incomplete_dir_despite_leftovers(tmp_path, smollm2_dir):
     name = convert.SMOLLM2_NAME
     (tmp_path / name).mkdir()

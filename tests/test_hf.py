@@ -97,6 +97,13 @@ def test_error_missing_shard(tmp_path):
         load_model(tmp_path)
 
 
+def test_error_index_without_weight_map(tmp_path):
+    hf_model(num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path, max_shard_size="20KB")
+    (index := tmp_path / "model.safetensors.index.json").write_text('{"metadata": {}}')
+    with pytest.raises(ValueError, match=rf"^{index}: no weight_map \(tensor name -> shard file\)$"):
+        load_model(tmp_path)
+
+
 def test_error_corrupt_safetensors(saved):
     (saved / "model.safetensors").write_bytes(b"\x13\x37 definitely not a safetensors header" * 3)
     with pytest.raises(ValueError, match="model.safetensors: not a valid safetensors file"):

@@ -323,6 +323,11 @@ def edit_config(path, **changes):
         ("unknown_module", ValueError, r"adapter_config.json: .*'c_attn' matches no linear"),
         ("other_base", ValueError, r"down_proj\.lora_A\.weight has shape \(4, 128\)"),
         ("dora", ValueError, "use_dora"),
+        # options newer PEFT writes that change what the adapter computes: LoRA only from given tokens on, a filter
+        # on the targets (aLoRA used to load as plain LoRA, logits 1.08 off PEFT's; exclude_modules failed as a missing
+        # tensor)
+        ("alora", ValueError, r"unsupported LoRA options \['alora_invocation_tokens'\]"),
+        ("exclude", ValueError, r"unsupported LoRA options \['exclude_modules'\]"),
         ("missing_file", FileNotFoundError, "adapter_model.safetensors"),
     ],
 )
@@ -337,6 +342,10 @@ def test_mismatched_adapter_errors(base_dir, tmp_path, case, error, match):
         model = Llama(LlamaConfig.from_hf({**HF_CONFIG, "intermediate_size": 96, "model_type": "llama"}))
     if case == "dora":
         edit_config(path, use_dora=True)
+    if case == "alora":
+        edit_config(path, alora_invocation_tokens=[2, 40])
+    if case == "exclude":
+        edit_config(path, exclude_modules=["model.layers.0.self_attn.q_proj"])
     if case == "missing_file":
         (path / "adapter_model.safetensors").unlink()
     with pytest.raises(error, match=match) as e:
