@@ -67,7 +67,7 @@ from model import LOSS_CHUNK, Llama, find_linears
 GIB = 2**30
 CUDA_CONTEXT = GIB  # the CUDA context and kernels, outside torch's allocator
 MIB = 2**20
-GPU_MIB = {  # what nvidia-smi reports as each card's total, for --plan=NAME (below the GB the card is sold as)
+GPU_MIB = {  # each card's total as nvidia-smi reports it (often less than the GB it is sold as), for --plan=NAME
     "H200": 143771,
     "H100": 81559,
     "A100-80GB": 81920,
