@@ -67,7 +67,7 @@ import torch
 from jinja2 import TemplateError
 
 from examples import load_examples, stdlib_examples
-from hf import atomic_write, write_json
+from hf import atomic_write, read_json, write_json
 from tokenizer import Tokenizer, segments
 
 CACHE_VERSION = 2  # 2: every assistant turn supervised, pieces tokenized one by one
@@ -155,12 +155,15 @@ def tokenize_cached(
         h.update(f.name.encode() + hashlib.sha256(f.read_bytes()).digest())
     stem, names = Path(cache_dir) / h.hexdigest()[:24], ("tokens", "mask", "offsets")
     if not stem.with_suffix(".json").exists():
-        arrays = tokenize_cached(data, tokenizer, template, train_on_prompt, None, fmt, skip_bad_rows)
+        examples = load_examples(data, fmt, skip_bad_rows) if isinstance(data, str | os.PathLike) else data
+        arrays = tokenize_examples(examples, tokenizer, template, train_on_prompt, skip_bad_rows=skip_bad_rows)
         stem.parent.mkdir(parents=True, exist_ok=True)
         for name, a in zip(names, arrays, strict=True):
             _save_npy(stem.with_suffix(f".{name}.npy"), a)
         meta = {"source": str(data) if isinstance(data, str | os.PathLike) else "examples", "docs": len(arrays[2]) - 1}
-        write_json(stem.with_suffix(".json"), meta)
+        write_json(stem.with_suffix(".json"), meta | {"skipped": len(examples) - meta["docs"]})
+    elif skipped := read_json(stem.with_suffix(".json")).get("skipped"):  # said again: the cache holds no such rows
+        print(f"skipped {skipped} examples the template cannot render (as cached)", file=sys.stderr)
     return tuple(np.load(stem.with_suffix(f".{name}.npy"), mmap_mode="r") for name in names)
 
 

@@ -156,6 +156,10 @@ def test_a_row_the_template_rejects_names_its_line_or_is_skipped(tmp_path, famil
         tokenize_examples(examples[1:2], tok, skip_bad_rows=True)
     text = preview(examples, tok, skip_bad_rows=True)
     assert f"--- {path}:1: " in text and f"--- {path}:3: " in text and f"{path}:2" not in text
+    for _ in range(2):  # through the cache: built, then read back, and the skip is said both times
+        kw = dict(cache_dir=tmp_path / "cache", skip_bad_rows=True)
+        assert [a.tolist() for a in pack.tokenize_cached(examples, tok, **kw)] == [a.tolist() for a in alone]
+        assert "skipped 1 examples the template cannot render (" in capsys.readouterr().err
 
 
 def test_eos_text_inside_an_answer_is_not_the_end_of_the_turn(smollm2_dir):
