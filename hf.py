@@ -33,10 +33,12 @@ keep its adapter name in the key (`lora_A.default.weight`); both spellings load.
 
 Writing files
 -------------
-Every file is written by atomic_write: into a fresh temporary file beside it, flushed to disk, then renamed over the
-old one (os.replace is atomic on POSIX), so a crash or a full disk leaves either the old file or the new one, never a
-part of either. The temporary file is created with the permissions of an ordinary open() (0666 minus the umask), so
-adapters and checkpoints stay readable to the other users and containers that serve them.
+Every file is written by atomic_write: into a fresh temporary file in a private folder beside it, flushed to disk,
+then renamed over the old one (os.replace is atomic on POSIX), so a crash or a full disk leaves either the old file or
+the new one, never a part of either. The temporary file is created with the permissions of an ordinary open() (0666
+minus the umask), so adapters and checkpoints stay readable to the other users and containers that serve them. The
+folder, named with the writer's pid, catches what the writer itself leaves beside its file; a process killed mid-write
+leaves it, and the next write of that file removes it.
 """
 
 import contextlib
@@ -71,13 +73,19 @@ NF4_STATE = ".quant_state.bitsandbytes__nf4"
 
 # ----------------------------------------------------------------------------- writing files
 def atomic_write(path, write):
-    """write(tmp) into a fresh temp file in path's folder, flush it to disk, then os.replace it onto `path`. A failed
-    write (a full disk, a folder that became read-only) removes the temp file, leaves `path` as it was, and raises one
-    OSError line that names the file, the reason and what was kept."""
+    """write(tmp) into a fresh temp file, flush it to disk, then os.replace it onto `path`. The temp file sits in a
+    private folder beside `path`, with whatever the writer itself leaves there (safetensors writes its own temp file
+    beside its target); the folder goes when the write ends, however it ends. A failed write (a full disk, a folder
+    that became read-only) leaves `path` as it was and raises one OSError line that names the file, the reason and what
+    was kept. A process killed mid-write leaves its folder; the next write beside it removes it (its pid is dead)."""
     path = str(path)
+    parent, name = os.path.dirname(path) or ".", os.path.basename(path)
     kept = "the previous file is kept" if os.path.exists(path) else "nothing was written"
-    tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.{secrets.token_hex(4)}.tmp")
+    remove_dead_temps(parent, f".{name}.")
+    folder = os.path.join(parent, f".{name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    tmp = os.path.join(folder, name)
     try:
+        os.mkdir(folder)
         os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # 0666 & ~umask, as open(path, "w")
         mode = os.stat(tmp).st_mode
         write(tmp)
@@ -86,11 +94,32 @@ def atomic_write(path, write):
             os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException as e:
-        with contextlib.suppress(OSError):  # the temp file may never have been created
-            os.remove(tmp)
         if isinstance(e, OSError | RuntimeError | SafetensorError):  # RuntimeError: torch.save's zip writer
             raise OSError(f"{path}: could not write it ({_why(e)}); {kept}") from None
         raise
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)  # the folder may never have been created
+
+
+def remove_dead_temps(parent, prefix):
+    """Remove the temp files and folders `prefix + "<pid>-..."` in `parent` whose process is gone."""
+    for entry in os.listdir(parent):
+        pid = entry[len(prefix) :].split("-")[0]
+        if entry.startswith(prefix) and pid.isdigit() and not alive(int(pid)):
+            path = os.path.join(parent, entry)
+            with contextlib.suppress(FileNotFoundError):  # another process may be removing it too
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+
+
+def alive(pid):
+    """Whether process `pid` exists (on this machine)."""
+    try:
+        os.kill(pid, 0)  # signal 0 only checks that the process exists
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists but belongs to another user
+        return True
 
 
 def _why(e):

@@ -6,8 +6,8 @@
   logits; checkpoints written by transformers + bitsandbytes load in ours with theirs; mismatched files fail in one
   line.
 - Writing: every file comes out with the permissions of an ordinary write (0666 minus the umask, never mkstemp's
-  0600), config.json carries the dtype under both keys transformers reads, and a write that fails half-way leaves the
-  old file and no temporary file behind.
+  0600), config.json carries the dtype under both keys transformers reads, a write that fails half-way leaves the
+  old file and no temporary file behind, and what a writer killed mid-write left is removed by the next write.
 
 (PEFT adapters and merged exports are proven against PEFT and transformers in test_lora.py.)
 """
@@ -15,6 +15,8 @@
 import json
 import os
 import stat
+import subprocess
+import sys
 
 import bitsandbytes as bnb
 import pytest
@@ -33,8 +35,11 @@ from hf import (
     save_adapter,
     save_quantized,
     write_json,
+    write_safetensors,
 )
 from model import Llama, LlamaConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TINY = dict(
     vocab_size=128,
@@ -322,6 +327,24 @@ def test_failed_write_keeps_the_old_file(tmp_path):
     with pytest.raises(OSError, match="No space left"):
         atomic_write(path, half)
     assert json.loads(path.read_text()) == {"old": True} and os.listdir(tmp_path) == ["config.json"]
+
+
+def test_a_write_killed_midway_is_swept_by_the_next(tmp_path):
+    """A process killed while writing (the OOM killer, kill -9) leaves its private temp folder, holding what the
+    writer put beside its temp file (safetensors writes its own temp file there: gigabytes for a merged shard, which
+    used to stay hidden beside the model forever). The next write of that file removes it; a live writer's is kept."""
+    path = tmp_path / "model.safetensors"
+    beside = "open(os.path.join(os.path.dirname(tmp), '.tmpXYZ123'), 'w').write('x' * 1000)"
+    code = f"import os, hf; hf.atomic_write({str(path)!r}, lambda tmp: ({beside}, os.kill(os.getpid(), 9)))"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == -9
+    (left,) = os.listdir(tmp_path)
+    assert left.startswith(".model.safetensors.") and sorted(os.listdir(tmp_path / left)) == [
+        ".tmpXYZ123",
+        "model.safetensors",
+    ]
+    (live := tmp_path / f".model.safetensors.{os.getpid()}-0.tmp").mkdir()  # a write under way in this process
+    write_safetensors(path, {"w": torch.zeros(2)})
+    assert sorted(os.listdir(tmp_path)) == sorted([live.name, "model.safetensors"])
 
 
 def test_config_json_dtype_keys(tmp_path):
