@@ -337,6 +337,16 @@ def _tokenizer_config(reader, path, tokens):
     }
 
 
+def _alive(pid):
+    try:
+        os.kill(pid, 0)  # signal 0 only checks that the process exists
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists but belongs to another user
+        return True
+
+
 def convert_gguf(gguf_path, out_dir, dtype=torch.float32):
     """Write the HF-format directory `out_dir` for `gguf_path`; it appears whole or not at all. Returns out_dir."""
     if not os.path.isfile(gguf_path):
@@ -344,7 +354,10 @@ def convert_gguf(gguf_path, out_dir, dtype=torch.float32):
     out_dir = os.path.abspath(out_dir)
     parent, prefix = os.path.dirname(out_dir), f".{os.path.basename(out_dir)}.tmp-"
     os.makedirs(parent, exist_ok=True)
-    hf.remove_dead_temps(parent, prefix)  # temp dirs of conversions killed mid-way: prefix + "<pid>-<random>"
+    for entry in os.listdir(parent):  # temp dirs of conversions killed mid-way: prefix + "<pid>-<random>"
+        pid = entry[len(prefix) :].split("-")[0]
+        if entry.startswith(prefix) and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)  # another run may sweep it too
     tmp = os.path.join(parent, f"{prefix}{os.getpid()}-{time.time_ns()}")
     os.mkdir(tmp)  # not mkdtemp: its 0700 mode would stick to the published directory
     from gguf import GGUFReader  # imported here: training only needs smollm2_dir's already converted directory

@@ -37,18 +37,20 @@ Every file is written by atomic_write: into a fresh temporary file in a private 
 then renamed over the old one (os.replace is atomic on POSIX), so a crash or a full disk leaves either the old file or
 the new one, never a part of either. The temporary file is created with the permissions of an ordinary open() (0666
 minus the umask), so adapters and checkpoints stay readable to the other users and containers that serve them. The
-folder, named with the writer's pid, catches what the writer itself leaves beside its file; a process killed mid-write
-leaves it, and the next write of that file removes it.
+folder catches what the writer itself leaves beside its file, and its writer holds a lock in it; a process killed
+mid-write leaves the folder, and a later write of that file removes it once nobody holds its lock.
 """
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import math
 import os
 import re
 import secrets
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -77,15 +79,17 @@ def atomic_write(path, write):
     private folder beside `path`, with whatever the writer itself leaves there (safetensors writes its own temp file
     beside its target); the folder goes when the write ends, however it ends. A failed write (a full disk, a folder
     that became read-only) leaves `path` as it was and raises one OSError line that names the file, the reason and what
-    was kept. A process killed mid-write leaves its folder; the next write beside it removes it (its pid is dead)."""
-    path = str(path)
-    parent, name = os.path.dirname(path) or ".", os.path.basename(path)
+    was kept. A process killed mid-write leaves its folder behind; a later write of the same file removes it."""
+    path = os.path.abspath(path)  # the folder is removed at the end even if the writer changed directory
+    parent, name = os.path.split(path)
     kept = "the previous file is kept" if os.path.exists(path) else "nothing was written"
-    remove_dead_temps(parent, f".{name}.")
-    folder = os.path.join(parent, f".{name}.{os.getpid()}-{secrets.token_hex(4)}.tmp")
+    folder, lock = os.path.join(parent, f".{name}.{secrets.token_hex(4)}.tmp"), None
     tmp = os.path.join(folder, name)
     try:
+        remove_dead_temps(parent, name)
         os.mkdir(folder)
+        lock = os.open(os.path.join(folder, ".lock"), os.O_CREAT | os.O_WRONLY, 0o600)
+        fcntl.flock(lock, fcntl.LOCK_EX)  # held while this write lives: how remove_dead_temps tells the dead ones
         os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # 0666 & ~umask, as open(path, "w")
         mode = os.stat(tmp).st_mode
         write(tmp)
@@ -99,27 +103,27 @@ def atomic_write(path, write):
         raise
     finally:
         shutil.rmtree(folder, ignore_errors=True)  # the folder may never have been created
+        if lock is not None:
+            os.close(lock)
 
 
-def remove_dead_temps(parent, prefix):
-    """Remove the temp files and folders `prefix + "<pid>-..."` in `parent` whose process is gone."""
-    for entry in os.listdir(parent):
-        pid = entry[len(prefix) :].split("-")[0]
-        if entry.startswith(prefix) and pid.isdigit() and not alive(int(pid)):
-            path = os.path.join(parent, entry)
-            with contextlib.suppress(FileNotFoundError):  # another process may be removing it too
-                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-
-
-def alive(pid):
-    """Whether process `pid` exists (on this machine)."""
-    try:
-        os.kill(pid, 0)  # signal 0 only checks that the process exists
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists but belongs to another user
-        return True
+def remove_dead_temps(parent, name, min_age=60):
+    """Remove the temp folders atomic_write left in `parent` for file `name` whose writer is gone: nobody holds the
+    folder's lock (flock, which the kernel drops when its process dies, across containers too, and NFS shares across
+    hosts) and nothing in it changed for a minute (a writer that has made its folder but not yet locked it is never
+    taken). Best effort: a folder that cannot be removed (another user's) stays, and the write goes on."""
+    pattern = re.compile(re.escape(f".{name}.") + r"[0-9a-f]{8}\.tmp")
+    for entry in filter(pattern.fullmatch, os.listdir(parent)):
+        folder = os.path.join(parent, entry)
+        with contextlib.suppress(OSError):  # gone meanwhile, not ours to open, or locked by a live writer
+            if time.time() - os.stat(folder).st_mtime < min_age:
+                continue
+            fd = os.open(os.path.join(folder, ".lock"), os.O_CREAT | os.O_WRONLY, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                shutil.rmtree(folder, ignore_errors=True)
+            finally:
+                os.close(fd)
 
 
 def _why(e):

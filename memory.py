@@ -28,11 +28,11 @@ gate, silu(gate) and up (3Ai); the frozen base linears keep nothing (dL/dx needs
 each adapted linear keeps r numbers of its LoRA branch, and with dropout a dropped copy of its input plus a byte mask
 per element ((A + 1) times its input size), without dropout only down_proj's input (Ai), the others sharing tensors
 already kept. The full-vocabulary loss (chunked_loss=False) keeps all (tokens, V) fp32 logits, and its transient
-below spans every token, not one chunk: 12 bytes per logit in all. Activation checkpointing
-keeps only each block's input (Ah) and recomputes one block at a time in backward. The loss works on c = min(tokens,
-1024) rows (zero-padded to model.bucket(c)) of the vocabulary V at a time, at the end of forward when everything else is
-alive: its fp32 logits, and beside them the matmul's 16-bit output, logsumexp's scratch copy or the 16-bit gradient, 8
-bytes per logit.
+below spans every token, not one chunk: 12 bytes per logit in all. Activation checkpointing keeps only each block's
+input (Ah) and recomputes one block at a time in backward. The loss works on c = min(tokens, 1024) rows (zero-padded
+to model.bucket(c)) of the vocabulary V at a time, at the end of forward when everything else is alive: its fp32
+logits, and beside them the matmul's 16-bit output, logsumexp's scratch copy or the 16-bit gradient, 8 bytes per
+logit.
 
 Beyond torch's own count: a GPU holds the CUDA context and kernels (about 1 GiB, which torch.cuda.max_memory_allocated
 does not see but the card's capacity must). On CPU, peak RSS holds two things more: the process itself (Python, torch,
@@ -177,8 +177,10 @@ def report(config, spec, context, max_rows, dtype, lora_r, targets, dropout, chu
     budget = budget_bytes(spec)
     table, choice = plan(config, budget, context, max_rows, dtype, lora_r, targets, dropout, chunked)
     rows = sorted({k[3] for k in table})
+    loss = "chunked" if chunked else "full-vocabulary"
     lines = [
-        f"memory plan for {spec} ({fmt(budget)} after the CUDA context), rows of {context} tokens, LoRA r={lora_r}"
+        f"memory plan for {spec} ({fmt(budget)} after the CUDA context), rows of {context} tokens, LoRA r={lora_r}, "
+        f"{loss} loss"
     ]
     lines.append(f"{'base':7} {'optimizer':10} {'checkpointing':14}" + "".join(f"{f'{r} row(s)':>12}" for r in rows))
     for quantize in (False, True):

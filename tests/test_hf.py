@@ -7,16 +7,19 @@
   line.
 - Writing: every file comes out with the permissions of an ordinary write (0666 minus the umask, never mkstemp's
   0600), config.json carries the dtype under both keys transformers reads, a write that fails half-way leaves the
-  old file and no temporary file behind, and what a writer killed mid-write left is removed by the next write.
+  old file and no temporary file behind, and what a writer killed mid-write left is removed by a later write
+  (never a live writer's, nor a user's file).
 
 (PEFT adapters and merged exports are proven against PEFT and transformers in test_lora.py.)
 """
 
+import fcntl
 import json
 import os
 import stat
 import subprocess
 import sys
+import time
 
 import bitsandbytes as bnb
 import pytest
@@ -327,24 +330,36 @@ def test_failed_write_keeps_the_old_file(tmp_path):
     with pytest.raises(OSError, match="No space left"):
         atomic_write(path, half)
     assert json.loads(path.read_text()) == {"old": True} and os.listdir(tmp_path) == ["config.json"]
+    with pytest.raises(OSError, match=rf"^{tmp_path / 'gone' / 'a.json'}: could not write it \(No such file or "):
+        write_json(tmp_path / "gone" / "a.json", {})  # a folder that is not there: one line naming the file
 
 
-def test_a_write_killed_midway_is_swept_by_the_next(tmp_path):
+def test_a_write_killed_midway_is_swept_by_a_later_one(tmp_path):
     """A process killed while writing (the OOM killer, kill -9) leaves its private temp folder, holding what the
     writer put beside its temp file (safetensors writes its own temp file there: gigabytes for a merged shard, which
-    used to stay hidden beside the model forever). The next write of that file removes it; a live writer's is kept."""
+    used to stay hidden beside the model forever). A later write of that file removes it once it is a minute old; a
+    folder whose lock a live writer holds (here this process) stays, however old."""
     path = tmp_path / "model.safetensors"
     beside = "open(os.path.join(os.path.dirname(tmp), '.tmpXYZ123'), 'w').write('x' * 1000)"
     code = f"import os, hf; hf.atomic_write({str(path)!r}, lambda tmp: ({beside}, os.kill(os.getpid(), 9)))"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == -9
-    (left,) = os.listdir(tmp_path)
-    assert left.startswith(".model.safetensors.") and sorted(os.listdir(tmp_path / left)) == [
-        ".tmpXYZ123",
-        "model.safetensors",
-    ]
-    (live := tmp_path / f".model.safetensors.{os.getpid()}-0.tmp").mkdir()  # a write under way in this process
-    write_safetensors(path, {"w": torch.zeros(2)})
-    assert sorted(os.listdir(tmp_path)) == sorted([live.name, "model.safetensors"])
+    (dead,) = os.listdir(tmp_path)
+    assert sorted(os.listdir(tmp_path / dead)) == [".lock", ".tmpXYZ123", "model.safetensors"]
+    others = [".model.safetensors.20240501-backup", ".model.safetensors.deadbeef.tmp"]  # a user's files: never taken
+    for name in others:
+        (tmp_path / name).write_text("mine")
+    (live := tmp_path / ".model.safetensors.0123abcd.tmp").mkdir()
+    lock = os.open(live / ".lock", os.O_CREAT | os.O_WRONLY)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # a write under way
+    try:
+        write_safetensors(path, {"w": torch.zeros(2)})
+        assert sorted(os.listdir(tmp_path)) == sorted([dead, live.name, "model.safetensors", *others])  # too young
+        for name in (dead, live.name, *others):
+            os.utime(tmp_path / name, (time.time() - 120,) * 2)
+        write_safetensors(path, {"w": torch.ones(2)})
+        assert sorted(os.listdir(tmp_path)) == sorted([live.name, "model.safetensors", *others])
+    finally:
+        os.close(lock)
 
 
 def test_config_json_dtype_keys(tmp_path):

@@ -105,4 +105,6 @@ def test_plan_follows_the_decision_tree():
     assert all(
         full[k] - table[k] == 12 * k[3] * logits - 8 * min(k[3] * 512, LOSS_CHUNK) * cfg.vocab_size for k in table
     )
-    assert "fastest that fits" in memory.report(cfg, "L4", 512, 8, torch.bfloat16, 4, "all-linear", 0.05, chunked=False)
+    assert text.splitlines()[0].endswith(", chunked loss")
+    text = memory.report(cfg, "L4", 512, 8, torch.bfloat16, 4, "all-linear", 0.05, chunked=False)
+    assert text.splitlines()[0].endswith(", full-vocabulary loss")

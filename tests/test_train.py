@@ -656,6 +656,8 @@ def test_plan_and_preview_load_no_model_and_write_nothing(tiny_dir, tmp_path, mo
     out = capsys.readouterr().out
     assert "memory plan for 24GB (23.00 GiB after the CUDA context), rows of 128 tokens" in out
     assert "fastest that fits: 16-bit base, AdamW, checkpointing off, 4 row(s)" in out
+    assert run(args(tiny_dir, tmp_path, "--plan=24GB", "--chunked_loss=False", "--lora_targets=q_proj,lm_head")) == []
+    assert "rows of 128 tokens, LoRA r=4, full-vocabulary loss" in capsys.readouterr().out
     assert run(args(tiny_dir, tmp_path, "--preview")) == []
     out = capsys.readouterr().out
     first = stdlib_examples("train")[0]["name"]  # each example named by its function
