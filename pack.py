@@ -84,12 +84,13 @@ def _encode(examples, tokenizer, template, first=0, skip_bad_rows=False):
     where the template has none. An example the template rejects stops the run, or is skipped with skip_bad_rows."""
     docs, bad = [], []
     for i, ex in enumerate(examples, first):
+        label = _label(ex, i)
         try:
-            docs.append((_label(ex, i), segments(ex, tokenizer, template)))
+            docs.append((label, segments(ex, tokenizer, template)))
         except (ValueError, TemplateError) as e:
             if not skip_bad_rows:
-                raise ValueError(f"{_label(ex, i)}: {e}") from None
-            bad.append(f"{_label(ex, i)}: {e}")
+                raise ValueError(f"{label}: {e}") from None
+            bad.append(f"{label}: {e}")
     ids = iter(tokenizer.encode_batch([text for _, (pieces, _, _) in docs for text, _ in pieces]))
     bos, eos, out = ([tokenizer.bos_id], None, False), ([tokenizer.eos_id], None, True), []
     for label, (pieces, add_bos, add_eos) in docs:
@@ -139,9 +140,14 @@ def tokenize_cached(
     data, tokenizer, template=None, train_on_prompt=False, cache_dir=None, fmt="auto", skip_bad_rows=False
 ):
     """tokenize_examples over a path (read with load_examples) or a list of examples, through the disk cache."""
-    if not cache_dir:
+
+    def tokenize():  # (arrays, how many examples went in)
         examples = load_examples(data, fmt, skip_bad_rows) if isinstance(data, str | os.PathLike) else data
-        return tokenize_examples(examples, tokenizer, template, train_on_prompt, skip_bad_rows=skip_bad_rows)
+        arrays = tokenize_examples(examples, tokenizer, template, train_on_prompt, skip_bad_rows=skip_bad_rows)
+        return arrays, len(examples)
+
+    if not cache_dir:
+        return tokenize()[0]
     h = hashlib.sha256(json.dumps([CACHE_VERSION, template, train_on_prompt, fmt, skip_bad_rows]).encode())
     if isinstance(data, str | os.PathLike):
         if not os.path.isfile(data):
@@ -155,13 +161,12 @@ def tokenize_cached(
         h.update(f.name.encode() + hashlib.sha256(f.read_bytes()).digest())
     stem, names = Path(cache_dir) / h.hexdigest()[:24], ("tokens", "mask", "offsets")
     if not stem.with_suffix(".json").exists():
-        examples = load_examples(data, fmt, skip_bad_rows) if isinstance(data, str | os.PathLike) else data
-        arrays = tokenize_examples(examples, tokenizer, template, train_on_prompt, skip_bad_rows=skip_bad_rows)
+        arrays, n = tokenize()
         stem.parent.mkdir(parents=True, exist_ok=True)
         for name, a in zip(names, arrays, strict=True):
             _save_npy(stem.with_suffix(f".{name}.npy"), a)
         meta = {"source": str(data) if isinstance(data, str | os.PathLike) else "examples", "docs": len(arrays[2]) - 1}
-        write_json(stem.with_suffix(".json"), meta | {"skipped": len(examples) - meta["docs"]})
+        write_json(stem.with_suffix(".json"), meta | {"skipped": n - meta["docs"]})
     elif skipped := read_json(stem.with_suffix(".json")).get("skipped"):  # said again: the cache holds no such rows
         print(f"skipped {skipped} examples the template cannot render (as cached)", file=sys.stderr)
     return tuple(np.load(stem.with_suffix(f".{name}.npy"), mmap_mode="r") for name in names)

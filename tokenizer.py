@@ -21,10 +21,10 @@ come from rendering prefixes, so any template works. Assistant turn k starts whe
 add_generation_prompt=True ends; that text must be a prefix of the whole render, else a one-line error names the
 turn (Mistral v0.3, for one, moves the system message to whichever user turn is last). The turn ends after the first
 eos token string that follows its content (an answer quoting "<|im_end|>" does not end there), before the next
-assistant turn starts. Where the template renders none there (a
-tokenizer whose eos is not the template's end of turn, such as a base Qwen's <|endoftext|> under ChatML) the turn ends
-where the next message starts (the end of messages[:k + 1] rendered alone), nothing is added, and pack.preview warns
-that the model will not learn to stop. With SmolLM2's ChatML:
+assistant turn starts. Where the template renders none there (a tokenizer whose eos is not the template's end of turn,
+such as a base Qwen's <|endoftext|> under ChatML) the turn ends where the next message starts (the end of
+messages[:k + 1] rendered alone), nothing is added, and pack.preview warns that the model will not learn to stop.
+With SmolLM2's ChatML:
 
     <|im_start|>system\n...<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n  prompt
     Hello!<|im_end|>                                                                            supervised

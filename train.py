@@ -834,8 +834,7 @@ def loop(run: Run, model_dir, tok, trainset, valset, held_out) -> list[dict]:
                     if cfg.save_every and step % cfg.save_every == 0:
                         last_good = save_state(run, *state, step, history)
     except KeyboardInterrupt:  # a second Ctrl-C, in the middle of a step: nothing of it is saved
-        where = f"the checkpoint of step {last_good} stands" if last_good is not None else "no checkpoint was written"
-        print(f"\nstopped at once: {where}", file=sys.stderr)
+        print(f"\nstopped at once: {last_checkpoint(cfg, last_good)}", file=sys.stderr)
         raise SystemExit(130) from None
     finally:
         bar.close()  # so that an error message starts on a line of its own
@@ -889,16 +888,18 @@ def any_rank(run: Run, asked) -> bool:
 def stop_not_finite(run: Run, history, last_good):
     """A NaN or inf loss or gradient norm (the update was not applied): the metrics up to it are written for a look,
     the last checkpoint is left as it is, and the run stops."""
-    rec, cfg = history[-1], run.cfg
+    rec, kept = history[-1], last_checkpoint(run.cfg, last_good)
     if run.master:
         save_metrics(run, history)
-    kept = (
-        f"the checkpoint of step {last_good} in {cfg.out_dir} is intact"
-        if last_good is not None
-        else "no checkpoint was written yet"
-    )
     raise FloatingPointError(
         f"loss {rec['loss']}, gradient norm {rec['grad_norm']} at step {rec['step']}: stopped before the update; {kept}"
+    )
+
+
+def last_checkpoint(cfg: Config, step) -> str:
+    """What a run stopped early leaves: the checkpoint of `step` (None: none was written by this run)."""
+    return (
+        "no checkpoint was written yet" if step is None else f"the checkpoint of step {step} in {cfg.out_dir} is intact"
     )
 
 
