@@ -1044,8 +1044,8 @@ def workload_result(systems, records, errors, warmup, peak_flops, metric):
 
 # Kinds of kernel (on CPU: of operator) by name, for the profile's summary line; the first pattern that matches wins.
 KERNEL_KINDS = [
+    ("attention", r"flash|fmha|attention|attn"),  # first: FlashAttention's kernel names hold "cutlass" too
     ("matmul", r"gemm|cutlass|nvjet|xmma|wgmma|^aten::(mm|addmm|bmm)$"),
-    ("attention", r"flash|fmha|attention|attn"),
     ("NF4 dequantize", r"dequant|^kernel$"),  # `kernel`: the name of quant.py's Triton kernel
 ]
 

@@ -567,7 +567,9 @@ class Llama(nn.Module):
         for block in self.model.layers:
             if block.self_attn.varlen is sdpa_varlen:
                 block.self_attn.varlen = sdpa_varlen_opaque
-        self.compiled_block = torch.compile(Block.forward, dynamic=True)
+        # No shape padding: on CUDA, Inductor's choice whether to pad a half-precision matmul with an unaligned side
+        # (a LoRA rank such as 2 or 12) guards on the row width, which then recompiles for every new width.
+        self.compiled_block = torch.compile(Block.forward, dynamic=True, options={"shape_padding": False})
 
     def forward(self, input_ids, position_ids=None, labels=None, cache=None):
         """input_ids (B, T) -> logits (B, T, vocab), or (loss_sum, n_tokens) when labels (B, T) are given.
