@@ -69,7 +69,6 @@ Weights are read from Hugging Face files by hf.py; this file only defines the mo
 Shapes: B batch rows, T tokens per row, N = B*T flattened tokens, H / Hkv query / key-value heads, D head size.
 """
 
-import functools
 import importlib.util
 import inspect
 import math
@@ -80,6 +79,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+
+try:  # torch's own varlen FlashAttention (torch >= 2.9), looked up once here: compiled blocks then read a constant
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:
+    varlen_attn = None
 
 LOSS_CHUNK = 1024  # supervised tokens per lm_head + cross-entropy chunk
 SHAPE_BUCKET = 64  # beyond this many tokens, documents (attention) and loss chunks grow in steps of it (bucket)
@@ -368,22 +372,17 @@ def torch_varlen(q, k, v, docs, window=None):
     window_size=(-1, 0), a window W is (W - 1, 0); the first release (2.9) takes is_causal instead (and no window).
     GQA is the kernel's own in every release (Hkv dividing H, k/v never copied up to H heads): later releases only
     ask for enable_gqa=True before they let unequal head counts through."""
-    varlen_attn, params = _torch_varlen()
     c, m, _ = docs
-    kw = {"enable_gqa": True} if "enable_gqa" in params else {}
-    if "is_causal" in params:  # its default is False: without it, attention would see the whole document
+    kw = {"enable_gqa": True} if "enable_gqa" in VARLEN_PARAMS else {}
+    if "is_causal" in VARLEN_PARAMS:  # its default is False: without it, attention would see the whole document
         kw["is_causal"] = True
-    if "window_size" in params or window is not None:  # asked for a window, a release without one fails loudly
+    if "window_size" in VARLEN_PARAMS or window is not None:  # asked for a window, a release without one fails loudly
         kw["window_size"] = (-1 if window is None else window - 1, 0)
     return varlen_attn(q, k, v, c, c, m, m, **kw)
 
 
-@functools.cache
-def _torch_varlen():
-    """(varlen_attn, the names of its parameters), read once."""
-    from torch.nn.attention.varlen import varlen_attn
-
-    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+# The names varlen_attn takes: they changed between releases (torch_varlen's docstring).
+VARLEN_PARAMS = frozenset(inspect.signature(varlen_attn).parameters) if varlen_attn else frozenset()
 
 
 def _flash_attn_imports():
@@ -409,9 +408,8 @@ def varlen_attention(device, dtype, head_dim=128, windowed=False):
         return sdpa_varlen
     if _flash_attn_imports():
         return flash_varlen
-    varlen = importlib.util.find_spec("torch.nn.attention.varlen")
-    if varlen is not None and head_dim % 8 == 0 and torch.backends.cuda.is_flash_attention_available():
-        if "window_size" in _torch_varlen()[1] or not windowed:
+    if varlen_attn is not None and head_dim % 8 == 0 and torch.backends.cuda.is_flash_attention_available():
+        if "window_size" in VARLEN_PARAMS or not windowed:
             return torch_varlen
     return sdpa_varlen
 

@@ -18,7 +18,7 @@ to float rounding.
 """
 
 import copy
-import importlib.util
+import inspect
 import json
 import math
 import sys
@@ -436,7 +436,6 @@ def test_torch_varlen_contract(monkeypatch, release):
     varlen_attention does not pick it for a sliding model), then window_size=(left, 0), then enable_gqa, which must
     be True for unequal head counts. In all three the k/v reach the kernel with their own 2 heads, never copied up
     to the query heads (the kernel does GQA itself; memory.py counts them so)."""
-    import torch.nn.attention.varlen as varlen
 
     def check(q, k, v, cu_q, cu_k, max_q, max_k, window_size, enable_gqa):
         assert k.shape[1] == v.shape[1] == 2 < q.shape[1], "k/v copied up to the query heads"
@@ -456,24 +455,22 @@ def test_torch_varlen_contract(monkeypatch, release):
     ):
         return check(q, k, v, cu_q, cu_k, max_q, max_k, window_size, enable_gqa)
 
-    monkeypatch.setattr(varlen, "varlen_attn", {"first": first, "2.11": older, "newer": newer}[release])
+    stand_in = {"first": first, "2.11": older, "newer": newer}[release]
+    monkeypatch.setattr(M, "varlen_attn", stand_in)  # model.py reads the function and its signature at import
+    monkeypatch.setattr(M, "VARLEN_PARAMS", frozenset(inspect.signature(stand_in).parameters))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
     monkeypatch.setitem(sys.modules, "flash_attn", None)  # flash-attn absent: torch's kernel is the fused choice
-    M._torch_varlen.cache_clear()  # torch_varlen reads the function and its signature once
     (q, k, v), docs = packed_qkv(hkv=2)
-    try:
-        for window in (None, 4) if release != "first" else (None,):
-            out = M.torch_varlen(q, k, v, docs, window)
-            assert (out - naive_varlen(q, k, v, docs.cu_seqlens, window)).abs().max() < 1e-5
-        assert M.varlen_attention("cuda", torch.bfloat16, 8) is M.torch_varlen
-        windowed = M.varlen_attention("cuda", torch.bfloat16, 8, windowed=True)
-        assert windowed is (M.sdpa_varlen if release == "first" else M.torch_varlen)
-        if release == "first":
-            with pytest.raises(TypeError, match="window_size"):
-                M.torch_varlen(q, k, v, docs, 4)
-    finally:
-        M._torch_varlen.cache_clear()
+    for window in (None, 4) if release != "first" else (None,):
+        out = M.torch_varlen(q, k, v, docs, window)
+        assert (out - naive_varlen(q, k, v, docs.cu_seqlens, window)).abs().max() < 1e-5
+    assert M.varlen_attention("cuda", torch.bfloat16, 8) is M.torch_varlen
+    windowed = M.varlen_attention("cuda", torch.bfloat16, 8, windowed=True)
+    assert windowed is (M.sdpa_varlen if release == "first" else M.torch_varlen)
+    if release == "first":
+        with pytest.raises(TypeError, match="window_size"):
+            M.torch_varlen(q, k, v, docs, 4)
 
 
 cuda = pytest.mark.skipif(
@@ -493,9 +490,7 @@ def gpu_backends(d, windowed):
     one is asked for) and flash-attn where they are there."""
     found = [M.sdpa_varlen]
     if torch.cuda.get_device_capability()[0] >= 8 and d % 8 == 0 and torch.backends.cuda.is_flash_attention_available():
-        if importlib.util.find_spec("torch.nn.attention.varlen") and (
-            not windowed or "window_size" in M._torch_varlen()[1]
-        ):
+        if M.varlen_attn is not None and (not windowed or "window_size" in M.VARLEN_PARAMS):
             found.append(M.torch_varlen)
         if M._flash_attn_imports():
             found.append(M.flash_varlen)
