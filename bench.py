@@ -1050,6 +1050,10 @@ KERNEL_KINDS = [
 ]
 
 
+def kernel_kind(name):
+    return next((k for k, pattern in KERNEL_KINDS if re.search(pattern, name, re.IGNORECASE)), "other")
+
+
 def profile_step(system, batch, device, cfg, top=15):
     """torch.profiler over one step: the `top` kernels by device time (on CPU: operators by their own CPU time), and
     the share of each kind of KERNEL_KINDS."""
@@ -1063,8 +1067,7 @@ def profile_step(system, batch, device, cfg, top=15):
     total = sum(getattr(e, attr) for e in events) or 1
     kinds = dict.fromkeys([k for k, _ in KERNEL_KINDS] + ["other"], 0.0)
     for e in events:
-        kind = next((k for k, pattern in KERNEL_KINDS if re.search(pattern, e.key, re.IGNORECASE)), "other")
-        kinds[kind] += getattr(e, attr) / total
+        kinds[kernel_kind(e.key)] += getattr(e, attr) / total
     ranked = sorted(events, key=lambda e: -getattr(e, attr))[:top]
     kernels = [
         dict(name=e.key, calls=e.count, ms=getattr(e, attr) / 1e3, share=getattr(e, attr) / total) for e in ranked
