@@ -12,6 +12,8 @@
     python bench.py train --repeat=3   every run three times, interleaved; ratios are medians of per-round ratios
     python bench.py train --tables     print the tables of out/bench/results.json again
     python bench.py pack               tokenize + pack 75,000 Magicoder-sized examples, then again from the cache
+    python bench.py first-run          the default `python train.py` as a newcomer runs it: wall time, steps,
+                                       validation loss before and after, peak RSS, the CPU kind and the precision
 
 Quant timings are the best of --repeat runs after one warm-up run; the machine's other load shows up as noise.
 
@@ -1186,14 +1188,16 @@ def print_gpu_header(results, cfg, device):
         params = sum(p.numel() for p in Llama(cfg).parameters())
     size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.2f}M"
     print(
-        f"shape {results['shape']} ({SHAPES[results['shape']][0]}, {size} parameters, random weights), bf16, "
+        f"shape {results['shape']} ({SHAPES[results['shape']][0]}, {size} parameters, random weights), "
+        f"{results['precision']}, "
         f"LoRA r={LORA['r']} alpha={LORA['alpha']:g} dropout {LORA['dropout']} on every block linear"
     )
     dequant = quant.cuda_dequantize().__name__ if device.type == "cuda" else "dequantize_nf4"
     compiled = ", blocks torch.compile'd" if results["compile"] else ""
     print(f"ours: attention {results['attention']}, NF4 {dequant}{compiled}")
     print(
-        f"MFU against {results['peak_flops'] / 1e12:.1f} TFLOP/s bf16 ({results['peak_source']}); model FLOPs per "
+        f"MFU against {train.fmt_flops(results['peak_flops'])} {results['precision']} ({results['peak_source']}); "
+        "model FLOPs per "
         f"token of a {row}-token document: {flops_per_token(cfg, row) / 1e9:.3g} GFLOP"
     )
     warmup, rounds = results["warmup"], results["rounds"]
@@ -1223,15 +1227,16 @@ def bench_gpu(args):
     # keep one system's freed blocks from fragmenting memory for the next.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    device, dtype = gpu_device(args.device), torch.bfloat16
-    _, config, default_row = SHAPES[args.shape]
+    device, (_, config, default_row) = gpu_device(args.device), SHAPES[args.shape]
     cfg, row, steps = LlamaConfig.from_hf(config), args.row or default_row, args.warmup + args.rounds
+    dtype = train.pick_precision(train.Config(precision=args.precision), device, cfg)  # bf16, or on CPU the faster
     if device.type == "cpu" and args.shape != "tiny":
         print(f"warning: --shape={args.shape} on CPU is slow and large; --shape=tiny is the CPU smoke test")
     peak, source = train.peak_flops(device, dtype)
     results = dict(command="python bench.py " + " ".join(sys.argv[1:]), machine=gpu_machine(device), shape=args.shape)
     results |= dict(config=cfg.to_hf(), row=row, rows=args.rows, warmup=args.warmup, rounds=args.rounds)
     results |= dict(compile=args.compile, peak_flops=peak, peak_source=source, workloads={})
+    results["precision"] = str(dtype).removeprefix("torch.")
     results["attention"] = varlen_attention(device, dtype, cfg.head_dim).__name__
     print_gpu_header(results, cfg, device)
     equal = equal_work(cfg.vocab_size, row, args.rows, steps)
@@ -1288,6 +1293,42 @@ def finish_gpu(args, results, systems, cfg, row, device, dtype, batch):
     print(f"\nraw results: {os.path.relpath(args.out, REPO) if inside else args.out}")
 
 
+def cpu_kind() -> str:
+    """What this CPU has for bf16 matmuls, from its flags: AMX, AVX512-BF16, or neither (bf16 emulated on AVX2)."""
+    flags = next((s.split(":", 1)[1].split() for s in open("/proc/cpuinfo") if s.startswith("flags")), [])
+    kinds = (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"), ("avx2", "AVX2 only, no native bf16"))
+    return next((name for flag, name in kinds if flag in flags), "no AVX2")
+
+
+def bench_first_run(repeat=1):
+    """`python bench.py first-run`: the default `python train.py` in a fresh process as a newcomer runs it (a fresh
+    token cache and out_dir), `repeat` times: wall time, steps, validation loss before and after, peak RSS, the
+    precision "auto" chose; and the one-time conversion of the GGUF weights that comes before a newcomer's first run."""
+    import convert
+
+    print(f"CPU: {cpu_name()} ({cpu_kind()}), {os.cpu_count()} cores; torch {torch.__version__}")
+    os.makedirs(os.path.join(OUT_DIR, "logs"), exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=OUT_DIR) as tmp:
+        start = time.perf_counter()
+        convert.convert_gguf(convert.smollm2_gguf_path(), os.path.join(tmp, "smollm2"))
+        print(f"converting SmolLM2 from GGUF (once, before the first run): {time.perf_counter() - start:.1f} s")
+        rows = []
+        for r in range(repeat):
+            out, log = os.path.join(tmp, f"run{r}"), os.path.join(OUT_DIR, "logs", f"first-run-{r}.log")
+            rc, rss, wall = run_child(["train.py", f"--out_dir={out}", f"--cache_dir={out}/cache"], log)
+            if rc != 0:
+                raise SystemExit(f"error: python train.py failed (exit code {rc}); see {log}")
+            text = open(log).read()
+            history = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+            vals = [h["val_loss"] for h in history if "val_loss" in h]
+            steps = max(h["step"] for h in history)
+            precision = re.search(r"precision auto: (\w+)", text)
+            similarity = re.findall(r"training \(similarity ([\d.]+)\)", text)
+            rows.append([f"{wall:.0f} s", steps, f"{vals[0]:.3f} -> {vals[-1]:.3f}", " -> ".join(similarity),
+                         fmt_gb(rss), precision[1] if precision else "?"])  # fmt: skip
+    print_table(["wall time", "steps", "val loss", "sample similarity", "peak RSS", "precision"], rows)
+
+
 def bench_pack(n=75_000, context=2048):
     """A Magicoder-OSS-Instruct-sized JSONL (problem -> solution pairs cut from stdlib code and docstrings), tokenized
     and packed with the SmolLM2 chat template, then built a second time from the token cache."""
@@ -1323,6 +1364,12 @@ def gpu_arguments(sub):
     g.add_argument("--rounds", type=int, default=8, help="measured steps per system, interleaved (default 8)")
     g.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {', '.join(SYSTEMS)}")
     g.add_argument("--device", default="auto", help="auto (CUDA when available), cuda, cuda:N or cpu")
+    g.add_argument(
+        "--precision",
+        choices=["auto", "bf16", "fp32"],
+        default="auto",
+        help="auto: bf16 on a GPU, the faster of bf16 and fp32 on CPU (train.pick_precision)",
+    )
     g.add_argument("--compile", action="store_true", help="torch.compile our blocks (compilation is in the warm-up)")
     g.add_argument("--memory", action="store_true", help="QLoRA peak memory at 1, 2, 4 rows, checkpointing off/on")
     g.add_argument("--profile", action="store_true", help="the kernels of one step of ours (torch.profiler)")
@@ -1341,7 +1388,7 @@ def check_gpu_arguments(parser, args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{gpu,quant,train,pack}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{gpu,quant,train,pack,first-run}")
     gpu_arguments(sub)
     q = sub.add_parser("quant", help="NF4 quantize / dequantize throughput, ours vs bitsandbytes (CPU)")
     q.add_argument("--size", type=int, default=4096, help="the weight is size x size (default 4096)")
@@ -1354,6 +1401,8 @@ def main():
     t.add_argument("--only", default="", help="comma-separated: compare, ladder, padded-fp32, ..., NAME/ours, ladder/3")
     t.add_argument("--repeat", type=int, default=1, help="rounds of the whole plan, interleaved (default 1)")
     sub.add_parser("pack", help="tokenizing and packing 75,000 Magicoder-sized examples, then the cache hit")
+    f = sub.add_parser("first-run", help="the default python train.py as a newcomer runs it: wall time, losses, memory")
+    f.add_argument("--repeat", type=int, default=1, help="runs, one after the other (default 1)")
     p = sub.add_parser("peer")  # one transformers + PEFT run, started by `train` in a child process
     p.add_argument("--data", default="", help="JSONL of equal-work examples; '' = the stdlib dataset")
     p.add_argument("--train_on_prompt", action="store_true")
@@ -1369,6 +1418,8 @@ def main():
         bench_quant(args.size, args.repeat, args.smollm2)
     elif args.command == "pack":
         bench_pack()
+    elif args.command == "first-run":
+        bench_first_run(args.repeat)
     elif args.command == "train":
         if args.steps <= args.warmup or args.repeat < 1:
             parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}); --repeat must be at least 1")

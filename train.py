@@ -83,7 +83,7 @@ class Config:
     max_examples: int = 0  # use at most this many training examples (0 = all)
     template: str = ""  # "" = the tokenizer's chat template; else a format string with {instruction} and {response}
     train_on_prompt: bool = False  # also supervise prompt tokens
-    context_length: int | str = 512  # tokens per packed row, or "auto" (95th percentile of lengths, multiple of 64)
+    context_length: int | str = 256  # tokens per packed row, or "auto" (95th percentile of lengths, multiple of 64)
     truncate: bool = True  # truncate examples longer than context_length (False = drop them)
     skip_bad_rows: bool = False  # skip malformed data rows (and count them) instead of stopping
     pack: bool = True  # sample packing; False = one example per row, padded to the longest row of the batch
@@ -96,26 +96,26 @@ class Config:
     lora_targets: str = "all-linear"  # "all-linear" or comma-separated names such as "q_proj,v_proj"
     use_rslora: bool = False  # rank-stabilised scale alpha / sqrt(r)
     # --- optimisation ---
-    max_steps: int = 40  # optimizer steps
-    batch_tokens: int = 2048  # tokens per optimizer step, all ranks together (rows = batch_tokens // context_length)
+    max_steps: int = 24  # optimizer steps
+    batch_tokens: int = 512  # tokens per optimizer step, all ranks together (rows = batch_tokens // context_length)
     micro_batch_tokens: int | str = "auto"  # tokens per forward/backward; "auto" = largest that fits, then accumulate
     lr: float = 1e-3  # peak learning rate
     min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
-    warmup_steps: int = 4  # linear warmup steps
+    warmup_steps: int = 2  # linear warmup steps
     weight_decay: float = 0.0  # AdamW weight decay on adapter weights
     beta1: float = 0.9  # AdamW beta1
     beta2: float = 0.999  # AdamW beta2
     optimizer: str = "adamw"  # adamw | adamw8bit | paged_adamw8bit (the last two need bitsandbytes; paged needs CUDA)
     grad_clip: float = 1.0  # max global gradient norm (0 = off)
-    precision: str = "auto"  # auto | bf16 | fp16 | fp32 ("auto" = bf16 where supported, fp16 on old GPUs)
+    precision: str = "auto"  # auto | bf16 | fp16 | fp32 ("auto": bf16, or fp16 on old GPUs; on CPU the faster here)
     compile: bool = False  # torch.compile the blocks' training forward/backward (slow to start; best on CUDA)
     activation_checkpointing: bool = False  # recompute each block in backward to save memory
     chunked_loss: bool = True  # lm_head + cross-entropy in chunks; False = full-vocabulary fp32 logits at once
     seed: int = 1337  # seeds data order, adapter init and dropout
     # --- evaluation, logging, checkpoints ---
-    eval_every: int = 20  # evaluate validation loss every N steps (and at the end)
-    eval_rows: int = 16  # validation rows per evaluation (0 = all)
-    save_every: int = 20  # write a resumable checkpoint every N steps (0 = only at the end and on Ctrl-C)
+    eval_every: int = 12  # evaluate validation loss every N steps (and at the end)
+    eval_rows: int = 8  # validation rows per evaluation (0 = all)
+    save_every: int = 12  # write a resumable checkpoint every N steps (0 = only at the end and on Ctrl-C)
     out_dir: str = "out"  # adapter, checkpoint, metrics.jsonl, loss.png
     resume: bool = False  # continue from out_dir/checkpoint.pt
     preview: bool = False  # print the data report and the first examples as tokenized (supervision marked); no training
@@ -263,11 +263,13 @@ class Run:
         return self.rank == 0
 
     def autocast(self):
-        return torch.autocast(self.device.type, dtype=self.dtype) if self.dtype != torch.float32 else nullcontext()
+        half = self.dtype in (torch.bfloat16, torch.float16)  # fp32 (and the tests' fp64) run as they are
+        return torch.autocast(self.device.type, dtype=self.dtype) if half else nullcontext()
 
 
 def setup(cfg: Config) -> Run:
-    """Device, process group and precision. torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; plain python runs one process."""
+    """Device and process group. torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; plain python runs one process. The dtype is
+    chosen later, once the model's shapes are known (pick_precision)."""
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if use_cuda else "cpu")
@@ -276,18 +278,39 @@ def setup(cfg: Config) -> Run:
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     if world > 1:
         dist.init_process_group(backend="nccl" if use_cuda else "gloo")
-    return Run(cfg, rank, world, device, pick_precision(cfg, device))
+    return Run(cfg, rank, world, device, torch.float32)
 
 
-def pick_precision(cfg: Config, device) -> torch.dtype:
-    """Precision "auto" is bf16 on CPU and on GPUs with bf16 tensor cores (compute capability 8.0 on), fp16 on older
-    ones (T4, V100), where torch would emulate bf16 slowly."""
+PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def pick_precision(cfg: Config, device, config, master=True) -> torch.dtype:
+    """The compute dtype. On CUDA "auto" is bf16 on GPUs with bf16 tensor cores (compute capability 8.0 on), fp16 on
+    older ones (T4, V100), where torch would emulate bf16 slowly. On CPU "auto" is whichever of bf16 and fp32 runs this
+    model's matmuls faster here, measured (CPUs without AVX512-BF16 or AMX emulate bf16 hundreds of times slower);
+    an explicit bf16 is kept, with a warning when it is the slower one."""
     p = cfg.precision
-    if p == "auto":
-        p = "bf16" if device.type == "cpu" or torch.cuda.get_device_capability(device)[0] >= 8 else "fp16"
-    if p == "fp16" and device.type == "cpu":
+    if device.type == "cuda" and p == "auto":
+        p = "bf16" if torch.cuda.get_device_capability(device)[0] >= 8 else "fp16"
+    elif p == "fp16" and device.type == "cpu":
         raise ValueError("precision: fp16 is not supported on CPU (its matmuls run single-threaded); use bf16 or fp32")
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[p]
+    elif device.type == "cpu" and p in ("auto", "bf16"):
+        shape = (128, min(config.hidden_size, 2048), min(config.intermediate_size, 4096))
+        rates = matmul_rates(shape, (torch.bfloat16, torch.float32), device)
+        faster = faster_precision(rates)
+        why = f"{fmt_flops(rates[torch.bfloat16])} in bf16, {fmt_flops(rates[torch.float32])} in fp32"
+        why += f" ({' x '.join(map(str, shape))} matmuls)"
+        if master and p == "auto":
+            print(f"precision auto: {faster} on this CPU, the faster here: {why}")
+        elif master and faster == "fp32":
+            print(f"warning: precision bf16 runs slower than fp32 on this CPU, which emulates bf16: {why}")
+        p = faster if p == "auto" else p
+    return PRECISIONS[p]
+
+
+def faster_precision(rates) -> str:
+    """Which of bf16 and fp32 has the higher measured FLOP/s in {dtype: rate} (fp32 on a tie: it rounds less)."""
+    return "bf16" if rates[torch.bfloat16] > rates[torch.float32] else "fp32"
 
 
 def check_inputs(cfg: Config) -> str:
@@ -417,26 +440,43 @@ PEAK_TFLOPS = {
 # fmt: on
 
 
-def matmul_peak(device, dtype, seconds=0.3) -> float:
-    """FLOP/s of square matmuls in `dtype` on `device`: the best of three windows of seconds / 3 after a warm-up. The
-    first windows of a process can run slow (kernel set-up, a busy neighbour on a shared machine), so the best of three
-    is the peak. On CPU n = 2048, whose rate is steady; smaller matmuls swing with what the caches hold."""
-    cuda = device.type == "cuda"
-    n, burst = (4096, 4) if cuda else (2048, 1)  # on CUDA, a few launches between synchronizations
-    x = torch.randn(n, n, device=device).to(dtype)
-    sync = torch.cuda.synchronize if cuda else lambda: None
-    x @ x
-    sync()
-    best = 0.0
-    for _ in range(3):
-        t, k = time.perf_counter(), 0
-        while time.perf_counter() - t < seconds / 3:
-            for _ in range(burst):
-                x @ x
-            k += burst
+def matmul_rates(shape, dtypes, device, seconds=0.3) -> dict:
+    """{dtype: FLOP/s} of an (m, k) @ (k, n) matmul on `device`: after one warm-up call each (kernel selection), the
+    dtypes take turns (A, B, A, B, ...), each timed at least twice, until `seconds` have passed; the best call counts.
+    Turns keep a shared machine's drift out of the comparison; the best call is the rate the kernel can reach."""
+    m, k, n = shape
+    pairs = {dt: (torch.randn(m, k, device=device).to(dt), torch.randn(k, n, device=device).to(dt)) for dt in dtypes}
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    for a, b in pairs.values():
+        a @ b
+    best, start, turns = dict.fromkeys(dtypes, 0.0), time.perf_counter(), 0
+    while turns < 2 or time.perf_counter() - start < seconds:
+        for dt, (a, b) in pairs.items():
             sync()
-        best = max(best, 2 * n**3 * k / (time.perf_counter() - t))
+            t = time.perf_counter()
+            a @ b
+            sync()
+            best[dt] = max(best[dt], 2 * m * k * n / (time.perf_counter() - t))
+        turns += 1
     return best
+
+
+def matmul_peak(device, dtype, seconds=0.3) -> float:
+    """FLOP/s of square n x n matmuls in `dtype` on `device`, at the largest n of 256, 512, ... 2048 (4096 on CUDA)
+    that keeps a call under a tenth of `seconds`, so that a dtype the CPU emulates (a minute a call at n = 2048) is
+    timed in `seconds` too. Smaller matmuls swing with what the caches hold, so the largest affordable is the peak."""
+    n, top = 256, 4096 if device.type == "cuda" else 2048
+    while n < top and 2 * (2 * n) ** 3 / matmul_rates((n, n, n), (dtype,), device, 0)[dtype] < seconds / 10:
+        n *= 2
+    return matmul_rates((n, n, n), (dtype,), device, seconds)[dtype]
+
+
+def fmt_flops(rate) -> str:
+    """A FLOP/s rate in the unit that keeps three significant digits (a CPU's bf16 emulation runs at GFLOP/s)."""
+    for unit, scale in (("TFLOP/s", 1e12), ("GFLOP/s", 1e9), ("MFLOP/s", 1e6)):
+        if rate >= scale:
+            return f"{rate / scale:.3g} {unit}"
+    return f"{rate:.3g} FLOP/s"
 
 
 def peak_flops(device, dtype) -> tuple[float, str]:
@@ -708,7 +748,8 @@ def report_plan(run: Run, model, trainset, rows, micro_rows, process):
         )
         parts = ", ".join(f"{k} {memory.fmt(v)}" for k, v in est.items())
         print(f"memory estimate {memory.fmt(sum(est.values()))}: {parts}")
-        print(f"MFU is measured against a {source} peak of {peak / 1e12:.2f} TFLOP/s")
+        name = next(k for k, v in PRECISIONS.items() if v == run.dtype)
+        print(f"MFU is measured against a {source} {name} peak of {fmt_flops(peak)}")
     return sum(est.values()), flops_per_token(model.config, ctx), peak
 
 
@@ -789,7 +830,19 @@ def fit(cfg: Config) -> list[dict]:
         return []
     tok = Tokenizer(model_dir)
     trainset, valset, held_out = build_data(cfg, tok, config.max_position_embeddings, run.master, run.world)
-    return [] if cfg.preview else loop(run, model_dir, tok, trainset, valset, held_out)
+    if cfg.preview:
+        return []
+    run.dtype = same_on_every_rank(run, pick_precision(cfg, run.device, config, run.master))
+    return loop(run, model_dir, tok, trainset, valset, held_out)
+
+
+def same_on_every_rank(run: Run, dtype) -> torch.dtype:
+    """Rank 0's dtype on every rank (each rank measured its own, and timings can disagree)."""
+    if run.world == 1:
+        return dtype
+    choice = torch.tensor(list(PRECISIONS.values()).index(dtype), device=run.device)
+    dist.broadcast(choice, src=0)
+    return list(PRECISIONS.values())[int(choice)]
 
 
 def loop(run: Run, model_dir, tok, trainset, valset, held_out) -> list[dict]:
