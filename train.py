@@ -976,10 +976,11 @@ def finish(run: Run, model, tok, held_out, history, sample_before, model_dir):
     if cfg.export_merged or cfg.export_gguf:
         merged_dir = os.path.join(cfg.out_dir, "merged")
         original = hf.Checkpoint(model_dir) if cfg.quantize and not hf.is_prequantized(model_dir) else None
-        sources, diff = lora.merge_and_check_(model, [tok.encode(prompt, bos=bos)], original=original)
+        _, report = lora.merge_and_check_(model, [tok.encode(prompt, bos=bos)], original=original)
+        history.append({"step": cfg.max_steps, "merge": report})
+        save_metrics(run, history)
         hf.export_merged(model, merged_dir, tokenizer_dir=model_dir)
-        used = sorted(set(sources.values()))
-        print(f"merged model written to {merged_dir} (merged into {'/'.join(used)} weights; max logit diff {diff:.2e})")
+        print(f"merged model written to {merged_dir} (merged into {report['merged_into']} weights)")
         if cfg.export_gguf:
             gguf = os.path.join(cfg.out_dir, f"model-{cfg.export_gguf}.gguf")
             path = convert.export_gguf(merged_dir, gguf, cfg.export_gguf)

@@ -10,9 +10,12 @@ What this file proves:
 - adapters saved by PEFT (random non-zero B), also with `.default` key names and a stripped config, load into ours with
   PEFT's logits, either applying add_lora_ themselves or into a model that already has it;
 - the merged export is a directory transformers loads (sharded, tokenizer files copied) with our adapter-on-base logits
-  (1e-4); an NF4 base merged into the original 16-bit weights equals the same adapter on the 16-bit base (1e-4),
-  stays within the base's own quantization error of the adapter-on-NF4 model, and each module reports which weights it
+  (1e-4); an NF4 base merged into the original 16-bit weights equals the same adapter on the 16-bit base (1e-4), stays
+  within the base's own quantization error of the adapter-on-NF4 model, and each module reports which weights it
   started from (original, or the exact merge into the dequantized copy);
+- the merge check: its merge error (against the adapter on the very weights merged into) is at fp32 rounding for
+  dense, dequantized and original bases; the 4-bit gap is reported apart, beside the untrained base's own; a merge
+  that drops one layer's delta fails the check in one line;
 - fp32 LoRA parameters on a bf16 base (lora_dtype) give bf16 outputs and fp32 gradients on the LoRA parameters only;
 - an adapter loaded into a model in eval mode has no live dropout (PEFT's logits without calling eval again), and
   adapter_health's norms equal the explicitly formed ||scale * B @ A|| / ||W||;
@@ -24,6 +27,7 @@ What this file proves:
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -228,8 +232,8 @@ def test_merged_export_loads_in_transformers(base_dir, tmp_path):
     model.eval()
     with torch.no_grad():
         adapter = model(IDS)
-    sources, diff = lora.merge_and_check_(model, [[1, 2, 3, 4], [9, 8, 7]])
-    assert set(sources.values()) == {"dense"} and len(sources) == 14 and diff < 1e-4
+    sources, report = lora.merge_and_check_(model, [[1, 2, 3, 4], [9, 8, 7]])
+    assert set(sources.values()) == {"dense"} and len(sources) == 14 and report["merge_error"] < 1e-4
     assert not any(isinstance(m, (lora.LoRALinear, quant.NF4Linear)) for m in model.modules())
     out = tmp_path / "merged"
     export_merged(model, out, tokenizer_dir=base_dir, shard_size=100_000)
@@ -302,6 +306,59 @@ def test_nf4_merge_into_original_weights(base_dir, tmp_path):
     # Against the adapter-on-NF4 model it was trained as, the merge differs only by the base's quantization error.
     quant_err = (base16 - base4).abs().max()
     assert quant_err > 0 and (merged - adapter4).abs().max() < 2 * quant_err
+
+
+@pytest.mark.parametrize("base", ["dense", "dequantized", "original"])
+def test_the_merge_check_separates_the_merge_error_from_the_4bit_gap(base_dir, base, capsys):
+    """The merge error (merged model against the adapter on the weights the merge started from) is at fp32 rounding
+    for a dense base, for NF4 merged into its dequantized copy and for NF4 merged into the original weights; there the
+    report also holds the 4-bit gap, the adapter on NF4 against the adapter on the original weights, beside the
+    untrained base's own NF4 gap, both far above the merge error; metrics and the printed line say the same."""
+    model = ours(base_dir)
+    if base != "dense":
+        quant.quantize_(model, compute_dtype=torch.float32)
+    lora.add_lora_(model, "all-linear", r=4, alpha=8, dropout=0.1)
+    randomize_B(model)
+    model.eval()  # quantize_'s new layers start in training mode, as every new module does
+    original = Checkpoint(base_dir) if base == "original" else None
+    with torch.no_grad():
+        largest = max(float(model(torch.tensor([p])).abs().max()) for p in ([1, 2, 3, 4], [9, 8, 7]))
+    sources, report = lora.merge_and_check_(model, [[1, 2, 3, 4], [9, 8, 7]], original=original)
+    assert set(sources.values()) == {base} and report["merged_into"] == base
+    assert report["merge_error"] < 1e-5 < report["tolerance"]  # fp32: 1e-4 of the largest logit
+    if base != "original":  # the adapter on the same weights as trained: its largest logit is the scale
+        assert report["tolerance"] == pytest.approx(1e-4 * largest)
+    assert ("gap_4bit" in report) == (base == "original")
+    if base == "original":
+        assert (
+            report["gap_4bit"] > 1e3 * report["merge_error"] and report["gap_4bit_base"] > 1e3 * report["merge_error"]
+        )
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line == lora.merge_summary(report, 2) and "the merge is exact" in line
+    assert ("4-bit gap" in line) == (base == "original")
+
+
+@pytest.mark.parametrize("base", ["dense", "dequantized", "original"])
+def test_a_merge_that_drops_one_delta_fails_the_check(base_dir, base, monkeypatch):
+    """One layer's delta left out of the merge (a corrupted fold): the check refuses it in one line."""
+    model = ours(base_dir)
+    if base != "dense":
+        quant.quantize_(model, compute_dtype=torch.float32)
+    lora.add_lora_(model, "all-linear", r=4, alpha=8, dropout=0.0)
+    randomize_B(model)
+    delta_weight = lora.LoRA.delta_weight
+    dropped = lora.lora_modules(model)["model.layers.1.mlp.down_proj"]
+    lora_B = dropped.lora_B  # rebase_ keeps the adapter's own A and B: the dropped layer is the one holding this B
+    monkeypatch.setattr(lora.LoRA, "delta_weight", lambda m: delta_weight(m) * (m.lora_B is not lora_B))
+    original = Checkpoint(base_dir) if base == "original" else None
+    with pytest.raises(ValueError) as e:
+        lora.merge_and_check_(model, [[1, 2, 3, 4], [9, 8, 7]], original=original)
+    assert len(str(e.value).splitlines()) == 1
+    assert re.fullmatch(
+        r"merge check: the merged model's logits are up to \S+ away from the adapter on the same base weights "
+        r"\(allowed \S+, rounding\): the merge is wrong",
+        str(e.value),
+    )
 
 
 def saved_adapter(base_dir, path, targets=("q_proj", "v_proj")):

@@ -739,6 +739,9 @@ def test_exports_keep_a_resumable_checkpoint_and_merge_from_a_bnb_4bit_base(tiny
     for name, t in saved.items():
         assert torch.equal(trained[f"base_model.model.{name}"], t)
     assert (out / "merged" / "model.safetensors").exists()
+    merge = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["merge"]  # the check, in metrics too
+    assert merge["merged_into"] == "original" and merge["merge_error"] < merge["tolerance"]
+    assert merge["gap_4bit"] > 0 and merge["gap_4bit_base"] > 0
     assert len(run(args(tiny_dir, tmp_path / "a", "--max_steps=3", "--eval_every=0", "--resume"))) > 0
 
     nf4 = tmp_path / "nf4"
@@ -749,6 +752,27 @@ def test_exports_keep_a_resumable_checkpoint_and_merge_from_a_bnb_4bit_base(tiny
     run(args(str(nf4), tmp_path / "b", "--max_steps=1", "--eval_every=0", "--export_merged"))
     merged = hf.load_model(tmp_path / "b" / "out" / "merged")
     assert not any(isinstance(m, hf.quant.NF4Linear) for m in merged.modules())
+    merge = json.loads((tmp_path / "b" / "out" / "metrics.jsonl").read_text().splitlines()[-1])["merge"]
+    assert merge["merged_into"] == "dequantized" and "gap_4bit" not in merge  # no original: no 4-bit gap to show
+
+
+def test_a_wrong_merge_ends_in_one_line_and_writes_no_merged_model(tiny_dir, tmp_path, monkeypatch, capsys):
+    """A merge that drops one layer's delta: the run ends with the merge check's line, after the adapter and the
+    checkpoint are written, and no merged directory appears."""
+    import lora
+
+    delta_weight, dropped = lora.LoRA.delta_weight, []
+
+    def delta_but_the_first(m):  # the first module folded (layer 0's q_proj) loses its delta
+        dropped.append(dropped[0] if dropped else m)
+        return delta_weight(m) * (m is not dropped[0])
+
+    monkeypatch.setattr(lora.LoRA, "delta_weight", delta_but_the_first)
+    err = one_line_error(args(tiny_dir, tmp_path, "--max_steps=2", "--eval_every=0", "--export_merged"), capsys)
+    assert err.startswith("error: merge check: the merged model's logits are up to ") and "the merge is wrong" in err
+    out = tmp_path / "out"
+    assert (out / "adapter" / "adapter_model.safetensors").exists() and (out / "checkpoint.pt").exists()
+    assert not (out / "merged").exists()
 
 
 # ----------------------------------------------------------------------------- on a GPU (and CPU variants)
