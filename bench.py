@@ -114,15 +114,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-import hf
 import lora
-import memory
 import quant
 import train
-from examples import load_examples, stdlib_examples
 from model import Llama, LlamaConfig, doc_bounds, flops_per_token, varlen_attention
 from pack import PackedDataset, build_dataset, tokenize_cached
-from tokenizer import Tokenizer
+from support import atomic, hf, memory
+from support.examples import load_examples, stdlib_examples
+from support.tokenizer import Tokenizer
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 OUT_DIR = os.path.join(REPO, "out", "bench")
@@ -245,7 +244,7 @@ def write_padded_jsonl(path, tok, cache_dir=CACHE_DIR, min_tokens=CONTEXT):
     _, _, offsets = tokenize_cached(examples, tok, train_on_prompt=True, cache_dir=cache_dir)
     long = [ex for ex, n in zip(examples, offsets[1:] - offsets[:-1], strict=True) if n >= min_tokens]
     lines = [json.dumps({"instruction": ex["instruction"], "response": ex["response"]}) + "\n" for ex in long]
-    hf.atomic_write(path, lambda tmp: Path(tmp).write_text("".join(lines)))
+    atomic.atomic_write(path, lambda tmp: Path(tmp).write_text("".join(lines)))
     return len(long)
 
 
@@ -322,7 +321,7 @@ def run_peer(data, train_on_prompt, precision, nf4, steps, out):
         print(f"step {step + 1}: loss {loss.item():.4f}, {dt:.2f}s, {records[-1]['tokens']} tokens, {sup} supervised")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(f"peak RSS: {rss / 2**30:.2f} GiB")
-    hf.write_json(out, dict(steps=records, first_batch=first, trainable=sum(p.numel() for p in params)))
+    atomic.write_json(out, dict(steps=records, first_batch=first, trainable=sum(p.numel() for p in params)))
 
 
 # ----------------------------------------------------------------------------- runs: one child process each
@@ -622,7 +621,7 @@ def bench_train(steps, warmup, only, repeat=1):
                     flush=True,
                 )
                 results["runs"].append(r)
-                hf.write_json(os.path.join(OUT_DIR, "results.json"), results)
+                atomic.write_json(os.path.join(OUT_DIR, "results.json"), results)
     print_tables(results)
     print(f"\nraw results: {os.path.relpath(os.path.join(OUT_DIR, 'results.json'), REPO)}")
 
@@ -870,8 +869,10 @@ def peer_qlora_llama(cfg, base, device, dtype):
     os.makedirs(OUT_DIR, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=OUT_DIR) as tmp:
         tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-        hf.write_safetensors(os.path.join(tmp, "model.safetensors"), {k: v for k, v in base.items() if k not in tied})
-        hf.write_json(os.path.join(tmp, "config.json"), hf.config_json(cfg, dtype))
+        atomic.write_safetensors(
+            os.path.join(tmp, "model.safetensors"), {k: v for k, v in base.items() if k not in tied}
+        )
+        atomic.write_json(os.path.join(tmp, "config.json"), hf.config_json(cfg, dtype))
         q = transformers.BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype
         )
@@ -1259,7 +1260,7 @@ def bench_gpu(args):
     for name, (batch_of, metric, _) in work.items():
         records, errors = run_workload(systems, batch_of, steps, device, cfg, name)
         results["workloads"][name] = workload_result(systems, records, errors, args.warmup, peak, metric)
-        hf.write_json(args.out, results)
+        atomic.write_json(args.out, results)
     for name, (_, _, title) in work.items():
         print_workload(title, results["workloads"][name], systems)
     finish_gpu(args, results, systems, cfg, row, device, dtype, equal[0])
@@ -1288,7 +1289,7 @@ def finish_gpu(args, results, systems, cfg, row, device, dtype, batch):
             print_memory(qlora[0].label, row, results["memory"])
         else:
             print("\n--memory: our QLoRA system did not run")
-    hf.write_json(args.out, results)
+    atomic.write_json(args.out, results)
     inside = os.path.abspath(args.out).startswith(REPO + os.sep)
     print(f"\nraw results: {os.path.relpath(args.out, REPO) if inside else args.out}")
 
@@ -1343,7 +1344,7 @@ def bench_pack(n=75_000, context=2048):
             a, b = examples[i % len(examples)], examples[(7 * i + 1) % len(examples)]
             row = {"problem": f"{i}: " + a["instruction"], "solution": a["response"] + b["response"]}
             lines.append(json.dumps(row) + "\n")
-        hf.atomic_write(path, lambda tmp: Path(tmp).write_text("".join(lines)))
+        atomic.atomic_write(path, lambda tmp: Path(tmp).write_text("".join(lines)))
     tok = Tokenizer(convert.smollm2_dir())
     with tempfile.TemporaryDirectory(dir=OUT_DIR) as cache:
         for label in ("first run (tokenize + pack)", "second run (cache hit)"):

@@ -115,20 +115,18 @@ import functools
 import importlib.util
 import json
 import os
-import shutil
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
 import torch
+from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-import hf
-import tokenizer
 from model import FAMILIES, Llama, LlamaConfig, rope_inv_freq
+from support import atomic, hf, tokenizer
 
 REPO = os.path.dirname(os.path.abspath(__file__))
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -337,36 +335,19 @@ def _tokenizer_config(reader, path, tokens):
     }
 
 
-def _alive(pid):
-    try:
-        os.kill(pid, 0)  # signal 0 only checks that the process exists
-        return True
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists but belongs to another user
-        return True
-
-
 def convert_gguf(gguf_path, out_dir, dtype=torch.float32):
-    """Write the HF-format directory `out_dir` for `gguf_path`; it appears whole or not at all. Returns out_dir."""
+    """Write the HF-format directory `out_dir` for `gguf_path`; it appears whole or not at all (atomic_write).
+    Returns out_dir."""
     if not os.path.isfile(gguf_path):
         raise FileNotFoundError(f"{gguf_path}: GGUF file not found")
-    out_dir = os.path.abspath(out_dir)
-    parent, prefix = os.path.dirname(out_dir), f".{os.path.basename(out_dir)}.tmp-"
-    os.makedirs(parent, exist_ok=True)
-    for entry in os.listdir(parent):  # temp dirs of conversions killed mid-way: prefix + "<pid>-<random>"
-        pid = entry[len(prefix) :].split("-")[0]
-        if entry.startswith(prefix) and pid.isdigit() and not _alive(int(pid)):
-            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)  # another run may sweep it too
-    tmp = os.path.join(parent, f"{prefix}{os.getpid()}-{time.time_ns()}")
-    os.mkdir(tmp)  # not mkdtemp: its 0700 mode would stick to the published directory
     from gguf import GGUFReader  # imported here: training only needs smollm2_dir's already converted directory
 
     try:
-        try:
-            reader = GGUFReader(gguf_path)
-        except ValueError as e:  # numpy's words for bytes that are not a GGUF file, or a truncated one
-            raise ValueError(f"{gguf_path}: not a valid GGUF file ({e})") from None
+        reader = GGUFReader(gguf_path)
+    except ValueError as e:  # numpy's words for bytes that are not a GGUF file, or a truncated one
+        raise ValueError(f"{gguf_path}: not a valid GGUF file ({e})") from None
+
+    def write(tmp):
         cfg = _config(reader, gguf_path, dtype)
         tok, tokens = _tokenizer(reader, gguf_path)
         tok_cfg = _tokenizer_config(reader, gguf_path, tokens)
@@ -375,14 +356,11 @@ def convert_gguf(gguf_path, out_dir, dtype=torch.float32):
             with open(os.path.join(tmp, name), "w") as f:
                 json.dump(obj, f, indent=2, ensure_ascii=False)
         tok.save(os.path.join(tmp, "tokenizer.json"))
-        hf.write_safetensors(os.path.join(tmp, "model.safetensors"), _weights(reader, gguf_path, cfg, dtype))
-        if os.path.exists(out_dir):  # swap: a directory rename cannot overwrite a non-empty directory
-            os.rename(out_dir, tmp + "-old")
-        os.rename(tmp, out_dir)
-        shutil.rmtree(tmp + "-old", ignore_errors=True)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        save_file(_weights(reader, gguf_path, cfg, dtype), os.path.join(tmp, "model.safetensors"), {"format": "pt"})
+
+    out_dir = os.path.abspath(out_dir)
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    atomic.atomic_write(out_dir, write, directory=True)
     return out_dir
 
 
@@ -426,7 +404,7 @@ def _merged_model(model_dir):
             f"{model_dir}: a LoRA adapter (adapter_config.json), not a merged model; merge it into its base first "
             "(train.py --export_merged=True)"
         )
-    if os.path.isfile(cfg_file) and "quantization_config" in (raw := hf.read_json(cfg_file)):
+    if os.path.isfile(cfg_file) and "quantization_config" in (raw := atomic.read_json(cfg_file)):
         method = raw["quantization_config"].get("quant_method", "?")
         raise ValueError(
             f"{cfg_file}: quantization_config ({method}) says the weights are quantized; expected a merged 16/32-bit "
@@ -586,7 +564,7 @@ def _vocab(model_dir, cfg):
         if os.path.isfile(sp_file):
             raise ValueError(f"{sp_file}: sentencepiece tokenizers are not written to GGUF (expected tokenizer.json)")
         raise FileNotFoundError(f"{json_file}: not found (expected a byte-level BPE tokenizer)")
-    tj = hf.read_json(json_file)
+    tj = atomic.read_json(json_file)
     bpe = tj.get("model") or {}
     if bpe.get("type") != "BPE" or bpe.get("byte_fallback") or bpe.get("continuing_subword_prefix"):
         kind = "BPE with byte_fallback (sentencepiece-style)" if bpe.get("byte_fallback") else bpe.get("type")
@@ -604,7 +582,7 @@ def _vocab(model_dir, cfg):
     ids["bos"] = cfg.bos_token_id if ids["bos"] is None else ids["bos"]
     ids["eos"] = eos if ids["eos"] is None else ids["eos"]
     tok_cfg_file = os.path.join(model_dir, "tokenizer_config.json")
-    add_eos = os.path.isfile(tok_cfg_file) and bool(hf.read_json(tok_cfg_file).get("add_eos_token"))
+    add_eos = os.path.isfile(tok_cfg_file) and bool(atomic.read_json(tok_cfg_file).get("add_eos_token"))
     specials = [t for t, ty in zip(tokens, types, strict=True) if ty == CONTROL]
     return Vocab(tokens, types, merges, pre, ids, tok.add_bos, add_eos, specials, tok)
 
@@ -714,7 +692,7 @@ def export_gguf(model_dir, out_path, file_type="q8_0", modelfile=True):
     parent = os.path.dirname(os.path.abspath(out_path))
     os.makedirs(parent, exist_ok=True)
     name = os.path.basename(os.path.abspath(model_dir))
-    hf.atomic_write(out_path, lambda tmp: _write_gguf(tmp, arch, cfg, vocab, plan, file_type, name))
+    atomic.atomic_write(out_path, lambda tmp: _write_gguf(tmp, arch, cfg, vocab, plan, file_type, name))
     if modelfile:
         write_modelfile(out_path, vocab)
     return out_path
@@ -895,7 +873,7 @@ def write_modelfile(gguf_path, vocab):
         lines.append(f'TEMPLATE """{go_template(turns)}"""')
         lines += [f'SYSTEM """{turns.system}"""'] if turns.system else []
     lines += [f'PARAMETER stop "{t}"' for t in _stops(vocab, turns)]
-    hf.atomic_write(path, lambda tmp: Path(tmp).write_text("\n".join(lines) + "\n"))
+    atomic.atomic_write(path, lambda tmp: Path(tmp).write_text("\n".join(lines) + "\n"))
     return path
 
 

@@ -16,9 +16,9 @@ import os
 import torch
 
 import convert
-import hf
 from model import generate
-from tokenizer import Tokenizer
+from support import atomic, hf
+from support.tokenizer import Tokenizer
 
 
 def chat_prompt(tok, text):
@@ -32,7 +32,7 @@ def model_dir_for(model, adapter):
     model directory here); else the converted SmolLM2."""
     if model or not adapter:
         return model or convert.smollm2_dir()
-    base = hf.read_json(os.path.join(adapter, "adapter_config.json")).get("base_model_name_or_path") or ""
+    base = atomic.read_json(os.path.join(adapter, "adapter_config.json")).get("base_model_name_or_path") or ""
     return base if base and os.path.isfile(os.path.join(base, "config.json")) else convert.smollm2_dir()
 
 

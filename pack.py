@@ -47,7 +47,7 @@ Cache
 The token stream is cached under `cache_dir` as three .npy files read back as memory maps (tokens uint32, mask uint8,
 document offsets int64) and a small json written last, which marks the entry complete. The key hashes the data
 (content for files under 64 MiB, else path + size + mtime), the tokenizer files, the template and the settings. Each
-file is written atomically (hf.atomic_write), so an interrupted run never leaves a half entry. Tokenizing runs in
+file is written atomically (atomic.atomic_write), so an interrupted run never leaves a half entry. Tokenizing runs in
 the tokenizer libraries' native threads rather than a process pool, whose start-up and pickling cost more than the
 Python-side work it would spread.
 """
@@ -66,9 +66,9 @@ import numpy as np
 import torch
 from jinja2 import TemplateError
 
-from examples import load_examples, stdlib_examples
-from hf import atomic_write, read_json, write_json
-from tokenizer import Tokenizer, segments
+from support.atomic import atomic_write, read_json, write_json
+from support.examples import load_examples, stdlib_examples
+from support.tokenizer import Tokenizer, segments
 
 CACHE_VERSION = 2  # 2: every assistant turn supervised, pieces tokenized one by one
 

@@ -60,14 +60,13 @@ import torch
 import torch.distributed as dist
 
 import convert
-import hf
 import lora
-import memory
 import pack
 import quant
-from examples import load_examples, split_examples, stdlib_examples
 from model import Llama, flops_per_token, generate
-from tokenizer import Tokenizer, render
+from support import atomic, hf, memory
+from support.examples import load_examples, split_examples, stdlib_examples
+from support.tokenizer import Tokenizer, render
 
 
 @dataclass
@@ -354,7 +353,7 @@ def claim_out_dir(cfg: Config):
     try:
         os.makedirs(cfg.out_dir, exist_ok=True)
         probe = os.path.join(cfg.out_dir, f".write-test-{os.getpid()}")  # one per process: torchrun's ranks race
-        hf.atomic_write(probe, lambda tmp: None)
+        atomic.atomic_write(probe, lambda tmp: None)
         os.remove(probe)
     except OSError as e:
         raise PermissionError(f"out_dir: cannot write to '{cfg.out_dir}' ({e.strerror})") from None
@@ -504,7 +503,7 @@ def save_checkpoint(path, model, opt, sched, scaler, step, cfg):
         with open(tmp, "wb") as f:  # a file object: torch's zip writer refuses the temp file's dotted name
             torch.save(state, f)
 
-    hf.atomic_write(path, write)
+    atomic.atomic_write(path, write)
 
 
 # Settings a resumed run must share with the checkpoint: they shape the adapters, the optimizer (whose saved state
@@ -547,7 +546,7 @@ def save_state(run: Run, model, opt, sched, scaler, step, history) -> int:
 
 def save_metrics(run: Run, history):
     lines = "".join(json.dumps(h) + "\n" for h in history)
-    hf.atomic_write(os.path.join(run.cfg.out_dir, "metrics.jsonl"), lambda tmp: Path(tmp).write_text(lines))
+    atomic.atomic_write(os.path.join(run.cfg.out_dir, "metrics.jsonl"), lambda tmp: Path(tmp).write_text(lines))
 
 
 def read_metrics(path, step) -> list[dict]:
@@ -1000,7 +999,7 @@ def plot_losses(history, path):
     ax.set(xlabel="step", ylabel="loss (nats / supervised token)", title="nanoqlora")
     ax.legend()
     fig.tight_layout()
-    hf.atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
+    atomic.atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
     plt.close(fig)
 
 

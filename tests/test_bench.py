@@ -42,9 +42,9 @@ from safetensors.torch import save_file
 
 import bench
 import train
-from hf import read_config
 from model import Llama, LlamaConfig, flops_per_token
-from tokenizer import Tokenizer
+from support.hf import read_config
+from support.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")

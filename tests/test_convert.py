@@ -37,13 +37,13 @@ package's reader and name map, transformers' RoPE and chat templates, and our re
 
 import codecs
 import errno
+import fcntl
 import filecmp
 import json
 import os
 import re
 import stat
-import subprocess
-import sys
+import time
 import unicodedata
 
 import numpy as np
@@ -54,10 +54,9 @@ from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 import convert
-import hf
 import lora
-import tokenizer
 from model import Llama, LlamaConfig, generate
+from support import atomic, hf, tokenizer
 
 CODE = (
     'def fib(n):\n    """Return the n-th Fibonacci number."""\n    a, b = 0, 1\n    for _ in range(n):\n'
@@ -136,7 +135,7 @@ def test_transformers_logits_match(smollm2_dir, ref_model, prompt):
 
 
 def test_our_model_logits_match(smollm2_dir, ref_model, prompt):
-    from hf import load_model
+    from support.hf import load_model
 
     model = load_model(smollm2_dir, torch.float32).eval()
     with torch.no_grad():
@@ -198,10 +197,10 @@ def test_smollm2_dir_is_reused(smollm2_dir):
 
 def test_crash_leaves_no_directory(tmp_path, monkeypatch):
     def crash(*args):
-        raise RuntimeError("disk full")
+        raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(convert, "_weights", crash)  # after config.json and tokenizer.json were written
-    with pytest.raises(RuntimeError, match="disk full"):
+    with pytest.raises(OSError, match="could not write it \\(No space left on device\\); nothing was written"):
         convert.convert_gguf(convert.smollm2_gguf_path(), tmp_path / "model")
     assert os.listdir(tmp_path) == []
 
@@ -219,17 +218,22 @@ def test_a_file_that_is_no_whole_gguf_is_one_line(tmp_path):
 
 
 def test_reconverts_incomplete_dir_despite_leftovers(tmp_path, smollm2_dir):
+    """An incomplete directory is converted again; the temp folder of a conversion killed mid-way (its lock held by
+    nobody, a minute old) is swept, one whose writer still holds its lock is left alone (atomic_write's scheme)."""
     name = convert.SMOLLM2_NAME
     (tmp_path / name).mkdir()
     (tmp_path / name / "config.json").write_text("{}")  # incomplete: must not be trusted
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    killed = tmp_path / f".{name}.tmp-{int(dead.stdout)}-1"  # a conversion whose process died mid-way
-    killed.mkdir()
-    (killed / "model.safetensors").write_bytes(b"half")
-    running = tmp_path / f".{name}.tmp-{os.getpid()}-2"  # a conversion still running elsewhere: left alone
-    running.mkdir()
-
-    out = convert.smollm2_dir(root=str(tmp_path))
+    killed, running = tmp_path / f".{name}.0000dead.tmp", tmp_path / f".{name}.0000beef.tmp"
+    for folder in (killed, running):
+        (folder / name).mkdir(parents=True)
+        (folder / name / "model.safetensors").write_bytes(b"half")
+        os.utime(folder, (time.time() - 120, time.time() - 120))
+    lock = os.open(running / ".lock", os.O_CREAT | os.O_WRONLY)
+    fcntl.flock(lock, fcntl.LOCK_EX)  # a conversion still running elsewhere
+    try:
+        out = convert.smollm2_dir(root=str(tmp_path))
+    finally:
+        os.close(lock)
     assert out == str(tmp_path / name)
     assert sorted(os.listdir(tmp_path)) == sorted([name, running.name])
     assert json.loads((tmp_path / name / "config.json").read_text())["num_hidden_layers"] == 30
@@ -746,13 +750,13 @@ def _unmerged(path, bpe_dir):
     src = _small(path, bpe_dir)
     model = hf.load_model(src)
     lora.add_lora_(model, "all-linear", r=4, alpha=8, dropout=0.0)
-    hf.write_safetensors(src / "model.safetensors", model.state_dict())
+    atomic.write_safetensors(src / "model.safetensors", model.state_dict())
     return src
 
 
 def _missing_tensor(path, bpe_dir):
     src = _small(path, bpe_dir)
-    hf.write_safetensors(
+    atomic.write_safetensors(
         src / "model.safetensors", {k: v for k, v in _tensors(src).items() if k != "model.norm.weight"}
     )
     return src
@@ -877,12 +881,12 @@ def test_check_gguf_export_refuses_before_any_weight_is_read(tmp_path, smollm2_d
     """check_gguf_export (what train.py runs before training when export_gguf is set) decides from config.json and the
     tokenizer alone, with no weights file: an unknown type and q8_0 rows that are not a multiple of 32 are refused,
     f16 of the same model is not."""
-    import hf
     from model import LlamaConfig
+    from support import hf
 
     cfg = LlamaConfig(vocab_size=49152, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=2, head_dim=24)  # fmt: skip
-    hf.write_json(tmp_path / "config.json", hf.config_json(cfg, torch.float32))
+    atomic.write_json(tmp_path / "config.json", hf.config_json(cfg, torch.float32))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_bytes(open(os.path.join(smollm2_dir, name), "rb").read())
     with pytest.raises(ValueError, match="GGUF file type 'q4_k' is not one of f32, f16, bf16, q8_0"):

@@ -15,8 +15,8 @@ import textwrap
 import pytest
 from conftest import CONVERSATIONS
 
-import examples
-from examples import load_examples, split_examples, stdlib_examples
+from support import examples
+from support.examples import load_examples, split_examples, stdlib_examples
 
 
 def _write(path, rows):

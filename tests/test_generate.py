@@ -10,9 +10,9 @@ import torch
 
 import convert
 import generate
-from hf import load_model
 from model import generate as model_generate
-from tokenizer import Tokenizer
+from support.hf import load_model
+from support.tokenizer import Tokenizer
 
 
 @pytest.mark.parametrize("quantize", [False, True])

@@ -29,7 +29,8 @@ from safetensors.torch import load_file, save_file
 
 import lora
 import quant
-from hf import (
+from model import Llama, LlamaConfig
+from support.hf import (
     atomic_write,
     config_json,
     export_merged,
@@ -40,7 +41,6 @@ from hf import (
     write_json,
     write_safetensors,
 )
-from model import Llama, LlamaConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -341,7 +341,8 @@ def test_a_write_killed_midway_is_swept_by_a_later_one(tmp_path):
     folder whose lock a live writer holds (here this process) stays, however old."""
     path = tmp_path / "model.safetensors"
     beside = "open(os.path.join(os.path.dirname(tmp), '.tmpXYZ123'), 'w').write('x' * 1000)"
-    code = f"import os, hf; hf.atomic_write({str(path)!r}, lambda tmp: ({beside}, os.kill(os.getpid(), 9)))"
+    code = "import os; from support.atomic import atomic_write; "
+    code += f"atomic_write({str(path)!r}, lambda tmp: ({beside}, os.kill(os.getpid(), 9)))"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == -9
     (dead,) = os.listdir(tmp_path)
     assert sorted(os.listdir(tmp_path / dead)) == [".lock", ".tmpXYZ123", "model.safetensors"]

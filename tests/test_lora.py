@@ -40,8 +40,8 @@ from transformers import LlamaForCausalLM
 
 import lora
 import quant
-from hf import Checkpoint, export_merged, load_adapter_, load_model, save_adapter
 from model import Llama, LlamaConfig
+from support.hf import Checkpoint, export_merged, load_adapter_, load_model, save_adapter
 
 IDS = torch.tensor([[1, 5, 9, 17, 33, 2, 60, 7, 100, 3], [4, 4, 8, 15, 16, 23, 42, 0, 99, 1]])
 HF_CONFIG = dict(

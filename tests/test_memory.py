@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import lora
-import memory
 import quant
 from model import LOSS_CHUNK, Llama, LlamaConfig
+from support import memory
 
 CFG = dict(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4)
 

@@ -34,8 +34,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import lora
 import model as M
 import quant
-from hf import load_model
 from model import KVCache, Llama, LlamaConfig, generate
+from support.hf import load_model
 
 LLAMA3 = dict(
     rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16

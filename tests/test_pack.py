@@ -35,9 +35,9 @@ import torch
 from conftest import CONVERSATIONS, DATA, FAMILIES, QWEN, ROOT, reference, tokenizer_dir, turn_text
 
 import pack
-from examples import load_examples, stdlib_examples
 from pack import PackedDataset, build_dataset, check_examples, pack_bfd, preview, tokenize_examples
-from tokenizer import Tokenizer
+from support.examples import load_examples, stdlib_examples
+from support.tokenizer import Tokenizer
 
 WORDS = [
     "sort",

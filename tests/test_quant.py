@@ -40,8 +40,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 import quant
-from hf import Checkpoint, load_model, load_weights_
 from model import Llama, LlamaConfig
+from support.hf import Checkpoint, load_model, load_weights_
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

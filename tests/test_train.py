@@ -37,11 +37,11 @@ import torch
 from safetensors.torch import load_file
 
 import train
-from examples import stdlib_examples
-from hf import config_json, load_model, read_config
 from model import Llama, LlamaConfig
 from pack import PackedDataset, build_dataset
-from tokenizer import Tokenizer
+from support.examples import stdlib_examples
+from support.hf import config_json, load_model, read_config
+from support.tokenizer import Tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRECISIONS = (torch.bfloat16, torch.float32)
@@ -601,7 +601,7 @@ def test_full_disk_and_lost_permission_keep_the_last_checkpoint(tiny_dir, tmp_pa
     left. On a real tmpfs when it can be mounted, else with the errors the OS would raise."""
     import errno
 
-    import hf
+    from support import hf
 
     disk, mounted = small_disk
     argv = lambda *a: [*args(tiny_dir, disk, "--eval_every=0", f"--cache_dir={tmp_path / 'cache'}"), *a]  # noqa: E731
@@ -729,7 +729,7 @@ def test_exports_keep_a_resumable_checkpoint_and_merge_from_a_bnb_4bit_base(tiny
     dequantized weights instead of failing."""
     from safetensors.torch import load_file
 
-    import hf
+    from support import hf
 
     run(args(tiny_dir, tmp_path / "a", "--max_steps=2", "--eval_every=0", "--export_merged"))
     out = tmp_path / "a" / "out"

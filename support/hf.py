@@ -31,36 +31,25 @@ adapter_model.safetensors holding `base_model.model.<module>.lora_A.weight` (r, 
 `base_model.model.<module>.lora_B.weight` (out, r), e.g. <module> = model.layers.0.self_attn.q_proj. PEFT itself may
 keep its adapter name in the key (`lora_A.default.weight`); both spellings load.
 
-Writing files
--------------
-Every file is written by atomic_write: into a fresh temporary file in a private folder beside it, flushed to disk,
-then renamed over the old one (os.replace is atomic on POSIX), so a crash or a full disk leaves either the old file or
-the new one, never a part of either. The temporary file is created with the permissions of an ordinary open() (0666
-minus the umask), so adapters and checkpoints stay readable to the other users and containers that serve them. The
-folder catches what the writer itself leaves beside its file, and its writer holds a lock in it; a process killed
-mid-write leaves the folder, and a later write of that file removes it once nobody holds its lock.
+Every file is written whole by support/atomic.py.
 """
 
-import contextlib
 import dataclasses
-import fcntl
 import json
 import math
 import os
 import re
-import secrets
 import shutil
-import time
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 import lora
 import quant
 from model import Llama, LlamaConfig, find_linears, varlen_attention
+from support.atomic import atomic_write, read_json, write_json, write_safetensors
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json")
 TOKENIZER_FILES += ("chat_template.jinja",)
@@ -71,81 +60,6 @@ UNSUPPORTED = (
     "target_parameters trainable_token_indices alora_invocation_tokens use_qalora exclude_modules layer_replication"
 ).split()
 NF4_STATE = ".quant_state.bitsandbytes__nf4"
-
-
-# ----------------------------------------------------------------------------- writing files
-def atomic_write(path, write):
-    """write(tmp) into a fresh temp file, flush it to disk, then os.replace it onto `path`. The temp file sits in a
-    private folder beside `path`, with whatever the writer itself leaves there (safetensors writes its own temp file
-    beside its target); the folder goes when the write ends, however it ends. A failed write (a full disk, a folder
-    that became read-only) leaves `path` as it was and raises one OSError line that names the file, the reason and what
-    was kept. A process killed mid-write leaves its folder behind; a later write of the same file removes it."""
-    path = os.path.abspath(path)  # the folder is removed at the end even if the writer changed directory
-    parent, name = os.path.split(path)
-    kept = "the previous file is kept" if os.path.exists(path) else "nothing was written"
-    folder, lock = os.path.join(parent, f".{name}.{secrets.token_hex(4)}.tmp"), None
-    tmp = os.path.join(folder, name)
-    try:
-        remove_dead_temps(parent, name)
-        os.mkdir(folder)
-        lock = os.open(os.path.join(folder, ".lock"), os.O_CREAT | os.O_WRONLY, 0o600)
-        fcntl.flock(lock, fcntl.LOCK_EX)  # held while this write lives: how remove_dead_temps tells the dead ones
-        os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))  # 0666 & ~umask, as open(path, "w")
-        mode = os.stat(tmp).st_mode
-        write(tmp)
-        os.chmod(tmp, mode)  # a writer that recreates the file (safetensors does, as 0600) gets the ordinary mode back
-        with open(tmp, "rb") as f:
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        if isinstance(e, OSError | RuntimeError | SafetensorError):  # RuntimeError: torch.save's zip writer
-            raise OSError(f"{path}: could not write it ({_why(e)}); {kept}") from None
-        raise
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)  # the folder may never have been created
-        if lock is not None:
-            os.close(lock)
-
-
-def remove_dead_temps(parent, name, min_age=60):
-    """Remove the temp folders atomic_write left in `parent` for file `name` whose writer is gone: nobody holds the
-    folder's lock (flock, which the kernel drops when its process dies, across containers too, and NFS shares across
-    hosts) and nothing in it changed for a minute (a writer that has made its folder but not yet locked it is never
-    taken). Best effort: a folder that cannot be removed (another user's) stays, and the write goes on."""
-    pattern = re.compile(re.escape(f".{name}.") + r"[0-9a-f]{8}\.tmp")
-    for entry in filter(pattern.fullmatch, os.listdir(parent)):
-        folder = os.path.join(parent, entry)
-        with contextlib.suppress(OSError):  # gone meanwhile, not ours to open, or locked by a live writer
-            if time.time() - os.stat(folder).st_mtime < min_age:
-                continue
-            fd = os.open(os.path.join(folder, ".lock"), os.O_CREAT | os.O_WRONLY, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                shutil.rmtree(folder, ignore_errors=True)
-            finally:
-                os.close(fd)
-
-
-def _why(e):
-    """The OS's words for a failed write, or the writer's own first line (safetensors wraps the OS error)."""
-    return e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0][:160]
-
-
-def write_json(path, obj):
-    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n"))
-
-
-def write_safetensors(path, tensors):
-    tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-    atomic_write(path, lambda tmp: save_file(tensors, tmp, metadata={"format": "pt"}))
-
-
-def read_json(path):
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: invalid JSON ({e})") from None
 
 
 # ----------------------------------------------------------------------------- config.json
