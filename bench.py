@@ -117,10 +117,11 @@ import torch
 import lora
 import quant
 import train
-from model import Llama, LlamaConfig, doc_bounds, flops_per_token, varlen_attention
+from model import Llama, doc_bounds, flops_per_token, varlen_attention
 from pack import PackedDataset, build_dataset, tokenize_cached
-from support import atomic, hf, memory
+from support import atomic, hf, hf_config, memory
 from support.examples import load_examples, stdlib_examples
+from support.hf_config import from_hf, to_hf
 from support.tokenizer import Tokenizer
 
 REPO = os.path.dirname(os.path.abspath(__file__))
@@ -180,13 +181,13 @@ def bench_quant(size=4096, repeat=5, smollm2=False):
 def bench_smollm2_load(repeat):
     """SmolLM2-135M into a QLoRA-ready model: quantize its 16-bit checkpoint tensor by tensor vs load our pre-quantized
     (bnb-4bit) checkpoint; both through hf.load_model."""
-    import convert
     import quant
+    from support import gguf_files
 
     load = lambda path: hf.load_model(path, torch.bfloat16, quantize=True)  # noqa: E731
     with tempfile.TemporaryDirectory() as tmp:
         dense, prequantized = os.path.join(tmp, "bf16"), os.path.join(tmp, "nf4")
-        convert.convert_gguf(convert.smollm2_gguf_path(), dense, dtype=torch.bfloat16)
+        gguf_files.convert_gguf(gguf_files.smollm2_gguf_path(), dense, dtype=torch.bfloat16)
         model = load(dense)
         hf.save_quantized(model, prequantized)
         rows = []
@@ -280,9 +281,9 @@ def run_peer(data, train_on_prompt, precision, nf4, steps, out):
     import peft
     import transformers
 
-    import convert
+    from support import gguf_files
 
-    model_dir = convert.smollm2_dir()
+    model_dir = gguf_files.smollm2_dir()
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     ds = peer_dataset(data, Tokenizer(model_dir), train_on_prompt)
     kw = {}
@@ -359,9 +360,9 @@ LADDER = [  # cumulative train.py overrides on the stdlib dataset; each rung add
 
 def plan(padded_path):
     """Every run: name, group, system, precision, and the peer's arguments or train.py's --key=value overrides."""
-    import convert
+    from support import gguf_files
 
-    model_dir = convert.smollm2_dir()
+    model_dir = gguf_files.smollm2_dir()
     common = dict(
         model=model_dir,
         context_length=CONTEXT,
@@ -588,11 +589,11 @@ def select_runs(runs, only):
 
 
 def bench_train(steps, warmup, only, repeat=1):
-    import convert
+    from support import gguf_files
 
     os.makedirs(os.path.join(OUT_DIR, "logs"), exist_ok=True)
-    model_dir = convert.smollm2_dir()
-    config, _ = hf.read_config(model_dir)
+    model_dir = gguf_files.smollm2_dir()
+    config, _ = hf_config.read_config(model_dir)
     padded = os.path.join(OUT_DIR, "padded512.jsonl")
     n_long = write_padded_jsonl(padded, Tokenizer(model_dir))
     runs = select_runs(plan(padded), only) if only else plan(padded)
@@ -853,7 +854,7 @@ def peer_llama(cfg, base, device, dtype):
 
     with torch.device(device):  # a bf16 model, randomly initialised, whose tensors are then replaced by ours
         model = transformers.AutoModelForCausalLM.from_config(
-            transformers.LlamaConfig.from_dict(cfg.to_hf()), attn_implementation="sdpa", dtype=dtype
+            transformers.LlamaConfig.from_dict(to_hf(cfg)), attn_implementation="sdpa", dtype=dtype
         )
     model.load_state_dict(base, assign=True)  # strict: the names are the same
     return model
@@ -872,7 +873,7 @@ def peer_qlora_llama(cfg, base, device, dtype):
         atomic.write_safetensors(
             os.path.join(tmp, "model.safetensors"), {k: v for k, v in base.items() if k not in tied}
         )
-        atomic.write_json(os.path.join(tmp, "config.json"), hf.config_json(cfg, dtype))
+        atomic.write_json(os.path.join(tmp, "config.json"), hf_config.config_json(cfg, dtype))
         q = transformers.BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype
         )
@@ -1229,13 +1230,13 @@ def bench_gpu(args):
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     device, (_, config, default_row) = gpu_device(args.device), SHAPES[args.shape]
-    cfg, row, steps = LlamaConfig.from_hf(config), args.row or default_row, args.warmup + args.rounds
+    cfg, row, steps = from_hf(config), args.row or default_row, args.warmup + args.rounds
     dtype = train.pick_precision(train.Config(precision=args.precision), device, cfg)  # bf16, or on CPU the faster
     if device.type == "cpu" and args.shape != "tiny":
         print(f"warning: --shape={args.shape} on CPU is slow and large; --shape=tiny is the CPU smoke test")
     peak, source = train.peak_flops(device, dtype)
     results = dict(command="python bench.py " + " ".join(sys.argv[1:]), machine=gpu_machine(device), shape=args.shape)
-    results |= dict(config=cfg.to_hf(), row=row, rows=args.rows, warmup=args.warmup, rounds=args.rounds)
+    results |= dict(config=to_hf(cfg), row=row, rows=args.rows, warmup=args.warmup, rounds=args.rounds)
     results |= dict(compile=args.compile, peak_flops=peak, peak_source=source, workloads={})
     results["precision"] = str(dtype).removeprefix("torch.")
     results["attention"] = varlen_attention(device, dtype, cfg.head_dim).__name__
@@ -1305,13 +1306,13 @@ def bench_first_run(repeat=1):
     """`python bench.py first-run`: the default `python train.py` in a fresh process as a newcomer runs it (a fresh
     token cache and out_dir), `repeat` times: wall time, steps, validation loss before and after, peak RSS, the
     precision "auto" chose; and the one-time conversion of the GGUF weights that comes before a newcomer's first run."""
-    import convert
+    from support import gguf_files
 
     print(f"CPU: {cpu_name()} ({cpu_kind()}), {os.cpu_count()} cores; torch {torch.__version__}")
     os.makedirs(os.path.join(OUT_DIR, "logs"), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=OUT_DIR) as tmp:
         start = time.perf_counter()
-        convert.convert_gguf(convert.smollm2_gguf_path(), os.path.join(tmp, "smollm2"))
+        gguf_files.convert_gguf(gguf_files.smollm2_gguf_path(), os.path.join(tmp, "smollm2"))
         print(f"converting SmolLM2 from GGUF (once, before the first run): {time.perf_counter() - start:.1f} s")
         rows = []
         for r in range(repeat):
@@ -1333,7 +1334,7 @@ def bench_first_run(repeat=1):
 def bench_pack(n=75_000, context=2048):
     """A Magicoder-OSS-Instruct-sized JSONL (problem -> solution pairs cut from stdlib code and docstrings), tokenized
     and packed with the SmolLM2 chat template, then built a second time from the token cache."""
-    import convert
+    from support import gguf_files
 
     path = os.path.join(OUT_DIR, f"magicoder{n // 1000}k.jsonl")
     if not os.path.exists(path):
@@ -1345,7 +1346,7 @@ def bench_pack(n=75_000, context=2048):
             row = {"problem": f"{i}: " + a["instruction"], "solution": a["response"] + b["response"]}
             lines.append(json.dumps(row) + "\n")
         atomic.atomic_write(path, lambda tmp: Path(tmp).write_text("".join(lines)))
-    tok = Tokenizer(convert.smollm2_dir())
+    tok = Tokenizer(gguf_files.smollm2_dir())
     with tempfile.TemporaryDirectory(dir=OUT_DIR) as cache:
         for label in ("first run (tokenize + pack)", "second run (cache hit)"):
             t = time.perf_counter()

@@ -15,9 +15,8 @@ import os
 
 import torch
 
-import convert
 from model import generate
-from support import atomic, hf
+from support import atomic, gguf_files, hf
 from support.tokenizer import Tokenizer
 
 
@@ -31,9 +30,9 @@ def model_dir_for(model, adapter):
     """The base model's directory: --model; else the adapter's own base (its base_model_name_or_path, when that is a
     model directory here); else the converted SmolLM2."""
     if model or not adapter:
-        return model or convert.smollm2_dir()
+        return model or gguf_files.smollm2_dir()
     base = atomic.read_json(os.path.join(adapter, "adapter_config.json")).get("base_model_name_or_path") or ""
-    return base if base and os.path.isfile(os.path.join(base, "config.json")) else convert.smollm2_dir()
+    return base if base and os.path.isfile(os.path.join(base, "config.json")) else gguf_files.smollm2_dir()
 
 
 def main():

@@ -24,30 +24,20 @@ packed row whose positions restart at 0 for every document gets the right angles
 
 Attention uses grouped queries (GQA, https://arxiv.org/abs/2305.13245): H query heads share Hkv <= H key/value heads,
 each key/value head serving H / Hkv query heads, which shrinks the KV cache by that ratio. The head size D may differ
-from hidden / H. softmax(q k^T / sqrt(D)) v is computed with a causal mask.
+from hidden / H. softmax(q k^T / sqrt(D)) v is computed with a causal mask. The MLP is SwiGLU (Shazeer,
+https://arxiv.org/abs/2002.05202): down(silu(gate(x)) * up(x)), hidden -> inter -> hidden.
 
-The MLP is SwiGLU (Shazeer, https://arxiv.org/abs/2002.05202): down(silu(gate(x)) * up(x)), hidden -> inter -> hidden.
-
-The relatives. Qwen2/2.5, Qwen3 and Mistral are this Llama with a switch or two, read from config.json's model_type:
-Qwen2 adds biases to q/k/v (o_proj has none); Qwen3 normalises each head of q and k with an RMSNorm over the D channels
-(one (D,) weight shared by all heads) before RoPE, and its head size is set explicitly (H * D need not equal hidden);
-Mistral (v0.1) and Qwen with use_sliding_window attend within a sliding window of W tokens: query i sees keys
-i - W + 1 .. i, in every layer (Mistral) or in the layers from max_window_layers on (Qwen). Llama's attention_bias puts
-biases on all four projections. Families that need more than switches (Gemma's scaled embeddings, Phi's fused
-projections, mixtures of experts) are refused with what they would need.
+Qwen2/2.5, Qwen3 and Mistral are this Llama with a switch or two (LlamaConfig's last fields, read from config.json by
+support/hf_config.py): biases on q/k/v (Qwen2) or on all four projections, an RMSNorm over each head of q and k
+before RoPE (Qwen3), a sliding window of W keys in some or all layers (Mistral, Qwen).
 
 Packed rows
 -----------
-Fine-tuning packs several documents into one row. A document starts wherever position_ids == 0 and at every row
-start; tokens attend causally within their own document only. The boundaries are found once per forward as cumulative
-sequence lengths over the flattened (B*T) tokens (`Docs`), e.g. documents of lengths 5, 3, 7 give
-cu_seqlens = [0, 5, 8, 15]. The function that attends over them is chosen once, when the model is built
-(`varlen_attention`): FlashAttention-2 (Dao, https://arxiv.org/abs/2307.08691) where flash-attn really imports and
-the GPU can run it (compute capability 8.0+, 16-bit, head size <= 256); else torch's own FlashAttention varlen kernel
-(torch.nn.attention.varlen); else, on CPU and older GPUs, one causal scaled_dot_product_attention call per document,
-zero-padded to one of a few lengths (`bucket`) so that the kernels meet few shapes. All three take the window. For
-torch.compile the per-document loop becomes one opaque op (a torch.library custom op whose backward recomputes each
-document's attention), so the compiler sees no data-dependent Python in a block.
+Fine-tuning packs several documents into one row (pack.py). A document starts wherever position_ids == 0 and at every
+row start; tokens attend causally within their own document only. The bounds are found once per forward as
+cumulative sequence lengths over the flattened (B*T) tokens (`doc_bounds`), and every layer hands them to one
+attention call, chosen once when the model is built: FlashAttention's varlen kernel on a GPU, one causal attention per
+document on CPU (support/attention.py).
 
 Loss
 ----
@@ -58,53 +48,23 @@ exist, the forward pass also turns them into the gradient of the loss for the hi
 dL/dh = (softmax(h W^T) - onehot(y)) W, so the logits are dropped at once and the backward pass only scales that
 gradient. Full-vocabulary logits never exist for the whole batch, and no lm_head matmul is recomputed.
 
-Generation and FLOPs
---------------------
-generate keeps a `KVCache`, a preallocated (layers, 1, max_len, Hkv, D) key and value buffer: the prompt runs once,
-then each new token costs one single-position forward that attends to the cached keys and values. flops_per_token
-counts the model FLOPs of a frozen-base LoRA training step, the numerator of MFU.
-
-Weights are read from Hugging Face files by hf.py; this file only defines the modules and their math.
+Generation keeps a `KVCache`, a preallocated (layers, 1, max_len, Hkv, D) key and value buffer: the prompt runs once,
+then each new token costs one single-position forward that attends to the cached keys and values.
 
 Shapes: B batch rows, T tokens per row, N = B*T flattened tokens, H / Hkv query / key-value heads, D head size.
 """
 
-import importlib.util
-import inspect
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-try:  # torch's own varlen FlashAttention (torch >= 2.9), looked up once here: compiled blocks then read a constant
-    from torch.nn.attention.varlen import varlen_attn
-except ImportError:
-    varlen_attn = None
+from support.attention import Docs, causal_sdpa, compilable, pad_to_bucket, sdpa_varlen
 
 LOSS_CHUNK = 1024  # supervised tokens per lm_head + cross-entropy chunk
-SHAPE_BUCKET = 64  # beyond this many tokens, documents (attention) and loss chunks grow in steps of it (bucket)
-REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-PLAIN_KEYS = ("rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id")
-ROPE_KEYS = {"default": (), "linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
-# The families this Llama reads, by config.json model_type, and the class name transformers gives each.
-FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-FAMILIES["mistral"] = "MistralForCausalLM"
-# Near relatives that need more than a switch: what each would add.
-MISSING = {
-    "gemma": "embeddings scaled by sqrt(hidden), (1 + w) RMSNorm weights and a GeGLU MLP",
-    "gemma2": "Gemma's changes plus logit soft-capping, extra feed-forward norms and alternating window layers",
-    "gemma3_text": "Gemma 2's changes plus two RoPE bases",
-    "phi": "LayerNorm, a parallel attention + MLP block and partial rotary embeddings",
-    "phi3": "fused qkv_proj and gate_up_proj weights",
-    "mixtral": "a mixture-of-experts MLP",
-    "qwen2_moe": "a mixture-of-experts MLP with a shared expert",
-    "qwen3_moe": "a mixture-of-experts MLP",
-    "ministral": "a sliding window that varies by layer type",
-}
 
 
 @dataclass
@@ -131,98 +91,9 @@ class LlamaConfig:
     sliding_window: int | None = None  # W: a query in a sliding layer sees its own key and the W - 1 before it
     sliding_layers: list[int] | None = None  # the layers that slide (Mistral: all; Qwen: those >= max_window_layers)
 
-    @classmethod
-    def from_hf(cls, d, path="config.json"):
-        """Read a Hugging Face config.json dict; `path` names the file in errors."""
-        kind = d.get("model_type")
-        if kind not in FAMILIES:
-            why = f": it needs {MISSING[kind]}" if kind in MISSING else ""
-            raise ValueError(f"{path}: model_type {kind!r} is not supported{why} (expected {', '.join(FAMILIES)})")
-        if FAMILIES[kind] not in (d.get("architectures") or [FAMILIES[kind]]):
-            raise ValueError(
-                f"{path}: architectures {d['architectures']!r} is not supported (expected {FAMILIES[kind]})"
-            )
-        if missing := [k for k in REQUIRED_KEYS if k not in d]:
-            raise ValueError(f"{path}: missing key(s) {', '.join(missing)}")
-        for key, want in (("hidden_act", "silu"), ("mlp_bias", False)):
-            if d.get(key, want) != want:
-                raise ValueError(f"{path}: {key} = {d[key]!r} is not supported (expected {want!r})")
-        heads, bias = d["num_attention_heads"], bool(d.get("attention_bias")) and kind != "mistral"
-        cfg = cls(
-            **{k: d[k] for k in REQUIRED_KEYS},
-            **{k: d.get(k, getattr(cls, k)) for k in PLAIN_KEYS},  # absent: the field's default
-            num_key_value_heads=d.get("num_key_value_heads") or heads,
-            head_dim=d.get("head_dim") or (128 if kind == "qwen3" else d["hidden_size"] // heads),  # transformers'
-            model_type=kind,
-            qkv_bias=bias or kind == "qwen2",
-            o_bias=bias and kind != "qwen2",
-            qk_norm=kind == "qwen3",
-        )
-        cfg.rope_theta, cfg.rope_scaling = _rope(d, path, cfg.max_position_embeddings)
-        cfg.sliding_window, cfg.sliding_layers = _windows(d, path, kind)
-        return cfg
-
     def window(self, layer):
         """Layer `layer`'s sliding window, or None for plain causal attention."""
         return self.sliding_window if self.sliding_layers and layer in self.sliding_layers else None
-
-    def to_hf(self):
-        """A config.json dict in the classic form (top-level rope_theta + rope_scaling) every transformers reads, as
-        the family's own config class spells it. Only Hugging Face keys are written, whatever else a fork stores."""
-        keys = [*REQUIRED_KEYS, "num_key_value_heads", "head_dim", "rope_theta", *PLAIN_KEYS]
-        kind, layers = self.model_type, self.num_hidden_layers
-        d = {"architectures": [FAMILIES[kind]], "model_type": kind, "hidden_act": "silu"}
-        d |= {k: getattr(self, k) for k in keys}
-        d["rope_scaling"] = dict(self.rope_scaling) if self.rope_scaling else None
-        if kind in ("llama", "qwen3"):
-            d["attention_bias"] = self.o_bias
-        if kind == "mistral":  # written even when None: absent, transformers would assume 4096
-            d["sliding_window"] = self.sliding_window
-        if kind in ("qwen2", "qwen3"):
-            sliding = self.sliding_layers or []
-            d |= dict(use_sliding_window=bool(sliding), sliding_window=self.sliding_window)
-            d["max_window_layers"] = sliding[0] if sliding else layers
-            d["layer_types"] = ["sliding_attention" if i in sliding else "full_attention" for i in range(layers)]
-        return d
-
-
-def _rope(d, path, context):
-    """(rope_theta, rope_scaling or None) of a config.json dict. transformers 5 writes rope_parameters (with
-    rope_theta inside); published checkpoints carry a top-level rope_theta plus rope_scaling, whose kind is under
-    "rope_type" (or "type" in older files)."""
-    key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
-    rope = dict(d.get(key) or {})
-    theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))
-    kind = rope.pop("rope_type", rope.pop("type", "default"))
-    if kind not in ROPE_KEYS:
-        raise ValueError(f"{path}: {key} type {kind!r} is not supported (expected default, linear or llama3)")
-    if missing := [k for k in ROPE_KEYS[kind] if k not in rope]:
-        raise ValueError(f"{path}: {key} of type {kind!r} lacks {', '.join(missing)}")
-    if kind == "llama3":  # as in transformers: the pre-training length defaults to the context length
-        rope.setdefault("original_max_position_embeddings", context)
-    return float(theta), None if kind == "default" else {"rope_type": kind, **rope}
-
-
-def _windows(d, path, kind):
-    """(sliding_window, sliding layers) as transformers reads them: Mistral slides every layer (its window defaults to
-    4096 when the key is absent); Qwen only with use_sliding_window, in the layers from max_window_layers on (or as
-    layer_types lists them); Llama never."""
-    layers = d["num_hidden_layers"]
-    if kind == "mistral":
-        window = d.get("sliding_window", 4096)
-        return window, None if window is None else list(range(layers))
-    if kind not in ("qwen2", "qwen3"):
-        return None, None
-    window = d.get("sliding_window") if d.get("use_sliding_window") else None
-    if d.get("layer_types"):
-        sliding = [i for i, t in enumerate(d["layer_types"]) if t == "sliding_attention"]
-    else:
-        sliding = [] if window is None else list(range(d.get("max_window_layers", 28), layers))
-    if sliding and window is None:
-        raise ValueError(
-            f"{path}: layer_types lists sliding layers but use_sliding_window/sliding_window set no window"
-        )
-    return (window, sliding) if sliding else (None, None)
 
 
 def rope_inv_freq(cfg, device=None):
@@ -247,14 +118,6 @@ def rotate_half(x):
     return torch.cat((-b, a), dim=-1)
 
 
-class Docs(NamedTuple):
-    """Packed-document bounds over the N = B*T flattened tokens: document i is tokens cu_seqlens[i]:cu_seqlens[i+1]."""
-
-    cu_seqlens: torch.Tensor  # int32 (docs + 1,), on the tokens' device, for the varlen kernels
-    max_seqlen: int  # the longest document
-    bounds: torch.Tensor  # the same cu_seqlens on the CPU, for the per-document loop (read without a device sync)
-
-
 def doc_bounds(position_ids):
     """(B, T) position ids -> Docs. A document starts where position_ids == 0 and at every row start. One host sync
     per forward (the CPU copy), shared by every layer."""
@@ -265,153 +128,6 @@ def doc_bounds(position_ids):
     cu_seqlens = torch.cat([idx, idx.new_tensor([B * T])]).to(torch.int32)
     bounds = cu_seqlens.cpu()
     return Docs(cu_seqlens, int((bounds[1:] - bounds[:-1]).max()), bounds)
-
-
-def causal_sdpa(q, k, v, window=None, start=0):
-    """softmax(q k^T / sqrt(D)) v with q (B, H, T, D) at positions start.., k/v (B, Hkv, S, D) at positions 0..S-1.
-    Query i sees the keys at or before its own position and, with a window W, only the W most recent of them."""
-    T, S = q.shape[-2], k.shape[-2]
-    if start == 0 and (window is None or T <= window):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-    i, j = torch.arange(start, start + T, device=q.device)[:, None], torch.arange(S, device=q.device)
-    mask = (j <= i) & (i - j < (window or S + 1))  # (T, S)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-
-
-def bucket(n):
-    """n >= 1 rounded up to a power of two up to SHAPE_BUCKET, to a multiple of SHAPE_BUCKET beyond: the few lengths
-    that sdpa_varlen and linear_cross_entropy hand their kernels, whatever the data (powers of two keep a short
-    document's padding under its own length)."""
-    return 1 << (n - 1).bit_length() if n <= SHAPE_BUCKET else -(-n // SHAPE_BUCKET) * SHAPE_BUCKET
-
-
-def pad_to_bucket(t):
-    """t (n, ...) with zero rows appended up to bucket(n) rows; t itself when n is a bucket length already."""
-    n = t.shape[0]
-    return t if bucket(n) == n else F.pad(t, (0, 0) * (t.dim() - 1) + (0, bucket(n) - n))
-
-
-def sdpa_varlen(q, k, v, docs, window=None):
-    """Packed attention as one causal SDPA call per document. q (N, H, D), k/v (N, Hkv, D) -> (N, H, D).
-
-    A document of L tokens is attended with zeros appended up to bucket(L) tokens. Causality hides the zero keys from
-    the L real queries, and the outputs of the zero queries are dropped, so the result is the document's own
-    attention. Why: PyTorch's bf16 CPU attention builds and keeps a matmul kernel for every shape it meets, so the
-    hundreds of document lengths of a run keep growing the process, step after step; a few dozen buckets do not."""
-    b = docs.bounds.tolist()
-
-    # Each document as 4-D (1, heads, bucket(L), D): with 3-D inputs PyTorch's CPU attention skips its fused kernel
-    # and keeps the whole (heads, L, L) attention matrix of every document for backward.
-    def doc(t, s, e):
-        return pad_to_bucket(t[s:e]).transpose(0, 1)[None]
-
-    outs = [
-        causal_sdpa(doc(q, s, e), doc(k, s, e), doc(v, s, e), window)[0, :, : e - s]
-        for s, e in zip(b[:-1], b[1:], strict=True)
-    ]
-    return torch.cat(outs, dim=1).transpose(0, 1).contiguous()
-
-
-@torch.library.custom_op("nanoqlora::sdpa_varlen", mutates_args=())
-def sdpa_varlen_op(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor, window: int
-) -> torch.Tensor:
-    """sdpa_varlen as one opaque op, for torch.compile: the per-document loop depends on the data, so traced as Python
-    it would break the graph in every layer and recompile for every document count. window 0 = none."""
-    return sdpa_varlen(q, k, v, Docs(bounds, 0, bounds), window or None)
-
-
-@sdpa_varlen_op.register_fake
-def _(q, k, v, bounds, window):
-    return torch.empty_like(q)
-
-
-@torch.library.custom_op("nanoqlora::sdpa_varlen_backward", mutates_args=())
-def sdpa_varlen_backward_op(
-    grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor, window: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """dq, dk, dv of sdpa_varlen_op, opaque too: each document's attention recomputed and differentiated with
-    torch.func.vjp (an opaque forward keeps no graph to reuse, and inside an op autograd's own recording is off)."""
-    docs = Docs(bounds, 0, bounds)
-    _, vjp = torch.func.vjp(lambda q, k, v: sdpa_varlen(q, k, v, docs, window or None), q, k, v)
-    return tuple(g.contiguous() for g in vjp(grad))
-
-
-@sdpa_varlen_backward_op.register_fake
-def _(grad, q, k, v, bounds, window):
-    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-
-
-def _sdpa_varlen_setup(ctx, inputs, output):
-    q, k, v, bounds, ctx.window = inputs
-    ctx.save_for_backward(q, k, v, bounds)
-
-
-def _sdpa_varlen_backward(ctx, grad):
-    return *sdpa_varlen_backward_op(grad, *ctx.saved_tensors, ctx.window), None, None
-
-
-sdpa_varlen_op.register_autograd(_sdpa_varlen_backward, setup_context=_sdpa_varlen_setup)
-
-
-def sdpa_varlen_opaque(q, k, v, docs, window=None):
-    return sdpa_varlen_op(q, k, v, docs.bounds, window or 0)
-
-
-def flash_varlen(q, k, v, docs, window=None):
-    """FlashAttention-2 over packed documents: the same contract in one kernel call, GQA handled by the kernel."""
-    from flash_attn import flash_attn_varlen_func
-
-    c, m, _ = docs
-    left = -1 if window is None else window - 1  # flash-attn's window counts the keys left of the query
-    return flash_attn_varlen_func(q, k, v, c, c, m, m, causal=True, window_size=(left, 0))
-
-
-def torch_varlen(q, k, v, docs, window=None):
-    """torch's own FlashAttention varlen kernel (torch.nn.attention.varlen), the same contract. Causal attention is
-    window_size=(-1, 0), a window W is (W - 1, 0); the first release (2.9) takes is_causal instead (and no window).
-    GQA is the kernel's own in every release (Hkv dividing H, k/v never copied up to H heads): later releases only
-    ask for enable_gqa=True before they let unequal head counts through."""
-    c, m, _ = docs
-    kw = {"enable_gqa": True} if "enable_gqa" in VARLEN_PARAMS else {}
-    if "is_causal" in VARLEN_PARAMS:  # its default is False: without it, attention would see the whole document
-        kw["is_causal"] = True
-    if "window_size" in VARLEN_PARAMS or window is not None:  # asked for a window, a release without one fails loudly
-        kw["window_size"] = (-1 if window is None else window - 1, 0)
-    return varlen_attn(q, k, v, c, c, m, m, **kw)
-
-
-# The names varlen_attn takes: they changed between releases (torch_varlen's docstring).
-VARLEN_PARAMS = frozenset(inspect.signature(varlen_attn).parameters) if varlen_attn else frozenset()
-
-
-def _flash_attn_imports():
-    """Whether flash-attn's varlen function really imports. A wheel built for another torch fails with "undefined
-    symbol", and flash-attn 4's namespace package has no such function: both mean "not available", not a crash."""
-    try:
-        from flash_attn import flash_attn_varlen_func  # noqa: F401
-    except Exception as e:  # an ImportError or an OSError from a broken binary
-        if importlib.util.find_spec("flash_attn") is not None:
-            print(f"flash_attn is installed but does not import ({type(e).__name__}: {e}); using another kernel")
-        return False
-    return True
-
-
-def varlen_attention(device, dtype, head_dim=128, windowed=False):
-    """The packed-document attention for a model on `device` computing in `dtype`, chosen once as the file docstring
-    says. torch's kernel has flash-attn's limits, and needs head_dim a multiple of 8 and a torch that takes a window
-    when the model slides."""
-    device = torch.device(device)
-    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or head_dim > 256:
-        return sdpa_varlen
-    if torch.cuda.get_device_capability(device)[0] < 8:  # pre-Ampere (T4, V100): no FlashAttention kernels
-        return sdpa_varlen
-    if _flash_attn_imports():
-        return flash_varlen
-    if varlen_attn is not None and head_dim % 8 == 0 and torch.backends.cuda.is_flash_attention_available():
-        if "window_size" in VARLEN_PARAMS or not windowed:
-            return torch_varlen
-    return sdpa_varlen
 
 
 def linear_cross_entropy(h, weight, labels, chunk, grad=False):
@@ -563,8 +279,7 @@ class Llama(nn.Module):
         per-document SDPA loop becomes its opaque twin, so nothing in a block breaks the graph; shapes are dynamic, so
         other document counts or lengths do not recompile. Evaluation and generation (no grad) stay eager."""
         for block in self.model.layers:
-            if block.self_attn.varlen is sdpa_varlen:
-                block.self_attn.varlen = sdpa_varlen_opaque
+            block.self_attn.varlen = compilable(block.self_attn.varlen)
         # No shape padding: on CUDA, Inductor's choice whether to pad a half-precision matmul with an unaligned side
         # (a LoRA rank such as 2 or 12) guards on the row width, which then recompiles for every new width.
         self.compiled_block = torch.compile(Block.forward, dynamic=True, options={"shape_padding": False})
@@ -629,17 +344,6 @@ def find_linears(model, targets="all-linear", types=(nn.Linear,)):
         if not any(hit(n, t) for n in found):
             raise ValueError(f"target module {t!r} matches no linear layer of the model")
     return {n: m for n, m in found.items() if any(hit(n, t) for t in targets)}
-
-
-def flops_per_token(c, context):
-    """Model FLOPs per token of a frozen-base LoRA training step at `context` tokens per document: 2N forward plus 2N
-    backward (input gradients only: the frozen base has no weight gradients) over the N matmul weights, plus causal
-    attention, 2 * layers * context * H*D forward (QK^T and PV at 2 FLOPs each, halved by the mask) and twice that
-    backward. Recomputation by activation checkpointing is not counted (that would be hardware FLOPs)."""
-    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
-    n = c.num_hidden_layers * (c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size)
-    n += c.hidden_size * c.vocab_size  # lm_head
-    return 4 * n + 3 * 2 * c.num_hidden_layers * context * q
 
 
 @torch.inference_mode()

@@ -1,4 +1,4 @@
-"""Tokenized documents with their loss masks, cached on disk and packed into rows of equal length.
+"""Tokenized documents with their loss masks, packed into rows of equal length.
 
 Tokens and masks
 ----------------
@@ -10,11 +10,7 @@ ones the model must generate after its prompt's tokens. A cut through what the t
 in a space, a response starting with spaces after a newline) makes the tokens at that cut differ from the joined
 text's.
 
-`preview` (and `python pack.py DATA --tokenizer DIR --preview N`) prints the first N documents decoded, BOS and EOS
-visible, the supervised text marked, and one warning line for each example without a supervised token, with a
-double BOS, with a response not ended by EOS or holding one before its end (an answer quoting the end-of-turn text,
-which tokenizes as the token itself), or with tokens that merge across a cut; `check_examples` runs the same checks
-over a whole dataset. Messages name an example by its "file:line" (its stdlib function for the default data).
+support/preview.py shows documents as the model sees them and warns about the usual data bugs.
 
 Packing
 -------
@@ -42,35 +38,19 @@ pad_to_max), for comparison. Length policy: context_length "auto" is the 95th pe
 up to 64 and capped by the model's maximum; longer examples are truncated (or dropped with truncate=False), and both
 are counted in the report.
 
-Cache
------
-The token stream is cached under `cache_dir` as three .npy files read back as memory maps (tokens uint32, mask uint8,
-document offsets int64) and a small json written last, which marks the entry complete. The key hashes the data
-(content for files under 64 MiB, else path + size + mtime), the tokenizer files, the template and the settings. Each
-file is written atomically (atomic.atomic_write), so an interrupted run never leaves a half entry. Tokenizing runs in
-the tokenizer libraries' native threads rather than a process pool, whose start-up and pickling cost more than the
-Python-side work it would spread.
+Tokenizing happens once per dataset; support/token_cache.py keeps the arrays on disk.
 """
 
-import argparse
 import bisect
-import hashlib
 import itertools
-import json
-import os
 import sys
-import time
-from pathlib import Path
 
 import numpy as np
 import torch
 from jinja2 import TemplateError
 
-from support.atomic import atomic_write, read_json, write_json
-from support.examples import load_examples, stdlib_examples
-from support.tokenizer import Tokenizer, segments
-
-CACHE_VERSION = 2  # 2: every assistant turn supervised, pieces tokenized one by one
+from support.token_cache import tokenize_cached
+from support.tokenizer import segments
 
 
 def _label(ex, i):
@@ -78,7 +58,7 @@ def _label(ex, i):
     return ex.get("source") or ex.get("name") or f"example {i}"
 
 
-def _encode(examples, tokenizer, template, first=0, skip_bad_rows=False):
+def encode_pieces(examples, tokenizer, template, first=0, skip_bad_rows=False):
     """([(label, parts)], [skipped]): per example, its parts in order as (token ids, text, supervised): BOS (text None)
     where prepended, the pieces of tokenizer.segments tokenized one by one, and EOS (text None) after each response
     where the template has none. An example the template rejects stops the run, or is skipped with skip_bad_rows."""
@@ -103,7 +83,7 @@ def _encode(examples, tokenizer, template, first=0, skip_bad_rows=False):
 
 def renders(ex, tokenizer, template=None):
     """Whether the template renders example `ex` (what skip_bad_rows keeps)."""
-    return bool(_encode([ex], tokenizer, template, skip_bad_rows=True)[0])
+    return bool(encode_pieces([ex], tokenizer, template, skip_bad_rows=True)[0])
 
 
 def tokenize_examples(examples, tokenizer, template=None, train_on_prompt=False, chunk=4096, skip_bad_rows=False):
@@ -114,7 +94,7 @@ def tokenize_examples(examples, tokenizer, template=None, train_on_prompt=False,
     tokens, mask, lengths, bad = [], [], [], []
     # chunks bound the peak of Python int lists (tens of bytes per token) to a few thousand examples
     for first in range(0, len(examples), chunk):
-        docs, skipped = _encode(examples[first : first + chunk], tokenizer, template, first, skip_bad_rows)
+        docs, skipped = encode_pieces(examples[first : first + chunk], tokenizer, template, first, skip_bad_rows)
         parts, bad = [p for _, parts in docs for p in parts], bad + skipped
         sizes = np.array([len(ids) for ids, _, _ in parts], dtype=np.int64)
         ids = itertools.chain.from_iterable(ids for ids, _, _ in parts)
@@ -126,50 +106,6 @@ def tokenize_examples(examples, tokenizer, template=None, train_on_prompt=False,
     if not lengths:
         raise ValueError("no examples to tokenize" + (" (every one skipped)" if bad else ""))
     return np.concatenate(tokens), np.concatenate(mask), np.concatenate([[0], np.cumsum(lengths)])
-
-
-def _save_npy(path, array):
-    def write(tmp):
-        with open(tmp, "wb") as f:  # a file object: given a name, np.save would append ".npy" to it
-            np.save(f, array)
-
-    atomic_write(path, write)
-
-
-def tokenize_cached(
-    data, tokenizer, template=None, train_on_prompt=False, cache_dir=None, fmt="auto", skip_bad_rows=False
-):
-    """tokenize_examples over a path (read with load_examples) or a list of examples, through the disk cache."""
-
-    def tokenize():  # (arrays, how many examples went in)
-        examples = load_examples(data, fmt, skip_bad_rows) if isinstance(data, str | os.PathLike) else data
-        arrays = tokenize_examples(examples, tokenizer, template, train_on_prompt, skip_bad_rows=skip_bad_rows)
-        return arrays, len(examples)
-
-    if not cache_dir:
-        return tokenize()[0]
-    h = hashlib.sha256(json.dumps([CACHE_VERSION, template, train_on_prompt, fmt, skip_bad_rows]).encode())
-    if isinstance(data, str | os.PathLike):
-        if not os.path.isfile(data):
-            raise FileNotFoundError(f"{data}: no such data file")
-        st = os.stat(data)
-        big = f"{Path(data).resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()
-        h.update(Path(data).read_bytes() if st.st_size < (64 << 20) else big)
-    else:
-        h.update(json.dumps(data, sort_keys=True).encode())
-    for f in tokenizer.files:
-        h.update(f.name.encode() + hashlib.sha256(f.read_bytes()).digest())
-    stem, names = Path(cache_dir) / h.hexdigest()[:24], ("tokens", "mask", "offsets")
-    if not stem.with_suffix(".json").exists():
-        arrays, n = tokenize()
-        stem.parent.mkdir(parents=True, exist_ok=True)
-        for name, a in zip(names, arrays, strict=True):
-            _save_npy(stem.with_suffix(f".{name}.npy"), a)
-        meta = {"source": str(data) if isinstance(data, str | os.PathLike) else "examples", "docs": len(arrays[2]) - 1}
-        write_json(stem.with_suffix(".json"), meta | {"skipped": n - meta["docs"]})
-    elif skipped := read_json(stem.with_suffix(".json")).get("skipped"):  # said again: the cache holds no such rows
-        print(f"skipped {skipped} examples the template cannot render (as cached)", file=sys.stderr)
-    return tuple(np.load(stem.with_suffix(f".{name}.npy"), mmap_mode="r") for name in names)
 
 
 def pack_bfd(lengths, capacity):
@@ -258,30 +194,6 @@ class PackedDataset:
         labels[:, :-1] = np.where(sup[:, 1:] & (pos[:, 1:] != 0), inp[:, 1:], -100)
         return {k: torch.from_numpy(v) for k, v in (("input_ids", inp), ("labels", labels), ("position_ids", pos))}
 
-    def report(self, rows_per_batch=8):
-        """Length histogram, tokens kept / truncated / dropped, rows, and efficiency beside padded batching."""
-        st, C, lens = self.stats, self.context_length, self.stats["lengths"]
-        edges = [*range(0, C, C // 8), C + 1, max(C + 1, int(lens.max())) + 1]
-        counts, _ = np.histogram(lens, bins=edges)
-        pct = f"mean {lens.mean():.0f}, p50 {np.median(lens):.0f}, p95 {np.percentile(lens, 95):.0f}, max {lens.max()}"
-        out = [f"examples: {st['examples']:,}; context_length {C}; lengths {pct}"]
-        for lo, hi, c in zip(edges, edges[1:], counts, strict=False):
-            out.append(
-                f"  {f'{lo}-{hi - 1}' if lo <= C else f'> {C}':>12} {'#' * round(40 * c / counts.max()):<40} {c:,}"
-            )
-        cut = f"truncated {st['truncated']:,} examples (-{st['truncated_tokens']:,} tokens)"
-        drop = f"dropped {st['dropped']:,} ({st['dropped_tokens']:,} tokens)"
-        out.append(f"tokens kept {self.num_tokens:,} (supervised {self.num_supervised:,}); {cut}; {drop}")
-        shuffled = self.lens[np.random.default_rng(self.seed).permutation(len(self.lens))]
-        longest = sum(int(b.max()) * len(b) for b in np.array_split(shuffled, -(-len(shuffled) // rows_per_batch)))
-        packed = len(self.rows) if self.pack else len(pack_bfd(self.lens, C))
-        eff = [f"{self.num_tokens / slots:.1%}" for slots in (packed * C, longest, len(shuffled) * C)]
-        out.append(
-            f"rows: {len(self.rows):,} ({'packed' if self.pack else 'one example each'}); efficiency (real tokens "
-            f"/ slots): packed {eff[0]}, padded to the longest of {rows_per_batch} {eff[1]}, padded to {C} {eff[2]}"
-        )
-        return "\n".join(out)
-
 
 def auto_context_length(lengths, max_context=None, multiple=64):
     """95th percentile of example lengths, rounded up to `multiple`, capped by the model's maximum."""
@@ -293,7 +205,8 @@ def build_dataset(data, tokenizer, context_length="auto", *, pack=True, truncate
                   template=None, train_on_prompt=False, cache_dir=None, max_context=None, fmt="auto",
                   skip_bad_rows=False):  # fmt: skip
     """A path or a list of example dicts -> PackedDataset, tokenized once through the cache."""
-    tokens, mask, offsets = tokenize_cached(data, tokenizer, template, train_on_prompt, cache_dir, fmt, skip_bad_rows)
+    tokenize = dict(template=template, train_on_prompt=train_on_prompt, fmt=fmt, skip_bad_rows=skip_bad_rows)
+    tokens, mask, offsets = tokenize_cached(tokenize_examples, data, tokenizer, cache_dir, **tokenize)
     if context_length == "auto":
         context_length = auto_context_length(np.diff(offsets), max_context)
     elif not isinstance(context_length, int) or context_length <= 0:
@@ -301,95 +214,7 @@ def build_dataset(data, tokenizer, context_length="auto", *, pack=True, truncate
     return PackedDataset(tokens, mask, offsets, context_length, pack, truncate, pad_to_max, seed, tokenizer.pad_id)
 
 
-def _merges(docs, tok):
-    """{j: the first cut of docs[j] between two text pieces where tokenizing them joined differs from apart}."""
-    pairs = [(j, a, b) for j, (_, parts) in enumerate(docs) for a, b in itertools.pairwise(parts)]
-    cuts = [(j, a, b) for j, a, b in pairs if a[1] and b[1]]  # BOS and EOS, ids without text, are not cut
-    out = {}
-    for (j, a, b), joined in zip(cuts, tok.encode_batch([a[1] + b[1] for _, a, b in cuts]), strict=True):
-        if joined != a[0] + b[0]:
-            out.setdefault(j, f"tokens merge across the cut {a[1][-20:]!r} | {b[1][:20]!r}")
-    return out
+if __name__ == "__main__":  # python pack.py DATA --tokenizer DIR [--preview N]: the packing report and the preview
+    from support import preview
 
-
-def _warnings(docs, tok, train_on_prompt):
-    """One line per problem: no supervised token, a double BOS, a response not ended by EOS or holding EOS before its
-    end (the end-of-turn text inside an answer tokenizes as the token itself), tokens that merge across a cut between
-    pieces (the joined text tokenizes differently from its pieces tokenized one by one)."""
-    out, eos, merges = [], repr(tok.special_tokens.get("eos_token")), _merges(docs, tok)
-    for j, (label, parts) in enumerate(docs):
-        ids, mask = [t for p, _, _ in parts for t in p], [s or train_on_prompt for p, _, s in parts for _ in p]
-        if not any(mask[1:]):  # the first token is nobody's target
-            out.append(f"{label}: no supervised token")
-        if ids[:2] == [tok.bos_id] * 2:
-            out.append(f"{label}: double BOS {tok.decode(ids[:2])!r} at the start")
-        responses = [k for k, (_, text, s) in enumerate(parts) if s and text is not None]
-        for n, k in enumerate(responses, 1):
-            end = parts[k + 1][0] if k + 1 < len(parts) and parts[k + 1][1] is None else parts[k][0]
-            if end[-1:] != [tok.eos_id]:
-                tail = parts[k][1][-20:]
-                out.append(f"{label}: response {n} ends with {tail!r}, not EOS {eos}: the model will not stop")
-            if tok.eos_id in parts[k][0][:-1]:
-                out.append(f"{label}: response {n} holds EOS {eos} before its end: the model learns to stop there")
-        if j in merges:
-            out.append(f"{label}: {merges[j]}; the joined text tokenizes differently from its pieces")
-    return out
-
-
-def check_examples(examples, tokenizer, template=None, train_on_prompt=False, chunk=4096, skip_bad_rows=False):
-    """The warnings of `preview` over all examples."""
-    chunks = range(0, len(examples), chunk)
-    docs = [_encode(examples[f : f + chunk], tokenizer, template, f, skip_bad_rows)[0] for f in chunks]
-    return [w for d in docs for w in _warnings(d, tokenizer, train_on_prompt)]
-
-
-def preview(examples, tokenizer, template=None, train_on_prompt=False, n=3, color=None, skip_bad_rows=False):
-    """The first n examples as training sees them: decoded with BOS/EOS visible, supervised text marked (green on a
-    terminal, in ⟦ ⟧ otherwise; color=None asks sys.stdout.isatty()), then one warning line per problem in them."""
-    on, off = ("\x1b[32m", "\x1b[0m") if (sys.stdout.isatty() if color is None else color) else ("⟦", "⟧")
-    docs, tok = _encode(examples[:n], tokenizer, template, skip_bad_rows=skip_bad_rows)[0], tokenizer
-    name = lambda i: "none" if i is None else f"{tok.decode([i])!r} ({i})"
-    out = [f"BOS {name(tok.bos_id)}, EOS {name(tok.eos_id)}, pad {name(tok.pad_id)}; supervised: {on}text{off}"]
-    for label, parts in docs:
-        runs = [(bool(s or train_on_prompt), ids) for ids, _, s in parts]
-        grouped = [(k, [t for _, ids in g for t in ids]) for k, g in itertools.groupby(runs, key=lambda r: r[0])]
-        n_sup = sum(len(ids) for k, ids in grouped if k)
-        out.append(f"--- {label}: {sum(len(ids) for _, ids in grouped)} tokens, {n_sup} supervised ---")
-        out.append("".join(on + tok.decode(ids) + off if k else tok.decode(ids) for k, ids in grouped))
-    warnings = _warnings(docs, tok, train_on_prompt)
-    return "\n".join(out + ([f"warning: {w}" for w in warnings] or [f"no warnings in the {len(docs)} examples shown"]))
-
-
-def tokens_or_auto(text):
-    """--context: "auto" or a positive number of tokens."""
-    if text == "auto" or text.isdigit() and int(text) > 0:
-        return text if text == "auto" else int(text)
-    raise argparse.ArgumentTypeError(f"expected 'auto' or a positive number of tokens, got {text!r}")
-
-
-def main():
-    p = argparse.ArgumentParser(description="Tokenize and pack a dataset; print the packing report and the time.")
-    p.add_argument("data", help="a .jsonl / .json / .parquet file, or 'stdlib' for the embedded dataset")
-    p.add_argument("--tokenizer", required=True, help="a directory with tokenizer.json or tokenizer.model")
-    p.add_argument("--template", help="a format string with {instruction} and {response} (default: chat template)")
-    p.add_argument("--train-on-prompt", action="store_true")
-    p.add_argument("--context", default="auto", type=tokens_or_auto, help="'auto' or a number of tokens")
-    p.add_argument("--cache-dir", default="data/cache")
-    p.add_argument("--no-pack", action="store_true")
-    p.add_argument("--preview", type=int, default=0, metavar="N", help="then show the first N examples as tokenized")
-    a = p.parse_args()
-    try:
-        t0, tok = time.perf_counter(), Tokenizer(a.tokenizer)
-        data = stdlib_examples() if a.data == "stdlib" else a.data
-        kw = dict(pack=not a.no_pack, template=a.template, train_on_prompt=a.train_on_prompt, cache_dir=a.cache_dir)
-        print(build_dataset(data, tok, a.context, **kw).report())
-        print(f"built in {time.perf_counter() - t0:.2f}s")
-        if a.preview:
-            examples = data if a.data == "stdlib" else load_examples(data)
-            print(preview(examples, tok, a.template, a.train_on_prompt, a.preview))
-    except (ValueError, OSError) as e:  # bad data or tokenizer: one line, as train.py says it
-        raise SystemExit(f"error: {e}") from None
-
-
-if __name__ == "__main__":
-    main()
+    preview.main()

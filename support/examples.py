@@ -214,3 +214,23 @@ def stdlib_examples(split="train"):
             instruction = f"Complete this Python function from `{name.rsplit('.', 1)[0]}`.\n\n{head}"
             out.append({"instruction": instruction, "response": f"```python\n{body}\n```", "name": name})
     return out
+
+
+def train_and_val(cfg) -> tuple[list, list]:
+    """The training and validation examples a train.Config asks for: its data file (with val_data, or val_fraction of
+    it held out), else the stdlib dataset's two splits; at most max_examples for training."""
+    if cfg.data:
+        train_examples = load_examples(cfg.data, fmt=cfg.data_format, skip_bad_rows=cfg.skip_bad_rows)
+        if cfg.val_data:
+            val_examples = load_examples(cfg.val_data, fmt=cfg.data_format, skip_bad_rows=cfg.skip_bad_rows)
+        else:
+            n = len(train_examples)
+            train_examples, val_examples = split_examples(train_examples, cfg.val_fraction, seed=cfg.seed)
+            if not (val_examples and train_examples):
+                left = "holds out none" if not val_examples else "leaves none to train on"
+                raise ValueError(f"val_fraction: {cfg.val_fraction} of the {n} examples in {cfg.data} {left}")
+    else:
+        train_examples, val_examples = stdlib_examples("train"), stdlib_examples("val")
+    if cfg.max_examples:
+        train_examples = train_examples[: cfg.max_examples]
+    return train_examples, val_examples

@@ -2,7 +2,7 @@
 
 A Hugging Face model directory
 ------------------------------
-config.json holds the hyper-parameters (model.LlamaConfig reads and writes its keys) and the dtype the weights are
+config.json holds the hyper-parameters (support/hf_config.py reads and writes its keys) and the dtype the weights are
 stored in, under "dtype" (transformers 5) and "torch_dtype" (older readers); we write both and read either.
 The weights are safetensors files (https://huggingface.co/docs/safetensors): an 8-byte header length, a JSON header
 naming each tensor's dtype, shape and byte range, then the raw little-endian bytes, so one tensor can be read without
@@ -48,8 +48,10 @@ from safetensors.torch import load_file
 
 import lora
 import quant
-from model import Llama, LlamaConfig, find_linears, varlen_attention
+from model import Llama, find_linears
 from support.atomic import atomic_write, read_json, write_json, write_safetensors
+from support.attention import varlen_attention
+from support.hf_config import config_json, dtype_name, read_config
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json")
 TOKENIZER_FILES += ("chat_template.jinja",)
@@ -63,27 +65,6 @@ NF4_STATE = ".quant_state.bitsandbytes__nf4"
 
 
 # ----------------------------------------------------------------------------- config.json
-def dtype_name(dtype):
-    return str(dtype).removeprefix("torch.")  # torch.bfloat16 -> "bfloat16", the spelling config.json uses
-
-
-def config_json(config, dtype):
-    """config.json for `config` with weights stored in `dtype`, under both dtype keys."""
-    return config.to_hf() | {"dtype": dtype_name(dtype), "torch_dtype": dtype_name(dtype)}
-
-
-def read_config(path):
-    """(LlamaConfig, stored dtype or None) of a model directory."""
-    file = os.path.join(path, "config.json")
-    if not os.path.isfile(file):
-        raise FileNotFoundError(f"{file}: not found (expected a Hugging Face model directory)")
-    d = read_json(file)
-    name = d.get("dtype") or d.get("torch_dtype")
-    if name is not None and not isinstance(getattr(torch, str(name), None), torch.dtype):
-        raise ValueError(f"{file}: dtype {name!r} is not a torch dtype (expected e.g. bfloat16)")
-    return LlamaConfig.from_hf(d, file), getattr(torch, name) if name else None
-
-
 # ----------------------------------------------------------------------------- reading checkpoints
 class Checkpoint:
     """Lazy reader of model.safetensors or of shards listed in model.safetensors.index.json."""

@@ -89,12 +89,12 @@ def nf4_bytes(n):
     return (n + 1) // 2 + blocks + 4 * math.ceil(blocks / 256) + 4
 
 
-def estimate(
-    config, tokens, dtype, quantize, lora_r, targets, dropout, opt_bytes, checkpointing, cpu=False, chunked=True
-):
+def estimate(config, tokens, dtype, quantize, lora, opt_bytes, checkpointing, cpu=False, chunked=True):
     """Bytes by part for a micro-batch of `tokens` tokens: weights, adapters, gradients, optimizer, activations,
-    transient, and on CPU the heap (see the file docstring). targets as model.find_linears; chunked=False is the
-    full-vocabulary loss, whose (tokens, V) fp32 logits are kept for backward."""
+    transient, and on CPU the heap (see the file docstring). lora: the LoRA settings (train.Config.adapters: targets
+    as model.find_linears, r, dropout); chunked=False is the full-vocabulary loss, whose (tokens, V) fp32 logits are
+    kept for backward."""
+    targets, lora_r, dropout = lora["targets"], lora["r"], lora["dropout"]
     with torch.device("meta"):  # shapes only: nothing is allocated
         model = Llama(config)
     c, a = config, torch.finfo(dtype).bits // 8
@@ -104,7 +104,7 @@ def estimate(
     quantized = sum(m.weight.numel() for m in blocks.values()) if quantize else 0
     weights = a * (sum(params.values()) - quantized)
     weights += sum(nf4_bytes(m.weight.numel()) for m in blocks.values()) if quantize else 0
-    lora = sum(lora_r * (m.in_features + m.out_features) for m in adapted.values())
+    lora_numbers = sum(lora_r * (m.in_features + m.out_features) for m in adapted.values())
     h, i, heads = c.hidden_size, c.intermediate_size, c.num_attention_heads
     q, kv = heads * c.head_dim, c.num_key_value_heads * c.head_dim
     per_block = 2 * (4 * h + a * h) + a * (2 * q + 2 * kv) + 4 * heads + 3 * a * i
@@ -121,9 +121,9 @@ def estimate(
     transient += tokens * per_block if checkpointing else 0  # the block recomputed in backward
     parts = {
         "weights": weights,
-        "adapters": 4 * lora,
-        "gradients": 4 * lora,
-        "optimizer": opt_bytes * lora,
+        "adapters": 4 * lora_numbers,
+        "gradients": 4 * lora_numbers,
+        "optimizer": opt_bytes * lora_numbers,
         "activations": kept + tokens * (4 * h + 2 * a * c.head_dim),  # + the final norm's fp32 input, RoPE's cos/sin
         "transient": transient,
     }
@@ -147,7 +147,7 @@ def budget_bytes(spec):
         raise ValueError(f"plan: {spec!r} is neither a size like 24GB nor a known GPU ({known})") from None
 
 
-def plan(config, budget, context, max_rows, dtype, lora_r, targets, dropout, chunked=True):
+def plan(config, budget, context, max_rows, dtype, lora, chunked=True):
     """(table rows, choice) of the decision tree for `config` in `budget` bytes: every NF4/16-bit base, optimizer,
     checkpointing and micro-batch size in powers of two up to max_rows, each with its estimate, and the first that
     the tree reaches (fastest first: 16-bit before NF4, AdamW before 8-bit, no checkpointing before checkpointing,
@@ -159,9 +159,7 @@ def plan(config, budget, context, max_rows, dtype, lora_r, targets, dropout, chu
             for ckpt in (False, True):
                 for rows in rows_options:
                     tokens = rows * context
-                    parts = estimate(
-                        config, tokens, dtype, quantize, lora_r, targets, dropout, opt_bytes, ckpt, chunked=chunked
-                    )
+                    parts = estimate(config, tokens, dtype, quantize, lora, opt_bytes, ckpt, chunked=chunked)
                     table[quantize, opt_bytes, ckpt, rows] = sum(parts.values())
     fits = lambda key: table[key] <= budget  # noqa: E731
     base = next(((qz, ob) for qz in (False, True) for ob in (8, 2) if fits((qz, ob, True, 1))), None)
@@ -172,14 +170,14 @@ def plan(config, budget, context, max_rows, dtype, lora_r, targets, dropout, chu
     return table, (*base, ckpt, rows)
 
 
-def report(config, spec, context, max_rows, dtype, lora_r, targets, dropout, chunked=True):
+def report(config, spec, context, max_rows, dtype, lora, chunked=True):
     """The plan as text: the table of estimates, then the choice and the tree's reasons."""
     budget = budget_bytes(spec)
-    table, choice = plan(config, budget, context, max_rows, dtype, lora_r, targets, dropout, chunked)
+    table, choice = plan(config, budget, context, max_rows, dtype, lora, chunked)
     rows = sorted({k[3] for k in table})
     loss = "chunked" if chunked else "full-vocabulary"
     lines = [
-        f"memory plan for {spec} ({fmt(budget)} after the CUDA context), rows of {context} tokens, LoRA r={lora_r}, "
+        f"memory plan for {spec} ({fmt(budget)} after the CUDA context), rows of {context} tokens, LoRA r={lora['r']}, "
         f"{loss} loss"
     ]
     lines.append(f"{'base':7} {'optimizer':10} {'checkpointing':14}" + "".join(f"{f'{r} row(s)':>12}" for r in rows))
@@ -241,3 +239,89 @@ def process_rss() -> int:
     import psutil
 
     return psutil.Process().memory_info().rss
+
+
+# ----------------------------------------------------------------------------- a run's micro-batch
+CPU_MICRO_TOKENS = 512  # tokens per micro-batch on CPU when micro_batch_tokens is "auto"
+
+
+def optimizer_bytes(optimizer) -> int:
+    """Optimizer state per trainable parameter: AdamW's two fp32 moments, or two 8-bit ones."""
+    return 2 if "8bit" in optimizer else 8
+
+
+def micro_batch_rows(cfg, place, model, trainset, rows_per_rank, forward_loss) -> int:
+    """Micro-batch size in rows. CUDA: the largest that fits, probed with forward+backward passes on the longest rows
+    while the optimizer state (allocated at the first step) is held in reserve. CPU: the smallest of at least
+    CPU_MICRO_TOKENS that the memory estimate allows. forward_loss(model, batch, place) -> (loss, tokens)."""
+    if isinstance(cfg.micro_batch_tokens, int):
+        return max(1, min(rows_per_rank, cfg.micro_batch_tokens // trainset.context_length))
+    if place.device.type == "cuda":
+        longest = sorted(range(len(trainset)), key=lambda r: -sum(trainset.lens[d] for d in trainset.rows[r]))
+
+        def attempt(rows):
+            try:
+                loss, _ = forward_loss(model, trainset.collate(longest[:rows]), place)
+                loss.backward()
+            finally:
+                model.zero_grad(set_to_none=True)
+
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        reserve = torch.empty(optimizer_bytes(cfg.optimizer) * trainable, dtype=torch.uint8, device=place.device)
+        rows = probe_micro_rows(attempt, rows_per_rank, place.device)
+        del reserve
+        return rows
+    # CPU: memory first. Several rows per micro-batch buy a little speed for a much larger resident set (the README's
+    # ladder measures both); set micro_batch_tokens to trade the other way.
+    import psutil
+
+    budget = 0.6 * psutil.virtual_memory().available
+    rows = min(rows_per_rank, max(1, CPU_MICRO_TOKENS // trainset.context_length))
+    grows = lambda parts: parts["activations"] + parts["transient"] + parts["heap"]  # noqa: E731  (the rest is loaded)
+    while rows > 1 and grows(run_estimate(cfg, model.config, rows * trainset.context_length, place)) > budget:
+        rows //= 2
+    return rows
+
+
+def run_estimate(cfg, config, tokens, place) -> dict:
+    """estimate for a run's settings (a train.Config) in its dtype on its device: bytes by part for a micro-batch of
+    `tokens` tokens."""
+    return estimate(
+        config, tokens, place.dtype, cfg.quantize, cfg.adapters(), optimizer_bytes(cfg.optimizer),
+        cfg.activation_checkpointing, cpu=place.device.type == "cpu", chunked=cfg.chunked_loss,
+    )  # fmt: skip
+
+
+def plan_for(cfg, config) -> str:
+    """--plan: report() for a run's settings, at its context length (2048 tokens for "auto", capped by the model)."""
+    context = cfg.context_length if isinstance(cfg.context_length, int) else min(2048, config.max_position_embeddings)
+    dtype = torch.float32 if cfg.precision == "fp32" else torch.bfloat16
+    rows = max(1, cfg.batch_tokens // context)
+    return report(config, cfg.plan, context, rows, dtype, cfg.adapters(), chunked=cfg.chunked_loss)
+
+
+def probe_micro_rows(attempt, max_rows, device) -> int:
+    """The largest rows in 1..max_rows for which attempt(rows) (a forward + backward) does not run out of memory:
+    max_rows first, then bisection (memory grows with rows, so 3 is found where halving would stop at 2). A failed
+    attempt's tensors die with its frame once the except block is left; only then is the cache emptied, so the next
+    attempt starts from a clean device. The peak statistics are reset at the end, so the peak the run reports is its
+    own, not a failed probe's."""
+
+    def fits(rows):
+        try:
+            attempt(rows)
+            ok = True
+        except torch.OutOfMemoryError:
+            ok = False
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return ok
+
+    lo, hi = 1, max_rows  # the answer lies in lo..hi; one row must fit, or nothing can train
+    if not fits(hi):
+        hi -= 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
+    reset_peak(device)
+    return hi

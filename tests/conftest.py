@@ -37,9 +37,9 @@ def _seed():
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """The embedded default model (SmolLM2-135M-Instruct) as a HF-format directory, converted once from GGUF."""
-    import convert
+    from support import gguf_files
 
-    return convert.smollm2_dir()
+    return gguf_files.smollm2_dir()
 
 
 CHATML = """{%- set ns = namespace(system=false) -%}

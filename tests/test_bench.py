@@ -42,8 +42,8 @@ from safetensors.torch import save_file
 
 import bench
 import train
-from model import Llama, LlamaConfig, flops_per_token
-from support.hf import read_config
+from model import Llama, flops_per_token
+from support.hf_config import from_hf, read_config, to_hf
 from support.tokenizer import Tokenizer
 
 
@@ -92,13 +92,13 @@ def test_peer_sees_train_py_tensors(setup, workload):
 def test_hf_batch_gives_our_loss(setup, tmp_path):
     tok, cache, _, smollm2 = setup
     small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, head_dim=16)
-    cfg = LlamaConfig.from_hf({**smollm2.to_hf(), **small, "num_key_value_heads": 2})  # SmolLM2's vocab, RoPE, ties
+    cfg = from_hf({**to_hf(smollm2), **small, "num_key_value_heads": 2})  # SmolLM2's vocab, RoPE, ties
     model = Llama(cfg)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
     save_file({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}, tmp_path / "model.safetensors")
-    json.dump(cfg.to_hf(), open(tmp_path / "config.json", "w"))
+    json.dump(to_hf(cfg), open(tmp_path / "config.json", "w"))
     ref = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
 
     batch = bench.peer_dataset("", tok, False, cache_dir=cache).step_batch(0, bench.ROWS)
@@ -209,7 +209,7 @@ def test_natural_work_same_documents():
 
 
 def test_equal_work_same_tensors_and_loss():
-    cfg = LlamaConfig.from_hf(bench.SHAPES["tiny"][1])
+    cfg = from_hf(bench.SHAPES["tiny"][1])
     batches = bench.equal_work(cfg.vocab_size, 64, 2, 3)
     for b in batches:
         assert b["input_ids"].shape == (2, 64) and int((b["labels"] != -100).sum()) == 2 * 63
@@ -241,7 +241,7 @@ def test_kernel_kinds():
 
 
 def test_step_flops():
-    cfg = LlamaConfig.from_hf(bench.SHAPES["tiny"][1])
+    cfg = from_hf(bench.SHAPES["tiny"][1])
     batch = bench.equal_work(cfg.vocab_size, 64, 2, 1)[0]
     assert bench.step_flops(cfg, batch["position_ids"]) == 2 * 64 * flops_per_token(cfg, 64)
     pos = torch.cat([torch.arange(5), torch.arange(3), torch.arange(7)])[None]  # documents of 5, 3 and 7 tokens
@@ -250,7 +250,7 @@ def test_step_flops():
 
 
 def test_failing_system_gets_its_row_and_the_others_run(capsys):
-    cfg = LlamaConfig.from_hf(bench.SHAPES["tiny"][1])
+    cfg = from_hf(bench.SHAPES["tiny"][1])
     batches = bench.equal_work(cfg.vocab_size, 32, 1, 3)
     w = torch.nn.Parameter(torch.ones(()))
     opt = SimpleNamespace(state={}, step=lambda: None, zero_grad=lambda set_to_none: None)

@@ -30,17 +30,9 @@ from safetensors.torch import load_file, save_file
 import lora
 import quant
 from model import Llama, LlamaConfig
-from support.hf import (
-    atomic_write,
-    config_json,
-    export_merged,
-    load_model,
-    read_config,
-    save_adapter,
-    save_quantized,
-    write_json,
-    write_safetensors,
-)
+from support.atomic import atomic_write, write_json, write_safetensors
+from support.hf import export_merged, load_model, save_adapter, save_quantized
+from support.hf_config import config_json, read_config, to_hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -370,5 +362,5 @@ def test_config_json_dtype_keys(tmp_path):
     assert d["dtype"] == d["torch_dtype"] == "bfloat16"
     assert transformers.LlamaConfig.from_dict(d).dtype == torch.bfloat16
     for key in ("dtype", "torch_dtype"):
-        tmp_path.joinpath("config.json").write_text(json.dumps(LlamaConfig(**TINY).to_hf() | {key: "float16"}))
+        tmp_path.joinpath("config.json").write_text(json.dumps(to_hf(LlamaConfig(**TINY)) | {key: "float16"}))
         assert read_config(tmp_path) == (LlamaConfig(**TINY), torch.float16)

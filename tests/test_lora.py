@@ -13,9 +13,6 @@ What this file proves:
   (1e-4); an NF4 base merged into the original 16-bit weights equals the same adapter on the 16-bit base (1e-4), stays
   within the base's own quantization error of the adapter-on-NF4 model, and each module reports which weights it
   started from (original, or the exact merge into the dequantized copy);
-- the merge check: its merge error (against the adapter on the very weights merged into) is at fp32 rounding for
-  dense, dequantized and original bases; the 4-bit gap is reported apart, beside the untrained base's own; a merge
-  that drops one layer's delta fails the check in one line;
 - fp32 LoRA parameters on a bf16 base (lora_dtype) give bf16 outputs and fp32 gradients on the LoRA parameters only;
 - an adapter loaded into a model in eval mode has no live dropout (PEFT's logits without calling eval again), and
   adapter_health's norms equal the explicitly formed ||scale * B @ A|| / ||W||;
@@ -27,7 +24,6 @@ What this file proves:
 
 import copy
 import json
-import re
 
 import pytest
 import torch
@@ -40,8 +36,10 @@ from transformers import LlamaForCausalLM
 
 import lora
 import quant
-from model import Llama, LlamaConfig
+from model import Llama
 from support.hf import Checkpoint, export_merged, load_adapter_, load_model, save_adapter
+from support.hf_config import from_hf
+from support.merge_check import merge_and_check_
 
 IDS = torch.tensor([[1, 5, 9, 17, 33, 2, 60, 7, 100, 3], [4, 4, 8, 15, 16, 23, 42, 0, 99, 1]])
 HF_CONFIG = dict(
@@ -232,7 +230,7 @@ def test_merged_export_loads_in_transformers(base_dir, tmp_path):
     model.eval()
     with torch.no_grad():
         adapter = model(IDS)
-    sources, report = lora.merge_and_check_(model, [[1, 2, 3, 4], [9, 8, 7]])
+    sources, report = merge_and_check_(model, [[1, 2, 3, 4], [9, 8, 7]])
     assert set(sources.values()) == {"dense"} and len(sources) == 14 and report["merge_error"] < 1e-4
     assert not any(isinstance(m, (lora.LoRALinear, quant.NF4Linear)) for m in model.modules())
     out = tmp_path / "merged"
@@ -308,59 +306,6 @@ def test_nf4_merge_into_original_weights(base_dir, tmp_path):
     assert quant_err > 0 and (merged - adapter4).abs().max() < 2 * quant_err
 
 
-@pytest.mark.parametrize("base", ["dense", "dequantized", "original"])
-def test_the_merge_check_separates_the_merge_error_from_the_4bit_gap(base_dir, base, capsys):
-    """The merge error (merged model against the adapter on the weights the merge started from) is at fp32 rounding
-    for a dense base, for NF4 merged into its dequantized copy and for NF4 merged into the original weights; there the
-    report also holds the 4-bit gap, the adapter on NF4 against the adapter on the original weights, beside the
-    untrained base's own NF4 gap, both far above the merge error; metrics and the printed line say the same."""
-    model = ours(base_dir)
-    if base != "dense":
-        quant.quantize_(model, compute_dtype=torch.float32)
-    lora.add_lora_(model, "all-linear", r=4, alpha=8, dropout=0.1)
-    randomize_B(model)
-    model.eval()  # quantize_'s new layers start in training mode, as every new module does
-    original = Checkpoint(base_dir) if base == "original" else None
-    with torch.no_grad():
-        largest = max(float(model(torch.tensor([p])).abs().max()) for p in ([1, 2, 3, 4], [9, 8, 7]))
-    sources, report = lora.merge_and_check_(model, [[1, 2, 3, 4], [9, 8, 7]], original=original)
-    assert set(sources.values()) == {base} and report["merged_into"] == base
-    assert report["merge_error"] < 1e-5 < report["tolerance"]  # fp32: 1e-4 of the largest logit
-    if base != "original":  # the adapter on the same weights as trained: its largest logit is the scale
-        assert report["tolerance"] == pytest.approx(1e-4 * largest)
-    assert ("gap_4bit" in report) == (base == "original")
-    if base == "original":
-        assert (
-            report["gap_4bit"] > 1e3 * report["merge_error"] and report["gap_4bit_base"] > 1e3 * report["merge_error"]
-        )
-    line = capsys.readouterr().out.strip().splitlines()[-1]
-    assert line == lora.merge_summary(report, 2) and "the merge is exact" in line
-    assert ("4-bit gap" in line) == (base == "original")
-
-
-@pytest.mark.parametrize("base", ["dense", "dequantized", "original"])
-def test_a_merge_that_drops_one_delta_fails_the_check(base_dir, base, monkeypatch):
-    """One layer's delta left out of the merge (a corrupted fold): the check refuses it in one line."""
-    model = ours(base_dir)
-    if base != "dense":
-        quant.quantize_(model, compute_dtype=torch.float32)
-    lora.add_lora_(model, "all-linear", r=4, alpha=8, dropout=0.0)
-    randomize_B(model)
-    delta_weight = lora.LoRA.delta_weight
-    dropped = lora.lora_modules(model)["model.layers.1.mlp.down_proj"]
-    lora_B = dropped.lora_B  # rebase_ keeps the adapter's own A and B: the dropped layer is the one holding this B
-    monkeypatch.setattr(lora.LoRA, "delta_weight", lambda m: delta_weight(m) * (m.lora_B is not lora_B))
-    original = Checkpoint(base_dir) if base == "original" else None
-    with pytest.raises(ValueError) as e:
-        lora.merge_and_check_(model, [[1, 2, 3, 4], [9, 8, 7]], original=original)
-    assert len(str(e.value).splitlines()) == 1
-    assert re.fullmatch(
-        r"merge check: the merged model's logits are up to \S+ away from the adapter on the same base weights "
-        r"\(allowed \S+, rounding\): the merge is wrong",
-        str(e.value),
-    )
-
-
 def saved_adapter(base_dir, path, targets=("q_proj", "v_proj")):
     model = ours(base_dir)
     lora.add_lora_(model, list(targets), r=4, alpha=8, dropout=0.0)
@@ -396,7 +341,7 @@ def test_mismatched_adapter_errors(base_dir, tmp_path, case, error, match):
     if case == "unknown_module":
         edit_config(path, target_modules=["q_proj", "c_attn"])
     if case == "other_base":
-        model = Llama(LlamaConfig.from_hf({**HF_CONFIG, "intermediate_size": 96, "model_type": "llama"}))
+        model = Llama(from_hf({**HF_CONFIG, "intermediate_size": 96, "model_type": "llama"}))
     if case == "dora":
         edit_config(path, use_dora=True)
     if case == "alora":
@@ -477,7 +422,7 @@ def test_family_adapter_and_merged_export(tmp_path, family):
         ours16 = dense(IDS)
     peft = PeftModel.from_pretrained(ref_cls.from_pretrained(tmp_path / "base"), tmp_path / "adapter").eval()
     assert (hf_logits(peft) - ours16).abs().max() < 1e-5
-    sources, _ = lora.merge_and_check_(model, [[1, 2, 3]], original=Checkpoint(tmp_path / "base"))
+    sources, _ = merge_and_check_(model, [[1, 2, 3]], original=Checkpoint(tmp_path / "base"))
     assert set(sources.values()) == {"original"}
     export_merged(model, tmp_path / "merged")
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()

@@ -4,6 +4,8 @@
   parameters, for several targets and a tied and an untied head;
 - the activation bytes equal (within 10%) the bytes autograd really saves for backward in a forward pass, with and
   without LoRA dropout and with activation checkpointing, counted with saved-tensor hooks;
+- the micro-batch probe finds the largest size that fits under a simulated out-of-memory allocator, frees each
+  failed attempt before the next and resets the peak statistics;
 - the plan follows the decision tree: for budgets cut between the table's own entries it picks the 16-bit base, then
   NF4, then 8-bit AdamW, checkpointing only when one row does not fit without it, and the largest micro-batch that
   fits; a budget below everything gets no choice; unknown GPU names are one line.
@@ -26,6 +28,11 @@ def config(**kw):
     return LlamaConfig(**{**CFG, "num_key_value_heads": 2, "head_dim": 16, **kw})
 
 
+def adapters(r, targets, dropout):
+    """The LoRA settings as train.Config.adapters gives them to memory.estimate."""
+    return dict(targets=targets, r=r, alpha=2.0 * r, dropout=dropout, use_rslora=False)
+
+
 def qlora(cfg, targets, dropout, dtype=torch.bfloat16):
     torch.manual_seed(0)
     model = quant.quantize_(Llama(cfg).to(dtype), compute_dtype=dtype)
@@ -41,10 +48,10 @@ def test_weights_and_adapters_equal_a_real_model(tied, targets):
     tensors = {t.data_ptr(): t for t in [*model.parameters(), *model.buffers()]}  # a tied head once
     frozen = sum(t.numel() * t.element_size() for t in tensors.values() if not t.requires_grad)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    est = memory.estimate(cfg, 64, torch.bfloat16, True, 4, targets, 0.0, 8, False)
+    est = memory.estimate(cfg, 64, torch.bfloat16, True, adapters(4, targets, 0.0), 8, False)
     assert est["weights"] == frozen
     assert est["adapters"] == est["gradients"] == 4 * trainable and est["optimizer"] == 8 * trainable
-    dense = memory.estimate(cfg, 64, torch.bfloat16, False, 4, targets, 0.0, 8, False)
+    dense = memory.estimate(cfg, 64, torch.bfloat16, False, adapters(4, targets, 0.0), 8, False)
     assert dense["weights"] == 2 * sum(p.numel() for p in Llama(cfg).parameters())
 
 
@@ -76,7 +83,7 @@ def test_activations_equal_what_autograd_saves(dropout, checkpointing, chunked):
     pos = torch.cat([torch.arange(n) for n in (100, 60, 96)])[None]
     ids, labels = torch.randint(0, 128, (1, tokens)), torch.randint(0, 128, (1, tokens))
     got, loss = saved_bytes(model, ids, pos, labels)
-    args = (cfg, tokens, torch.bfloat16, True, 4, "all-linear", dropout, 8, checkpointing)
+    args = (cfg, tokens, torch.bfloat16, True, adapters(4, "all-linear", dropout), 8, checkpointing)
     want = memory.estimate(*args, chunked=chunked)["activations"]
     assert abs(got - want) <= 0.1 * got, (got, want)
     loss.backward()  # the model really trains from what was saved
@@ -84,7 +91,7 @@ def test_activations_equal_what_autograd_saves(dropout, checkpointing, chunked):
 
 def test_plan_follows_the_decision_tree():
     cfg = config(num_hidden_layers=4)
-    plan = lambda budget: memory.plan(cfg, budget, 512, 8, torch.bfloat16, 4, "all-linear", 0.05)  # noqa: E731
+    plan = lambda budget: memory.plan(cfg, budget, 512, 8, torch.bfloat16, adapters(4, "all-linear", 0.05))  # noqa: E731
     table, _ = plan(0)
     between = lambda a, b: (table[a] + table[b]) / 2  # noqa: E731  (a budget just above a, below b)
     assert plan(table[False, 8, False, 8])[1] == (False, 8, False, 8)  # everything fits: the fastest
@@ -94,17 +101,40 @@ def test_plan_follows_the_decision_tree():
     budget = between((True, 8, True, 1), (False, 2, True, 1))  # only NF4 fits
     assert table[True, 8, True, 1] < table[False, 2, True, 1] and plan(budget)[1][:2] == (True, 8)
     assert plan(table[True, 2, True, 1] - 1)[1] is None  # below an NF4 base, 8-bit AdamW and checkpointing
-    text = memory.report(cfg, "24GB", 512, 8, torch.bfloat16, 4, "all-linear", 0.05)
+    text = memory.report(cfg, "24GB", 512, 8, torch.bfloat16, adapters(4, "all-linear", 0.05))
     assert "fastest that fits: 16-bit base, AdamW, checkpointing off, 8 row(s)" in text
     with pytest.raises(ValueError, match="plan: 'H300' is neither a size like 24GB nor a known GPU"):
         memory.budget_bytes("H300")
     assert memory.budget_bytes("80GB") == 79 * 2**30  # sizes in GB are taken as GiB; a known card is what
     assert memory.budget_bytes("H100") == 81559 * 2**20 - 2**30  # nvidia-smi reports, less than it is sold as
-    full = memory.plan(cfg, 0, 512, 8, torch.bfloat16, 4, "all-linear", 0.05, chunked=False)[0]
+    full = memory.plan(cfg, 0, 512, 8, torch.bfloat16, adapters(4, "all-linear", 0.05), chunked=False)[0]
     logits = 512 * cfg.vocab_size  # per row: the full-vocabulary loss keeps 4 bytes a logit, and 8 more pass through
     assert all(
         full[k] - table[k] == 12 * k[3] * logits - 8 * min(k[3] * 512, LOSS_CHUNK) * cfg.vocab_size for k in table
     )
     assert text.splitlines()[0].endswith(", chunked loss")
-    text = memory.report(cfg, "L4", 512, 8, torch.bfloat16, 4, "all-linear", 0.05, chunked=False)
+    text = memory.report(cfg, "L4", 512, 8, torch.bfloat16, adapters(4, "all-linear", 0.05), chunked=False)
     assert text.splitlines()[0].endswith(", full-vocabulary loss")
+
+
+@pytest.mark.parametrize("fit_up_to, max_rows", [(3, 8), (8, 8), (1, 8), (5, 6), (1, 1)])
+def test_micro_batch_probe_under_simulated_oom(monkeypatch, fit_up_to, max_rows):
+    """An allocator that runs out of memory above `fit_up_to` rows, after the attempt has allocated its tensors."""
+    import weakref
+
+    events, alive = [], []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: events.append("reset_peak"))
+
+    def attempt(rows):
+        assert all(ref() is None for ref in alive), "the previous attempt's tensors are still alive"
+        activations = torch.zeros(rows, 1000)
+        alive.append(weakref.ref(activations))
+        events.append(rows)
+        if rows > fit_up_to:
+            raise torch.OutOfMemoryError(f"CUDA out of memory: {rows} rows")
+
+    assert memory.probe_micro_rows(attempt, max_rows, torch.device("cuda")) == fit_up_to
+    tried = [e for e in events if isinstance(e, int)]
+    assert tried[0] == max_rows and len(tried) <= 1 + max_rows.bit_length()
+    assert events.count("empty_cache") == len(tried) and events[-1] == "reset_peak"

@@ -7,36 +7,32 @@
   supervised (Qwen3's final think block included); train_on_prompt supervises every token. A plain format string
   gives one instance per turn with EOS after each response and BOS as transformers' tokenizer adds it. Templates
   that cannot be masked by prefixes (Mistral v0.3 with a system message) fail with one line naming the example.
-- Preview: the default data (stdlib + SmolLM2) shows its answers marked and raises no warning over all of it; a
-  double BOS (Llama-2 text passed through with a BOS-adding tokenizer), missing EOS (a base tokenizer under ChatML,
-  also through `python pack.py --preview`), merges across a cut (exactly where transformers' tokenizations of the
-  joined and the separate texts differ) and an example with nothing supervised are each flagged.
 - Packing (a seeded property test over a few hundred random length sets): no token lost or duplicated, documents
   whole and contiguous, no row longer than context_length, position_ids restarting at every document and every pad
   run, and labels[t] = input[t+1] exactly when t+1 is a supervised token of the same document, -100 elsewhere; BFD
   uses as many rows as a naive quadratic best-fit-decreasing.
 - Batching: per-epoch seeded order, disjoint rank slices that cover every row, resume at batch k, and step_batch as
   the same order counted across epochs.
-- Length policy, cache reuse (a second build does not tokenize), and >= 97% packing efficiency on the stdlib dataset.
+- Length policy and >= 97% packing efficiency on the stdlib dataset. (The preview and the token cache are tested in
+  test_preview.py and test_token_cache.py.)
 """
 
 import itertools
 import json
 import random
 import re
-import subprocess
-import sys
-from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import CONVERSATIONS, DATA, FAMILIES, QWEN, ROOT, reference, tokenizer_dir, turn_text
+from conftest import CONVERSATIONS, FAMILIES, QWEN, reference, tokenizer_dir, turn_text
 
 import pack
-from pack import PackedDataset, build_dataset, check_examples, pack_bfd, preview, tokenize_examples
+from pack import PackedDataset, build_dataset, pack_bfd, tokenize_examples
 from support.examples import load_examples, stdlib_examples
+from support.preview import packing_report, preview
+from support.token_cache import tokenize_cached
 from support.tokenizer import Tokenizer
 
 WORDS = [
@@ -158,7 +154,8 @@ def test_a_row_the_template_rejects_names_its_line_or_is_skipped(tmp_path, famil
     assert f"--- {path}:1: " in text and f"--- {path}:3: " in text and f"{path}:2" not in text
     for _ in range(2):  # through the cache: built, then read back, and the skip is said both times
         kw = dict(cache_dir=tmp_path / "cache", skip_bad_rows=True)
-        assert [a.tolist() for a in pack.tokenize_cached(examples, tok, **kw)] == [a.tolist() for a in alone]
+        cached = tokenize_cached(tokenize_examples, examples, tok, **kw)
+        assert [a.tolist() for a in cached] == [a.tolist() for a in alone]
         assert "skipped 1 examples the template cannot render (" in capsys.readouterr().err
 
 
@@ -358,7 +355,7 @@ def test_length_policy_and_report():
     assert cut.num_tokens == sum(min(n, C) for n in lengths) - sum(C for i in long if i not in kept)
     assert drop.stats["dropped"] == len(long) and drop.stats["dropped_tokens"] == sum(lengths[i] for i in long)
     assert drop.num_tokens == sum(lengths) - sum(lengths[i] for i in long)
-    text = cut.report()
+    text = packing_report(cut)
     assert f"examples: {len(lengths)}" in text and f"packed {cut.num_tokens / (len(cut) * C):.1%}" in text
     assert f"truncated {cut.stats['truncated']} examples" in text
 
@@ -366,22 +363,6 @@ def test_length_policy_and_report():
 def _write(path, rows):
     path.write_text("\n".join(r if isinstance(r, str) else json.dumps(r) for r in rows) + "\n")
     return path
-
-
-def test_cache_reuse(tmp_path, bpe_dir, monkeypatch):
-    tok = Tokenizer(bpe_dir)
-    data = _write(tmp_path / "d.jsonl", [{"problem": f"p{i} " * i, "solution": f"s{i} " * (i % 7)} for i in range(50)])
-    a = build_dataset(data, tok, 64, cache_dir=tmp_path / "cache")
-    calls = []
-    monkeypatch.setattr(
-        pack, "tokenize_examples", lambda *args, **kw: calls.append(1) or tokenize_examples(*args, **kw)
-    )
-    b = build_dataset(data, tok, 64, cache_dir=tmp_path / "cache")
-    assert not calls and isinstance(b.tokens, np.memmap)
-    assert all((a.collate(range(len(a)))[k] == b.collate(range(len(b)))[k]).all() for k in ("input_ids", "labels"))
-    build_dataset(data, tok, 64, cache_dir=tmp_path / "cache", train_on_prompt=True)  # other settings: a new entry
-    assert calls == [1]
-    assert not list((tmp_path / "cache").glob(".*tmp")) and len(list((tmp_path / "cache").glob("*.json"))) == 2
 
 
 @pytest.fixture(scope="module")
@@ -393,82 +374,9 @@ def stdlib_cache(tmp_path_factory):
 @pytest.mark.parametrize("context", [1024, 2048])
 def test_stdlib_packing_efficiency(smollm2_dir, stdlib_cache, context):
     ds = build_dataset(stdlib_examples(), Tokenizer(smollm2_dir), context, cache_dir=stdlib_cache)
-    report = ds.report()
+    report = packing_report(ds)
     print(report)
     assert ds.num_tokens / (len(ds) * context) >= 0.97
 
 
 # ---------------------------------------------------------------------------------------------- preview
-
-
-def test_preview_default_data(smollm2_dir):
-    """The stdlib dataset with SmolLM2: each shown example's marked text is its answer as ChatML renders it, and the
-    whole dataset (train and val) raises no warning."""
-    tok, examples = Tokenizer(smollm2_dir), stdlib_examples()
-    text = preview(examples, tok, n=3)  # pytest captures stdout: not a terminal, so brackets
-    print(text)
-    assert text.count("\n--- ") == 3 and text.endswith("no warnings in the 3 examples shown")
-    assert all(f"\n--- {ex['name']}: " in text for ex in examples[:3])  # each named by its function
-    assert "EOS '<|im_end|>'" in text.splitlines()[0] and text.count("⟦") == 1 + 3  # the legend, one per example
-    for ex in examples[:3]:
-        assert f"{ex['instruction']}<|im_end|>\n<|im_start|>assistant\n⟦{ex['response']}<|im_end|>⟧\n" in text
-    colored = preview(examples, tok, n=1, color=True)
-    assert f"\x1b[32m{examples[0]['response']}<|im_end|>\x1b[0m" in colored and "⟦" not in colored
-    assert check_examples(examples + stdlib_examples("val"), tok) == []
-
-
-def test_preview_flags_double_bos(sp_dir):
-    """Llama-2 data exported with its "<s>" and passed through as it is, with a tokenizer that prepends BOS."""
-    tok, ref = Tokenizer(sp_dir), reference(sp_dir)
-    examples = load_examples(DATA / "llama2_preformatted.jsonl")
-    text = preview(examples, tok, template="{instruction}{response}")
-    tokens, _, offsets = tokenize_examples(examples, tok, template="{instruction}{response}")
-    for i, ex in enumerate(examples):
-        assert tok.add_bos and ref.encode(ex["instruction"], add_special_tokens=False)[0] == ref.bos_token_id
-        assert tokens[offsets[i] : offsets[i] + 2].tolist() == [ref.bos_token_id] * 2
-        assert f"warning: {DATA / 'llama2_preformatted.jsonl'}:{i + 1}: double BOS '<s><s>'" in text
-    clean = [{"instruction": ex["instruction"][3:], "response": ex["response"]} for ex in examples]
-    assert "double BOS" not in preview(clean, tok, template="{instruction}{response}")
-
-
-def test_preview_flags_missing_eos(tmp_path, family_dirs):
-    """A base model's tokenizer (eos <|endoftext|>) under the instruct model's ChatML template: no assistant turn
-    ends with EOS, so the model would never learn to stop. The instruct tokenizer (eos <|im_end|>) is clean."""
-    examples = load_examples(DATA / "chat.jsonl")
-    turns = sum(m["role"] == "assistant" for ex in examples for m in ex["messages"])
-    base = family_dirs["qwen2.5-base"]
-    ref = reference(base)
-    for ex in examples:  # transformers' own tokenization of the conversation holds no EOS either
-        assert ref.eos_token_id not in ref.apply_chat_template(ex["messages"], tokenize=True)["input_ids"]
-    text = preview(examples, Tokenizer(base), n=len(examples))
-    lines = re.findall(r"warning: .*chat\.jsonl:\d: response \d ends with '.*', not EOS '<\|endoftext\|>': .*", text)
-    assert len(lines) == turns and len(text.split("warning:")) == turns + 1
-    cli = [sys.executable, "pack.py", str(DATA / "chat.jsonl"), "--tokenizer", str(base), "--preview", "3"]
-    out = subprocess.run([*cli, "--cache-dir", str(tmp_path / "cache")], capture_output=True, text=True, cwd=ROOT)
-    assert out.returncode == 0 and re.findall(r"warning: .*", out.stdout) == lines, out.stderr
-    (bad := tmp_path / "bad.json").write_text('\n\n[{"problem": 1, "solution": "b"}]')  # the CLI's errors: one line
-    out = subprocess.run([*cli[:2], str(bad), *cli[3:5]], capture_output=True, text=True, cwd=ROOT)
-    assert (out.returncode, out.stderr) == (1, f"error: {bad}:3: field 'problem' must be a string, got int\n")
-    instruct = preview(examples, Tokenizer(family_dirs["qwen2.5"]), n=len(examples))
-    assert instruct.endswith("no warnings in the 3 examples shown")
-
-
-def test_preview_flags_merges_and_unsupervised(bpe_dir, smollm2_dir):
-    """A format whose prompt ends with a space: warned exactly where transformers tokenizes the joined text
-    differently from prompt and response apart. ShareGPT roles (no "assistant"): nothing supervised."""
-    tok, ref = Tokenizer(bpe_dir), reference(bpe_dir)
-    fmt = "Q: {instruction}\nA: {response}"
-    examples = [{"instruction": "Add.", "response": r} for r in ["return x", "\nreturn x", "42", "(a, b)", " x"]]
-    text = preview(examples, tok, template=fmt, n=len(examples))
-    merged = []
-    for i, ex in enumerate(examples):
-        head, enc = (
-            fmt.format(instruction=ex["instruction"], response=""),
-            partial(ref.encode, add_special_tokens=False),
-        )
-        merged.append(enc(head + ex["response"]) != enc(head) + enc(ex["response"]))
-        assert (f"warning: example {i}: tokens merge across the cut 'Q: Add.\\nA: ' | " in text) == merged[-1]
-    assert any(merged) and not all(merged)
-    sharegpt = [{"messages": [{"role": "human", "content": "Hi"}, {"role": "gpt", "content": "Hello"}]}]
-    assert "warning: example 0: no supervised token" in preview(sharegpt, Tokenizer(smollm2_dir))
-    assert "no supervised" not in preview(sharegpt, Tokenizer(smollm2_dir), train_on_prompt=True)

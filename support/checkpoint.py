@@ -1,0 +1,90 @@
+"""What does a checkpoint hold, and when may a run resume from it?
+
+checkpoint.pt holds the adapter weights, the optimizer and schedule state, fp16's loss scale and the settings. No RNG
+state and no data position: every step reseeds its dropout from (seed, step, rank) and takes the rows pack.py gives
+that step, so the step number is all a resumed run needs, on any number of ranks. A resumed run must share the
+settings declared with resume=True in train.Config: they shape the adapters, the optimizer (whose saved state carries
+lr, betas and weight decay: a new value would be silently ignored) or the data and its order. max_steps, warmup_steps
+and min_lr_ratio may change: the schedule is recomputed from them. metrics.jsonl is rewritten whole with each
+checkpoint, so the two always agree.
+"""
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from support.atomic import atomic_write
+from support.config import resume_keys
+
+
+def save_checkpoint(path, model, opt, sched, scaler, step, cfg):
+    """Adapter weights, optimizer, schedule and fp16's loss scale. No RNG state: every step reseeds from (seed, step,
+    rank)."""
+    lora_state = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    # fmt: off
+    state = dict(step=step, lora=lora_state, optimizer=opt.state_dict(), scheduler=sched.state_dict(),
+                 scaler=scaler.state_dict(), config=dataclasses.asdict(cfg))
+    # fmt: on
+
+    def write(tmp):
+        with open(tmp, "wb") as f:  # a file object: torch's zip writer refuses the temp file's dotted name
+            torch.save(state, f)
+
+    atomic_write(path, write)
+
+
+def load_checkpoint(path, model, opt, sched, scaler, cfg) -> int:
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        step, lora_state = state["step"], state["lora"]
+    except Exception as e:  # any unreadable file is reported, never half-loaded
+        raise ValueError(f"{path}: corrupted checkpoint ({type(e).__name__}: {str(e).splitlines()[0][:120]})") from None
+    for key in resume_keys(type(cfg)):
+        if (saved := state["config"].get(key)) != getattr(cfg, key):
+            raise ValueError(f"{path}: checkpoint has {key}={saved!r}, config has {getattr(cfg, key)!r}")
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if params.keys() != lora_state.keys():
+        missing = sorted(params.keys() ^ lora_state.keys())[0]
+        raise ValueError(f"{path}: checkpoint and model differ in their adapter parameters (first: {missing})")
+    with torch.no_grad():
+        for name, value in lora_state.items():
+            params[name].copy_(value)
+    opt.load_state_dict(state["optimizer"])
+    sched.load_state_dict(state["scheduler"])
+    if state.get("scaler"):  # fp16's loss scale ({} when off)
+        scaler.load_state_dict(state["scaler"])
+    return step
+
+
+def save(cfg, model, opt, sched, scaler, step, history) -> int:
+    """out_dir/checkpoint.pt and out_dir/metrics.jsonl, each written whole; returns the step saved."""
+    save_checkpoint(os.path.join(cfg.out_dir, "checkpoint.pt"), model, opt, sched, scaler, step, cfg)
+    save_metrics(cfg, history)
+    return step
+
+
+def save_metrics(cfg, history):
+    """out_dir/metrics.jsonl: one JSON record per line, step 0's first."""
+    lines = "".join(json.dumps(h) + "\n" for h in history)
+    atomic_write(os.path.join(cfg.out_dir, "metrics.jsonl"), lambda tmp: Path(tmp).write_text(lines))
+
+
+def read_metrics(path, step) -> list[dict]:
+    """The metrics of a resumed run up to its checkpoint's step."""
+    history = []
+    for i, line in enumerate(open(path) if os.path.exists(path) else [], 1):
+        try:
+            history.append(json.loads(line))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{i}: invalid JSON ({e.msg}); fix or delete that line to resume") from None
+    return [h for h in history if h["step"] <= step]
+
+
+def last_checkpoint(cfg, step) -> str:
+    """What a run stopped early leaves: the checkpoint of `step` (None: none was written by this run)."""
+    return (
+        "no checkpoint was written yet" if step is None else f"the checkpoint of step {step} in {cfg.out_dir} is intact"
+    )

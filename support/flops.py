@@ -1,0 +1,84 @@
+"""How much work is a token, and how fast can this machine do it: the two halves of MFU.
+
+MFU (model FLOPs utilisation, PaLM, https://arxiv.org/abs/2204.02311) is the model FLOPs a step needs over its time,
+divided by the machine's peak. The numerator counts only what the model must compute (flops_per_token); the
+denominator is a GPU's datasheet dense 16-bit tensor-core peak when its name is known (half of it for TF32), else a
+measured matmul rate in the dtype the run computes in, which on a CPU is the only honest peak there is.
+"""
+
+import re
+import time
+
+import torch
+
+
+def flops_per_token(c, context):
+    """Model FLOPs per token of a frozen-base LoRA training step at `context` tokens per document: 2N forward plus 2N
+    backward (input gradients only: the frozen base has no weight gradients) over the N matmul weights, plus causal
+    attention, 2 * layers * context * H*D forward (QK^T and PV at 2 FLOPs each, halved by the mask) and twice that
+    backward. Recomputation by activation checkpointing is not counted (that would be hardware FLOPs)."""
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    n = c.num_hidden_layers * (c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size)
+    n += c.hidden_size * c.vocab_size  # lm_head
+    return 4 * n + 3 * 2 * c.num_hidden_layers * context * q
+
+
+# Dense bf16 (fp16 on pre-Ampere cards) tensor-core peaks in TFLOP/s, no sparsity, by the words of
+# torch.cuda.get_device_name: every word of a key must appear, so "L40" is not "L40S" and "A10" is not "A10G".
+# The first key that matches wins (the PCIe H100 before the SXM one); a GPU none matches gets a measured peak.
+# fmt: off
+PEAK_TFLOPS = {
+    ("H100", "PCIE"): 756, ("H100",): 989, ("H200",): 989, ("A100",): 312, ("L40S",): 362, ("L40",): 181,
+    ("L4",): 121, ("A10",): 125, ("A6000",): 155, ("V100",): 125, ("T4",): 65,
+}
+# fmt: on
+
+
+def matmul_rates(shape, dtypes, device, seconds=0.3) -> dict:
+    """{dtype: FLOP/s} of an (m, k) @ (k, n) matmul on `device`: after one warm-up call each (kernel selection), the
+    dtypes take turns (A, B, A, B, ...), each timed at least twice, until `seconds` have passed; the best call counts.
+    Turns keep a shared machine's drift out of the comparison; the best call is the rate the kernel can reach."""
+    m, k, n = shape
+    pairs = {dt: (torch.randn(m, k, device=device).to(dt), torch.randn(k, n, device=device).to(dt)) for dt in dtypes}
+    sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    for a, b in pairs.values():
+        a @ b
+    best, start, turns = dict.fromkeys(dtypes, 0.0), time.perf_counter(), 0
+    while turns < 2 or time.perf_counter() - start < seconds:
+        for dt, (a, b) in pairs.items():
+            sync()
+            t = time.perf_counter()
+            a @ b
+            sync()
+            best[dt] = max(best[dt], 2 * m * k * n / (time.perf_counter() - t))
+        turns += 1
+    return best
+
+
+def matmul_peak(device, dtype, seconds=0.3) -> float:
+    """FLOP/s of square n x n matmuls in `dtype` on `device`, at the largest n of 256, 512, ... 2048 (4096 on CUDA)
+    that keeps a call under a tenth of `seconds`, so that a dtype the CPU emulates (a minute a call at n = 2048) is
+    timed in `seconds` too. Smaller matmuls swing with what the caches hold, so the largest affordable is the peak."""
+    n, top = 256, 4096 if device.type == "cuda" else 2048
+    while n < top and 2 * (2 * n) ** 3 / matmul_rates((n, n, n), (dtype,), device, 0)[dtype] < seconds / 10:
+        n *= 2
+    return matmul_rates((n, n, n), (dtype,), device, seconds)[dtype]
+
+
+def fmt_flops(rate) -> str:
+    """A FLOP/s rate in the unit that keeps three significant digits (a CPU's bf16 emulation runs at GFLOP/s)."""
+    for unit, scale in (("TFLOP/s", 1e12), ("GFLOP/s", 1e9), ("MFLOP/s", 1e6)):
+        if rate >= scale:
+            return f"{rate / scale:.3g} {unit}"
+    return f"{rate:.3g} FLOP/s"
+
+
+def peak_flops(device, dtype) -> tuple[float, str]:
+    """(the FLOP/s that MFU divides by, where it comes from): a GPU's datasheet peak when its name is known, else a
+    measured matmul peak (always on CPU), which is never zero."""
+    if device.type == "cuda":
+        words = set(re.findall(r"[A-Z0-9]+", torch.cuda.get_device_name(device).upper()))
+        tflops = next((v for k, v in PEAK_TFLOPS.items() if words.issuperset(k)), None)
+        if tflops is not None:
+            return tflops * 1e12 * (0.5 if dtype == torch.float32 else 1.0), "datasheet"  # TF32: half the 16-bit rate
+    return matmul_peak(device, dtype), "measured"

@@ -1,0 +1,65 @@
+"""Are the inputs there, and may this run write to out_dir?
+
+Checked before any work: the model's config.json and the data exist (else one line saying how to get them), a GGUF
+export of something llama.cpp cannot read is refused now rather than after the training, and out_dir is writable and
+holds no other run. A run already there (a checkpoint, an adapter or metrics) is continued with --resume or replaced
+with --overwrite; a chosen out_dir holding one is refused, and the default one moves on to out-2, out-3, ... (saying
+so), so running the default twice keeps both runs.
+"""
+
+import os
+
+from support import gguf_files
+from support.atomic import atomic_write
+
+
+def claim_inputs(cfg) -> str:
+    """Fail before any work when out_dir is not writable, holds another run, or the model, data or checkpoint is
+    missing; returns the model directory ("" = the embedded SmolLM2, converted on first use). A preview writes
+    nothing, so it claims no out_dir."""
+    model_dir = cfg.model or gguf_files.smollm2_dir()
+    for key, path, source, kind in [
+        ("model", os.path.join(model_dir, "config.json"), cfg.model_source, ""),
+        ("data", "" if cfg.plan else cfg.data, cfg.data_source, " --repo-type dataset"),  # a plan reads no data
+    ]:
+        if path and not os.path.exists(path):
+            where = os.path.dirname(path) or "."
+            how = f"`huggingface-cli download {source}{kind} --local-dir {where}`" if source else "a local copy"
+            raise FileNotFoundError(f"{key}: {path} not found; put {how} there")
+    if cfg.export_gguf:  # what llama.cpp cannot read is refused now, not after the training
+        gguf_files.check_gguf_export(model_dir, cfg.export_gguf)
+    if not (cfg.preview or cfg.plan):
+        claim_out_dir(cfg)
+    return model_dir
+
+
+def claim_out_dir(cfg):
+    """Make sure this run may write to out_dir. A run already there (see run_files) is continued with --resume or
+    replaced with --overwrite; otherwise a chosen out_dir is refused, and the default one moves on to out-2, out-3,
+    ... (saying so), so running the default twice keeps both runs. cfg.out_dir is updated in place."""
+    ckpt = os.path.join(cfg.out_dir, "checkpoint.pt")
+    if cfg.resume and not os.path.isfile(ckpt):
+        raise FileNotFoundError(f"{ckpt}: no checkpoint to resume from")
+    if (held := run_files(cfg.out_dir)) and not (cfg.resume or cfg.overwrite):
+        if cfg.out_dir != type(cfg).out_dir:  # a chosen out_dir, not the default
+            raise FileExistsError(
+                f"out_dir: {cfg.out_dir} already holds a run ({held[0]}); continue it with --resume, replace it with "
+                "--overwrite, or choose another out_dir"
+            )
+        n = 2  # the first out-N without a run (every rank of a torchrun finds the same one)
+        while run_files(f"{cfg.out_dir}-{n}"):
+            n += 1
+        print(f"out_dir: {cfg.out_dir} holds an earlier run, kept as it is; this run writes to {cfg.out_dir}-{n}")
+        cfg.out_dir = f"{cfg.out_dir}-{n}"
+    try:
+        os.makedirs(cfg.out_dir, exist_ok=True)
+        probe = os.path.join(cfg.out_dir, f".write-test-{os.getpid()}")  # one per process: torchrun's ranks race
+        atomic_write(probe, lambda tmp: None)
+        os.remove(probe)
+    except OSError as e:
+        raise PermissionError(f"out_dir: cannot write to '{cfg.out_dir}' ({e.strerror})") from None
+
+
+def run_files(out_dir) -> list[str]:
+    """The files in out_dir that show a run was there: its checkpoint, its adapter, its metrics."""
+    return [p for f in ("checkpoint.pt", "adapter", "metrics.jsonl") if os.path.exists(p := os.path.join(out_dir, f))]

@@ -1,0 +1,42 @@
+"""support/flops.py: the peak FLOP/s MFU divides by.
+
+On simulated GPUs the peak comes from the datasheet for a known name matched word by word (L40 is not L4, A10G not
+A10) and from a measured matmul for any other, half the 16-bit peak for fp32 (TF32); on this CPU it is measured, never
+zero, in fp32 and in bf16 (also where bf16 is emulated: the matmul size adapts to the time a call takes).
+"""
+
+import pytest
+import torch
+
+from support import flops
+from support.flops import fmt_flops
+
+
+@pytest.mark.parametrize(
+    "name, source, tflops",
+    [
+        ("NVIDIA H100 80GB HBM3", "datasheet", 989),
+        ("NVIDIA H100 PCIe", "datasheet", 756),
+        ("NVIDIA L40", "datasheet", 181),
+        ("NVIDIA L4", "datasheet", 121),
+        ("Tesla T4", "datasheet", 65),
+        ("NVIDIA A10G", "measured", 42),
+        ("NVIDIA B200", "measured", 42),
+        ("Some Future GPU", "measured", 42),
+    ],
+)
+def test_peak_flops_of_simulated_gpus(monkeypatch, name, source, tflops):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    measured = []
+    monkeypatch.setattr(flops, "matmul_peak", lambda device, dtype: measured.append(device) or 42e12)
+    peak, got = flops.peak_flops(torch.device("cuda"), torch.bfloat16)
+    assert (got, peak) == (source, tflops * 1e12) and len(measured) == (source == "measured")
+    assert flops.peak_flops(torch.device("cuda"), torch.float32)[0] == (peak / 2 if source == "datasheet" else 42e12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_peak_is_measured(dtype):
+    """In either dtype, also one this CPU emulates (a minute a 2048^3 call there): the size adapts to the time."""
+    peak, source = flops.peak_flops(torch.device("cpu"), dtype)
+    assert source == "measured" and peak > 0  # MFU divides by it
+    assert fmt_flops(1.24e9) == "1.24 GFLOP/s" and fmt_flops(989e12) == "989 TFLOP/s"
