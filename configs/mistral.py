@@ -2,14 +2,10 @@
 # prompts through the model's own chat template, so the fine-tune answers in the format it is prompted with at
 # inference.
 #
-#   huggingface-cli download mistralai/Mistral-7B-Instruct-v0.3 --local-dir checkpoints/Mistral-7B-Instruct-v0.3
-#   huggingface-cli download ise-uiuc/Magicoder-OSS-Instruct-75K --repo-type dataset --local-dir data
 #   python train.py configs/mistral.py
 
-model = "checkpoints/Mistral-7B-Instruct-v0.3"
-model_source = "mistralai/Mistral-7B-Instruct-v0.3"
-data = "data/data-oss_instruct-decontaminated.jsonl"
-data_source = "ise-uiuc/Magicoder-OSS-Instruct-75K"
+model = "mistralai/Mistral-7B-Instruct-v0.3"  # a Hub id (fetched into the Hugging Face cache) or a local directory
+data = "ise-uiuc/Magicoder-OSS-Instruct-75K"  # a Hub dataset id (its JSONL file) or a local file
 data_format = "magicoder"
 template = ""  # the chat template: [INST] question [/INST] answer</s>
 context_length = "auto"
@@ -31,5 +27,5 @@ warmup_steps = 20
 eval_every = 100
 eval_rows = 64
 save_every = 100
-sample = False
+eval_samples = 2  # held-out answers at every evaluation, in metrics.jsonl
 out_dir = "out/mistral"

@@ -1,14 +1,10 @@
 # QLoRA of Qwen2.5-7B-Instruct (q/k/v biases, 28 layers, GQA 28:4) on Magicoder-OSS-Instruct-75K, prompts through the
 # model's own chat template, so the fine-tune answers in the format it is prompted with at inference.
 #
-#   huggingface-cli download Qwen/Qwen2.5-7B-Instruct --local-dir checkpoints/Qwen2.5-7B-Instruct
-#   huggingface-cli download ise-uiuc/Magicoder-OSS-Instruct-75K --repo-type dataset --local-dir data
 #   python train.py configs/qwen.py
 
-model = "checkpoints/Qwen2.5-7B-Instruct"
-model_source = "Qwen/Qwen2.5-7B-Instruct"
-data = "data/data-oss_instruct-decontaminated.jsonl"
-data_source = "ise-uiuc/Magicoder-OSS-Instruct-75K"
+model = "Qwen/Qwen2.5-7B-Instruct"  # a Hub id (fetched into the Hugging Face cache) or a local directory
+data = "ise-uiuc/Magicoder-OSS-Instruct-75K"  # a Hub dataset id (its JSONL file) or a local file
 data_format = "magicoder"
 template = ""  # the tokenizer's chat template (ChatML)
 context_length = "auto"
@@ -30,5 +26,5 @@ warmup_steps = 20
 eval_every = 100
 eval_rows = 64
 save_every = 100
-sample = False
+eval_samples = 2  # held-out answers at every evaluation, in metrics.jsonl
 out_dir = "out/qwen"

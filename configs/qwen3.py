@@ -2,14 +2,10 @@
 # prompts through the model's own chat template, so the fine-tune answers in the format it is prompted with at
 # inference.
 #
-#   huggingface-cli download Qwen/Qwen3-8B --local-dir checkpoints/Qwen3-8B
-#   huggingface-cli download ise-uiuc/Magicoder-OSS-Instruct-75K --repo-type dataset --local-dir data
 #   python train.py configs/qwen3.py
 
-model = "checkpoints/Qwen3-8B"
-model_source = "Qwen/Qwen3-8B"
-data = "data/data-oss_instruct-decontaminated.jsonl"
-data_source = "ise-uiuc/Magicoder-OSS-Instruct-75K"
+model = "Qwen/Qwen3-8B"  # a Hub id (fetched into the Hugging Face cache) or a local directory
+data = "ise-uiuc/Magicoder-OSS-Instruct-75K"  # a Hub dataset id (its JSONL file) or a local file
 data_format = "magicoder"
 template = ""  # the chat template (ChatML; the final answer gets the empty think block the template renders)
 context_length = "auto"
@@ -31,5 +27,5 @@ warmup_steps = 20
 eval_every = 100
 eval_rows = 64
 save_every = 100
-sample = False
+eval_samples = 2  # held-out answers at every evaluation, in metrics.jsonl
 out_dir = "out/qwen3"

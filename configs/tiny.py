@@ -15,5 +15,5 @@ precision = "fp32"
 eval_every = 2
 eval_rows = 4
 save_every = 2
-sample = False
+eval_samples = 0
 out_dir = "out/tiny"

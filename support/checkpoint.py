@@ -1,6 +1,7 @@
 """What does a checkpoint hold, and when may a run resume from it?
 
-checkpoint.pt holds the adapter weights, the optimizer and schedule state, fp16's loss scale and the settings. No RNG
+checkpoint.pt holds the adapter weights, the optimizer and schedule state, fp16's loss scale and the settings, every
+tensor whole and named by its parameter, so a run sharded over N ranks resumes on M ranks or on one process. No RNG
 state and no data position: every step reseeds its dropout from (seed, step, rank) and takes the rows pack.py gives
 that step, so the step number is all a resumed run needs, on any number of ranks. A resumed run must share the
 settings declared with resume=True in train.Config: they shape the adapters, the optimizer (whose saved state carries
@@ -18,14 +19,19 @@ import torch
 
 from support.atomic import atomic_write
 from support.config import resume_keys
+from support.fsdp import full, like
 
 
-def save_checkpoint(path, model, opt, sched, scaler, step, cfg):
-    """Adapter weights, optimizer, schedule and fp16's loss scale. No RNG state: every step reseeds from (seed, step,
-    rank)."""
-    lora_state = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+def save_checkpoint(path, model, opt, sched, scaler, step, cfg, main=True):
+    """Adapter weights, optimizer, schedule and fp16's loss scale, every tensor whole and keyed by its parameter's name
+    (a sharded model's shards are gathered: every rank calls this, rank 0 writes). No RNG state: every step reseeds
+    from (seed, step, rank)."""
+    lora_state = {n: full(p.detach()).clone() for n, p in model.named_parameters() if p.requires_grad}
+    optimizer = optimizer_state(model, opt)
+    if not main:
+        return
     # fmt: off
-    state = dict(step=step, lora=lora_state, optimizer=opt.state_dict(), scheduler=sched.state_dict(),
+    state = dict(step=step, lora=lora_state, optimizer=optimizer, scheduler=sched.state_dict(),
                  scaler=scaler.state_dict(), config=dataclasses.asdict(cfg))
     # fmt: on
 
@@ -36,7 +42,31 @@ def save_checkpoint(path, model, opt, sched, scaler, step, cfg):
     atomic_write(path, write)
 
 
+def optimizer_state(model, opt) -> dict:
+    """opt.state_dict() with whole tensors keyed by parameter name instead of position: what any number of ranks, or
+    one process, can load (`load_optimizer`)."""
+    names, params = {id(p): n for n, p in model.named_parameters()}, [p for g in opt.param_groups for p in g["params"]]
+    sd = opt.state_dict()
+    state = {names[id(params[i])]: {k: full(v) for k, v in s.items()} for i, s in sd["state"].items()}
+    groups = [g | {"params": [names[id(params[i])] for i in g["params"]]} for g in sd["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def load_optimizer(model, opt, saved):
+    """optimizer_state's dict into `opt`, each tensor laid out as its parameter is (this rank's shard under FSDP);
+    a checkpoint keyed by position (written before names were used) loads as it is."""
+    if any(isinstance(k, int) for k in saved["state"]):
+        return opt.load_state_dict(saved)
+    names, params = {id(p): n for n, p in model.named_parameters()}, [p for g in opt.param_groups for p in g["params"]]
+    index = {names[id(p)]: i for i, p in enumerate(params)}
+    state = {index[n]: {k: like(v, params[index[n]]) for k, v in s.items()} for n, s in saved["state"].items()}
+    groups = [g | {"params": [index[n] for n in g["params"]]} for g in saved["param_groups"]]
+    opt.load_state_dict({"state": state, "param_groups": groups})
+
+
 def load_checkpoint(path, model, opt, sched, scaler, cfg) -> int:
+    """The step a checkpoint was written at, its adapters, optimizer, schedule and loss scale loaded into the run (on
+    every rank); a corrupted file or one from other settings is a ValueError, loading nothing."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
         step, lora_state = state["step"], state["lora"]
@@ -51,18 +81,20 @@ def load_checkpoint(path, model, opt, sched, scaler, cfg) -> int:
         raise ValueError(f"{path}: checkpoint and model differ in their adapter parameters (first: {missing})")
     with torch.no_grad():
         for name, value in lora_state.items():
-            params[name].copy_(value)
-    opt.load_state_dict(state["optimizer"])
+            params[name].copy_(like(value, params[name]))
+    load_optimizer(model, opt, state["optimizer"])
     sched.load_state_dict(state["scheduler"])
     if state.get("scaler"):  # fp16's loss scale ({} when off)
         scaler.load_state_dict(state["scaler"])
     return step
 
 
-def save(cfg, model, opt, sched, scaler, step, history) -> int:
-    """out_dir/checkpoint.pt and out_dir/metrics.jsonl, each written whole; returns the step saved."""
-    save_checkpoint(os.path.join(cfg.out_dir, "checkpoint.pt"), model, opt, sched, scaler, step, cfg)
-    save_metrics(cfg, history)
+def save(cfg, model, opt, sched, scaler, step, history, main=True) -> int:
+    """out_dir/checkpoint.pt and out_dir/metrics.jsonl, each written whole by rank 0 (every rank calls it: a sharded
+    model's tensors are gathered); returns the step saved."""
+    save_checkpoint(os.path.join(cfg.out_dir, "checkpoint.pt"), model, opt, sched, scaler, step, cfg, main)
+    if main:
+        save_metrics(cfg, history)
     return step
 
 

@@ -153,5 +153,22 @@ def check_config(cfg):
         errors.append("device: cuda was asked for but torch sees no CUDA GPU; use auto or cpu")
     if "8bit" in cfg.optimizer and not optional.installed("bitsandbytes"):
         errors.append(f"optimizer: {cfg.optimizer} needs bitsandbytes (pip install bitsandbytes); or use adamw")
+    if cfg.log and not optional.installed(cfg.log):  # the package is named as the tracker is
+        errors.append(f"log: {cfg.log} needs the {cfg.log} package (pip install {cfg.log}); or leave log empty")
+    errors += [f"{key}: not with parallel=fsdp ({why})" for key, why in fsdp_conflicts(cfg)]
     if errors:
         raise ValueError("\n".join(errors))
+
+
+def fsdp_conflicts(cfg) -> list[tuple[str, str]]:
+    """(setting, why) for each setting a sharded run does not offer."""
+    if cfg.parallel != "fsdp":
+        return []
+    out = [("compile", "compiled blocks would run past FSDP's gathering hooks")] if cfg.compile else []
+    if "8bit" in cfg.optimizer:
+        out.append(("optimizer", "bitsandbytes' 8-bit AdamW does not take sharded parameters; use adamw"))
+    if cfg.export_merged or cfg.export_gguf:
+        key = "export_merged" if cfg.export_merged else "export_gguf"
+        out.append((key, "the merge needs the whole model in one process: after training, run the same config with "
+                         "--parallel=ddp --resume and the export, on one machine"))  # fmt: skip
+    return out

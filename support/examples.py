@@ -216,13 +216,15 @@ def stdlib_examples(split="train"):
     return out
 
 
-def train_and_val(cfg) -> tuple[list, list]:
-    """The training and validation examples a train.Config asks for: its data file (with val_data, or val_fraction of
-    it held out), else the stdlib dataset's two splits; at most max_examples for training."""
-    if cfg.data:
-        train_examples = load_examples(cfg.data, fmt=cfg.data_format, skip_bad_rows=cfg.skip_bad_rows)
-        if cfg.val_data:
-            val_examples = load_examples(cfg.val_data, fmt=cfg.data_format, skip_bad_rows=cfg.skip_bad_rows)
+def train_and_val(cfg, files) -> tuple[list, list]:
+    """The training and validation examples a train.Config asks for, from its data files (`files`: {"data": paths,
+    "val_data": paths}, several files read one after the other): val_data's, or val_fraction of data held out; without
+    data the stdlib dataset's two splits. At most max_examples for training."""
+    read = lambda paths: [ex for p in paths for ex in load_examples(p, cfg.data_format, cfg.skip_bad_rows)]  # noqa: E731
+    if files["data"]:
+        train_examples = read(files["data"])
+        if files["val_data"]:
+            val_examples = read(files["val_data"])
         else:
             n = len(train_examples)
             train_examples, val_examples = split_examples(train_examples, cfg.val_fraction, seed=cfg.seed)

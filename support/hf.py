@@ -117,8 +117,9 @@ class Checkpoint:
         return t
 
 
-def load_weights_(model, ckpt, dtype=None, device=None):
-    """Fill every parameter still on the meta device from `ckpt`, one tensor at a time, then tie lm_head."""
+def load_weights_(model, ckpt, dtype=None, device=None, within=""):
+    """Fill every parameter still on the meta device from `ckpt`, one tensor at a time, then tie lm_head. within: fill
+    only the modules under this name ("model.layers.3."), for a model loaded block by block (support/fsdp.py)."""
     tied = model.config.tie_word_embeddings
     with torch.device("meta"):  # the tensor names a plain Llama of this config owns (nothing is allocated)
         known = {name for name, _ in Llama(model.config).named_parameters(remove_duplicate=False)}
@@ -130,11 +131,11 @@ def load_weights_(model, ckpt, dtype=None, device=None):
     for mod_name, module in model.named_modules():
         for p_name, p in list(module.named_parameters(recurse=False)):
             name = f"{mod_name}.{p_name}"
-            if not p.is_meta or (tied and name == "lm_head.weight"):
+            if not p.is_meta or (tied and name == "lm_head.weight") or not name.startswith(within):
                 continue
             t = ckpt.get(name, p.shape)
             setattr(module, p_name, nn.Parameter(t.to(device, dtype or t.dtype), requires_grad=p.requires_grad))
-    if tied:
+    if tied and not within:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model
 
@@ -249,8 +250,9 @@ def save_quantized(model, out_dir):
 
 
 # ----------------------------------------------------------------------------- PEFT adapters
-def save_adapter(model, out_dir, base_model_name_or_path=None):
-    """Write adapter_config.json + adapter_model.safetensors in PEFT's format."""
+def save_adapter(model, out_dir, base_model_name_or_path=None, weights=None):
+    """Write adapter_config.json + adapter_model.safetensors in PEFT's format. weights: {"<module>.lora_A.weight":
+    tensor, ...} to write instead of the modules' own (a sharded model's, gathered whole)."""
     mods = lora.lora_modules(model)
     if not mods:
         raise ValueError("save_adapter: the model has no LoRA adapters (call add_lora_ first)")
@@ -267,9 +269,10 @@ def save_adapter(model, out_dir, base_model_name_or_path=None):
         "modules_to_save": None, "layers_to_transform": None, "use_dora": False,
     }
     # fmt: on
-    tensors = {
-        f"{PEFT_PREFIX}{n}.{ab}.weight": getattr(m, ab).weight for n, m in mods.items() for ab in ("lora_A", "lora_B")
+    weights = weights or {
+        f"{n}.{ab}.weight": getattr(m, ab).weight for n, m in mods.items() for ab in ("lora_A", "lora_B")
     }
+    tensors = {PEFT_PREFIX + k: v for k, v in weights.items()}
     os.makedirs(out_dir, exist_ok=True)
     write_safetensors(os.path.join(out_dir, "adapter_model.safetensors"), tensors)
     write_json(os.path.join(out_dir, "adapter_config.json"), config)

@@ -1,4 +1,5 @@
-"""How much memory a LoRA or QLoRA run takes, which settings fit a GPU, and what a run really used.
+"""How much memory does a LoRA or QLoRA run take, which settings fit a GPU, how many rows go in a micro-batch, and
+what did a run really use?
 
 The breakdown
 -------------
@@ -22,17 +23,16 @@ weights to about 7 GB. What is left to fight is activations.
 Activations, per token per block, in the compute dtype's A bytes (h hidden, i intermediate, q = H * D, kv = Hkv * D, r
 the LoRA rank), read off what our modules save: each RMSNorm keeps its fp32 input and its A-byte output (4h + Ah,
 twice); attention keeps q, k, v, its output and a logsumexp per head (A(2q + 2kv) + 4H; the varlen kernels never
-materialise the (T, T) scores; on CPU and older GPUs each document's are kept zero-padded to model.bucket of its length,
-which this count leaves out: 13% more of them on the default stdlib data, about 1% of all activations); the MLP keeps
-gate, silu(gate) and up (3Ai); the frozen base linears keep nothing (dL/dx needs only W, dequantized again in backward);
-each adapted linear keeps r numbers of its LoRA branch, and with dropout a dropped copy of its input plus a byte mask
-per element ((A + 1) times its input size), without dropout only down_proj's input (Ai), the others sharing tensors
-already kept. The full-vocabulary loss (chunked_loss=False) keeps all (tokens, V) fp32 logits, and its transient
+materialise the (T, T) scores; on CPU and older GPUs each document's are kept zero-padded to attention.bucket of its
+length, which this count leaves out: 13% more of them on the default stdlib data, about 1% of all activations); the MLP
+keeps gate, silu(gate) and up (3Ai); the frozen base linears keep nothing (dL/dx needs only W, dequantized again in
+backward); each adapted linear keeps r numbers of its LoRA branch, and with dropout a dropped copy of its input plus a
+byte mask per element ((A + 1) times its input size), without dropout only down_proj's input (Ai), the others sharing
+tensors already kept. The full-vocabulary loss (chunked_loss=False) keeps all (tokens, V) fp32 logits, and its transient
 below spans every token, not one chunk: 12 bytes per logit in all. Activation checkpointing keeps only each block's
-input (Ah) and recomputes one block at a time in backward. The loss works on c = min(tokens, 1024) rows (zero-padded
-to model.bucket(c)) of the vocabulary V at a time, at the end of forward when everything else is alive: its fp32
-logits, and beside them the matmul's 16-bit output, logsumexp's scratch copy or the 16-bit gradient, 8 bytes per
-logit.
+input (Ah) and recomputes one block at a time in backward. The loss works on c = min(tokens, 1024) rows (zero-padded to
+attention.bucket(c)) of the vocabulary V at a time, at the end of forward when everything else is alive: its fp32
+logits, and beside them the matmul's 16-bit output, logsumexp's scratch copy or the 16-bit gradient, 8 bytes per logit.
 
 Beyond torch's own count: a GPU holds the CUDA context and kernels (about 1 GiB, which torch.cuda.max_memory_allocated
 does not see but the card's capacity must). On CPU, peak RSS holds two things more: the process itself (Python, torch,
@@ -49,6 +49,12 @@ parts that do not depend on the batch fit at one row (16-bit base with AdamW; el
 AdamW; activations at one row with checkpointing), then the activations (without checkpointing if one row fits,
 else with it), then grow the micro-batch while it fits. Packed varlen attention is assumed throughout: its activations
 grow with tokens, not with tokens squared.
+
+The micro-batch
+---------------
+`micro_batch_rows` sizes the micro-batch once per run: on CUDA the largest number of rows whose forward and backward
+fit, probed on the longest rows while the optimizer state (allocated at the first step) is held in reserve; on CPU
+memory comes first, CPU_MICRO_TOKENS tokens per micro-batch, fewer rows if the estimate says they would not fit.
 
 The measurement
 ---------------
@@ -89,11 +95,13 @@ def nf4_bytes(n):
     return (n + 1) // 2 + blocks + 4 * math.ceil(blocks / 256) + 4
 
 
-def estimate(config, tokens, dtype, quantize, lora, opt_bytes, checkpointing, cpu=False, chunked=True):
-    """Bytes by part for a micro-batch of `tokens` tokens: weights, adapters, gradients, optimizer, activations,
-    transient, and on CPU the heap (see the file docstring). lora: the LoRA settings (train.Config.adapters: targets
-    as model.find_linears, r, dropout); chunked=False is the full-vocabulary loss, whose (tokens, V) fp32 logits are
-    kept for backward."""
+def estimate(config, tokens, dtype, quantize, lora, opt_bytes, checkpointing, cpu=False, chunked=True, shards=0,
+             offload=False):  # fmt: skip
+    """Bytes by part for a micro-batch of `tokens` tokens, on one rank: weights, adapters, gradients, optimizer,
+    activations, transient, on CPU the heap, and when sharded what is gathered (see the file docstring). lora: the LoRA
+    settings (train.Config.adapters: targets as model.find_linears, r, dropout); chunked=False is the full-vocabulary
+    loss, whose (tokens, V) fp32 logits are kept for backward; shards: FSDP over that many ranks (0: not sharded),
+    offload: its shards kept in CPU memory."""
     targets, lora_r, dropout = lora["targets"], lora["r"], lora["dropout"]
     with torch.device("meta"):  # shapes only: nothing is allocated
         model = Llama(config)
@@ -127,42 +135,66 @@ def estimate(config, tokens, dtype, quantize, lora, opt_bytes, checkpointing, cp
         "activations": kept + tokens * (4 * h + 2 * a * c.head_dim),  # + the final norm's fp32 input, RoPE's cos/sin
         "transient": transient,
     }
-    return parts | ({"heap": parts["activations"]} if cpu else {})
+    parts |= {"heap": parts["activations"]} if cpu else {}
+    if shards:
+        root = a * sum(p.numel() for n, p in model.named_parameters() if not n.startswith("model.layers."))
+        parts |= sharded(parts, root, layers, shards, offload)
+    return parts
+
+
+def sharded(parts, root, layers, shards, offload) -> dict:
+    """The parts a rank holds under FSDP: 1/shards of the weights, adapters, gradients and optimizer state (none of it
+    on the GPU when offloaded to CPU memory), plus what is gathered: the root's weights (embeddings, final norm,
+    lm_head) for the whole step, and two blocks, the one computing and the next one prefetched."""
+    block = (parts["weights"] - root + parts["adapters"]) / layers
+    keep = 0 if offload else 1 / shards
+    held = {k: int(parts[k] * keep) for k in ("weights", "adapters", "gradients", "optimizer")}
+    return held | {"gathered": int(root + 2 * block)}
 
 
 def fmt(n):
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
 
 
+def gpu_count(spec) -> int:
+    """N of an "NxSPEC" --plan ("2x24GB", "8xH100"), else 1."""
+    count, x, _ = spec.upper().replace(" ", "").partition("X")
+    return int(count) if x and count.isdigit() and int(count) >= 1 else 1
+
+
 def budget_bytes(spec):
-    """A memory budget from "H100", "24GB" or "24GiB" (GB taken as GiB), minus the CUDA context."""
+    """The memory budget of one GPU from "H100", "24GB", "24GiB" (GB taken as GiB) or "2x24GB", less the CUDA
+    context."""
     name = spec.upper().replace(" ", "")
+    name = name.partition("X")[2] if gpu_count(spec) > 1 or name.startswith("1X") else name
     if name in GPU_MIB:
         return GPU_MIB[name] * MIB - CUDA_CONTEXT
-    number = name.removesuffix("GIB").removesuffix("GB")
     try:
-        return float(number) * GIB - CUDA_CONTEXT
+        return float(name.removesuffix("GIB").removesuffix("GB")) * GIB - CUDA_CONTEXT
     except ValueError:
         known = ", ".join(GPU_MIB)
-        raise ValueError(f"plan: {spec!r} is neither a size like 24GB nor a known GPU ({known})") from None
+        raise ValueError(
+            f"plan: {spec!r} is neither a size like 24GB nor a known GPU ({known}), optionally as N x it (2x24GB)"
+        ) from None
 
 
-def plan(config, budget, context, max_rows, dtype, lora, chunked=True):
-    """(table rows, choice) of the decision tree for `config` in `budget` bytes: every NF4/16-bit base, optimizer,
-    checkpointing and micro-batch size in powers of two up to max_rows, each with its estimate, and the first that
-    the tree reaches (fastest first: 16-bit before NF4, AdamW before 8-bit, no checkpointing before checkpointing,
-    then the largest micro-batch); the choice is None when nothing fits."""
+def plan(config, budget, context, max_rows, dtype, lora, chunked=True, shards=0, offload=False):
+    """(table rows, choice) of the decision tree for `config` in `budget` bytes per rank: every NF4/16-bit base,
+    optimizer, checkpointing and micro-batch size in powers of two up to max_rows, each with its estimate, and the
+    first that the tree reaches (fastest first: 16-bit before NF4, AdamW before 8-bit, no checkpointing before
+    checkpointing, then the largest micro-batch); the choice is None when nothing fits. shards, offload: as estimate
+    (a sharded run takes AdamW only)."""
     rows_options = [r for r in (1, 2, 4, 8, 16, 32, 64) if r <= max_rows] or [1]
-    table = {}
+    table, kw = {}, dict(chunked=chunked, shards=shards, offload=offload)
     for quantize in (False, True):
         for opt_bytes in (8, 2):
             for ckpt in (False, True):
                 for rows in rows_options:
-                    tokens = rows * context
-                    parts = estimate(config, tokens, dtype, quantize, lora, opt_bytes, ckpt, chunked=chunked)
+                    parts = estimate(config, rows * context, dtype, quantize, lora, opt_bytes, ckpt, **kw)
                     table[quantize, opt_bytes, ckpt, rows] = sum(parts.values())
     fits = lambda key: table[key] <= budget  # noqa: E731
-    base = next(((qz, ob) for qz in (False, True) for ob in (8, 2) if fits((qz, ob, True, 1))), None)
+    optimizers = (8,) if shards else (8, 2)
+    base = next(((qz, ob) for qz in (False, True) for ob in optimizers if fits((qz, ob, True, 1))), None)
     if base is None:
         return table, None
     ckpt = not fits((*base, False, 1))
@@ -171,16 +203,30 @@ def plan(config, budget, context, max_rows, dtype, lora, chunked=True):
 
 
 def report(config, spec, context, max_rows, dtype, lora, chunked=True):
-    """The plan as text: the table of estimates, then the choice and the tree's reasons."""
-    budget = budget_bytes(spec)
-    table, choice = plan(config, budget, context, max_rows, dtype, lora, chunked)
-    rows = sorted({k[3] for k in table})
+    """The plan as text: the table of estimates, then the choice and the tree's reasons. On several GPUs the tree
+    first tries replicating the model on each (DDP), then sharding it (FSDP), then sharding and offloading to CPU."""
+    gpus, budget = gpu_count(spec), budget_bytes(spec)
     loss = "chunked" if chunked else "full-vocabulary"
     lines = [
-        f"memory plan for {spec} ({fmt(budget)} after the CUDA context), rows of {context} tokens, LoRA r={lora['r']}, "
-        f"{loss} loss"
+        f"memory plan for {spec} ({fmt(budget)}{' per GPU' * (gpus > 1)} after the CUDA context), rows of {context} "
+        f"tokens, LoRA "
+        f"r={lora['r']}, {loss} loss"
     ]
-    lines.append(f"{'base':7} {'optimizer':10} {'checkpointing':14}" + "".join(f"{f'{r} row(s)':>12}" for r in rows))
+    ways = [("", 0, False)] + ([("FSDP", gpus, False), ("FSDP, CPU offload", gpus, True)] if gpus > 1 else [])
+    for way, shards, offload in ways:
+        table, choice = plan(config, budget, context, max_rows, dtype, lora, chunked, shards, offload)
+        lines += [f"-- {way or ('DDP' if gpus > 1 else 'one GPU')}: bytes per GPU"] if gpus > 1 else []
+        lines += plan_table(table, budget)
+        if choice is not None:
+            lines.append(plan_choice(choice, context, gpus, way, offload))
+            return "\n".join(lines)
+    lines.append("nothing fits: even an NF4 base with 8-bit AdamW and checkpointing needs more at one row")
+    return "\n".join(lines)
+
+
+def plan_table(table, budget) -> list[str]:
+    rows = sorted({k[3] for k in table})
+    lines = [f"{'base':7} {'optimizer':10} {'checkpointing':14}" + "".join(f"{f'{r} row(s)':>12}" for r in rows)]
     for quantize in (False, True):
         for opt_bytes in (8, 2):
             for ckpt in (False, True):
@@ -188,19 +234,22 @@ def report(config, spec, context, max_rows, dtype, lora, chunked=True):
                 head = f"{'NF4' if quantize else '16-bit':7} {'AdamW' if opt_bytes == 8 else '8-bit':10} "
                 head += f"{'yes' if ckpt else 'no':14}"
                 lines.append(head + "".join(f"{fmt(v) + (' ' if v <= budget else '*'):>12}" for v in cells))
-    lines.append("* does not fit")
-    if choice is None:
-        lines.append("nothing fits: even an NF4 base with 8-bit AdamW and checkpointing needs more at one row")
-    else:
-        quantize, opt_bytes, ckpt, r = choice
-        optimizer = "AdamW" if opt_bytes == 8 else "8-bit AdamW"
-        lines.append(
-            f"fastest that fits: {'NF4' if quantize else '16-bit'} base, {optimizer}, "
-            f"checkpointing {'on' if ckpt else 'off'}, {r} row(s) per micro-batch "
-            f"(train.py: --quantize={quantize} --optimizer={'adamw' if opt_bytes == 8 else 'adamw8bit'} "
-            f"--activation_checkpointing={ckpt} --micro_batch_tokens={r * context})"
-        )
-    return "\n".join(lines)
+    return lines + ["* does not fit"]
+
+
+def plan_choice(choice, context, gpus, way, offload) -> str:
+    quantize, opt_bytes, ckpt, r = choice
+    optimizer = "AdamW" if opt_bytes == 8 else "8-bit AdamW"
+    flags = f"--quantize={quantize} --optimizer={'adamw' if opt_bytes == 8 else 'adamw8bit'} "
+    flags += f"--activation_checkpointing={ckpt} --micro_batch_tokens={r * context}"
+    command = "train.py" if gpus == 1 else f"torchrun --nproc_per_node={gpus} train.py"
+    if way:
+        flags += f" --parallel=fsdp --cpu_offload={offload}"
+    where = f" on {gpus} GPUs, {way or 'DDP'}" if gpus > 1 else ""
+    return (
+        f"fastest that fits{where}: {'NF4' if quantize else '16-bit'} base, {optimizer}, checkpointing "
+        f"{'on' if ckpt else 'off'}, {r} row(s) per micro-batch ({command}: {flags})"
+    )
 
 
 def peak(device) -> int:
@@ -271,7 +320,7 @@ def micro_batch_rows(cfg, place, model, trainset, rows_per_rank, forward_loss) -
         rows = probe_micro_rows(attempt, rows_per_rank, place.device)
         del reserve
         return rows
-    # CPU: memory first. Several rows per micro-batch buy a little speed for a much larger resident set (the README's
+    # CPU: memory first. Several rows per micro-batch buy a little speed for a much larger resident set (the CPU
     # ladder measures both); set micro_batch_tokens to trade the other way.
     import psutil
 
@@ -285,10 +334,11 @@ def micro_batch_rows(cfg, place, model, trainset, rows_per_rank, forward_loss) -
 
 def run_estimate(cfg, config, tokens, place) -> dict:
     """estimate for a run's settings (a train.Config) in its dtype on its device: bytes by part for a micro-batch of
-    `tokens` tokens."""
+    `tokens` tokens, on one rank."""
     return estimate(
         config, tokens, place.dtype, cfg.quantize, cfg.adapters(), optimizer_bytes(cfg.optimizer),
         cfg.activation_checkpointing, cpu=place.device.type == "cpu", chunked=cfg.chunked_loss,
+        shards=place.world if cfg.parallel == "fsdp" else 0, offload=cfg.cpu_offload,
     )  # fmt: skip
 
 

@@ -4,7 +4,8 @@ In out_dir: adapter/ (PEFT's format, which transformers + PEFT and vLLM load), l
 over the steps), and on request merged/ (the adapters folded into the base, a plain Hugging Face model) and
 model-<type>.gguf with its Ollama Modelfile. The merge is checked before anything of it is written
 (support/merge_check.py) and its report joins metrics.jsonl. On the terminal: the validation loss before and after,
-and the held-out prompt's answer before and after training beside the reference, each with its similarity to it.
+and the first held-out prompt's answer at the first and the last evaluation beside the reference, each with its
+similarity to it.
 """
 
 import difflib
@@ -17,33 +18,46 @@ from support.merge_check import merge_and_check_
 from support.tokenizer import render
 
 
-def write_outputs(cfg, model, tok, held_out, history, samples, model_dir):
-    """The adapter, the loss plot, the samples (before, after: strings, or None when not asked for) and, on request,
-    a merged export and a GGUF."""
+def write_outputs(cfg, model, tok, prompts, history, adapter, model_dir, tracker=None):
+    """The adapter (`adapter`: its tensors by parameter name, whole), the loss plot, the first held-out answer at the
+    first and at the last evaluation beside its reference and, on request, a merged export and a GGUF."""
     adapter_dir = os.path.join(cfg.out_dir, "adapter")
-    hf.save_adapter(model, adapter_dir, base_model_name_or_path=os.path.abspath(model_dir))
+    hf.save_adapter(model, adapter_dir, base_model_name_or_path=os.path.abspath(model_dir), weights=adapter)
     print(f"adapter written to {adapter_dir}")
     plot_losses(history, os.path.join(cfg.out_dir, "loss.png"))
     vals = [h["val_loss"] for h in history if "val_loss" in h]
     if len(vals) > 1:
         print(f"val loss: {vals[0]:.4f} -> {vals[-1]:.4f}")
-    prompt, reference, bos = render(held_out, tok, cfg.template or None)
-    if samples:
-        similarity = [difflib.SequenceMatcher(None, s, reference).ratio() for s in samples]
+    answers = [(h["step"], h["samples"][0]["answer"]) for h in history if h.get("samples")]
+    if prompts and len(answers) > 1:
+        prompt, reference, _ = render(prompts[0], tok, cfg.template or None)
         print(f"--- held-out prompt ---\n{prompt}\n--- reference ---\n{reference}")
-        for when, text, sim in zip(("before", "after"), samples, similarity, strict=True):
-            print(f"--- {when} training (similarity {sim:.3f}) ---\n{text}")
+        for (step, text), when in zip((answers[0], answers[-1]), ("before", "after"), strict=True):
+            sim = difflib.SequenceMatcher(None, text, reference).ratio()
+            print(f"--- {when} training (step {step}, similarity {sim:.3f}) ---\n{text}")
     if cfg.export_merged or cfg.export_gguf:
-        export(cfg, model, history, model_dir, tok.encode(prompt, bos=bos))
+        export(cfg, model, history, model_dir, held_out_ids(cfg, tok, prompts), tracker)
+    if tracker:
+        tracker.close()
 
 
-def export(cfg, model, history, model_dir, prompt_ids):
+def held_out_ids(cfg, tok, prompts) -> list[int]:
+    """The token ids the merge check runs: the first held-out prompt, or a few fixed tokens without one."""
+    if not prompts:
+        return tok.encode("def fibonacci(n):")
+    prompt, _, bos = render(prompts[0], tok, cfg.template or None)
+    return tok.encode(prompt, bos=bos)
+
+
+def export(cfg, model, history, model_dir, prompt_ids, tracker=None):
     """The merge, checked on the held-out prompt, into out_dir/merged; its check joins metrics.jsonl; then the GGUF."""
     merged_dir = os.path.join(cfg.out_dir, "merged")
     original = hf.Checkpoint(model_dir) if cfg.quantize and not hf.is_prequantized(model_dir) else None
     _, report = merge_and_check_(model, [prompt_ids], original=original)
     history.append({"step": cfg.max_steps, "merge": report})
     save_metrics(cfg, history)
+    if tracker:
+        tracker.log(history[-1])
     hf.export_merged(model, merged_dir, tokenizer_dir=model_dir)
     print(f"merged model written to {merged_dir} (merged into {report['merged_into']} weights)")
     if cfg.export_gguf:

@@ -18,7 +18,7 @@ import torch
 
 import lora
 import quant
-from support import memory
+from support import fsdp, memory
 from support.flops import fmt_flops, peak_flops
 from support.precision import name
 
@@ -77,13 +77,16 @@ def nf4_error(model) -> dict | None:
     return errors
 
 
-def adapter_report(model, record, bar):
-    """Adapter health into `record` and one line (a warning when no B has moved: the adapters are not training)."""
-    health = lora.adapter_health(model)
+def adapter_report(model, record, bar, main=True):
+    """Adapter health into `record` and one line (a warning when no B has moved: the adapters are not training). Every
+    rank of a sharded model computes it (its blocks are gathered one by one); rank 0 writes."""
+    health = fsdp.adapter_health(model) if fsdp.is_sharded(model) else lora.adapter_health(model)
     updates = {n: u for n, (u, _) in health.items()}
     moved = sum(m for _, m in health.values()) / len(health)
     worst = max(updates, key=updates.get)
     record["adapters"] = dict(update=updates, mean=sum(updates.values()) / len(updates), b_moved=moved)
+    if not main:
+        return
     bar.write(
         f"adapters at step {record['step']}: ||scale B A|| / ||W|| mean {record['adapters']['mean']:.2e}, largest "
         f"{updates[worst]:.2e} ({worst}); {100 * moved:.1f}% of B moved from zero"
@@ -95,8 +98,9 @@ def adapter_report(model, record, bar):
         )
 
 
-def show_step(bar, record, place, estimated, max_steps):
-    """The progress bar's line for a step; once, after step 2, the measured peak memory beside the estimate."""
+def show_step(bar, record, place, estimated, max_steps, tracker=None):
+    """The progress bar's line for a step (and the record to the tracker); once, after step 2, the measured peak memory
+    beside the estimate."""
     if place.device.type == "cuda":
         record["peak_mem"] = memory.peak(place.device)
     bar.set_postfix_str(
@@ -109,3 +113,5 @@ def show_step(bar, record, place, estimated, max_steps):
     if record["step"] == min(2, max_steps):  # the estimate, checked against what the first steps really took
         peak = memory.fmt(memory.peak(place.device))
         bar.write(f"measured peak memory after {record['step']} steps: {peak} (estimated {memory.fmt(estimated)})")
+    if tracker:
+        tracker.log(record)

@@ -1,6 +1,6 @@
 """Are the inputs there, and may this run write to out_dir?
 
-Checked before any work: the model's config.json and the data exist (else one line saying how to get them), a GGUF
+Checked before any work: the model's config.json and the data exist (Hub ids resolved by support/hub.py), a GGUF
 export of something llama.cpp cannot read is refused now rather than after the training, and out_dir is writable and
 holds no other run. A run already there (a checkpoint, an adapter or metrics) is continued with --resume or replaced
 with --overwrite; a chosen out_dir holding one is refused, and the default one moves on to out-2, out-3, ... (saying
@@ -9,28 +9,25 @@ so), so running the default twice keeps both runs.
 
 import os
 
-from support import gguf_files
+from support import gguf_files, hub
 from support.atomic import atomic_write
 
 
-def claim_inputs(cfg) -> str:
+def claim_inputs(cfg) -> tuple[str, dict]:
     """Fail before any work when out_dir is not writable, holds another run, or the model, data or checkpoint is
-    missing; returns the model directory ("" = the embedded SmolLM2, converted on first use). A preview writes
-    nothing, so it claims no out_dir."""
-    model_dir = cfg.model or gguf_files.smollm2_dir()
-    for key, path, source, kind in [
-        ("model", os.path.join(model_dir, "config.json"), cfg.model_source, ""),
-        ("data", "" if cfg.plan else cfg.data, cfg.data_source, " --repo-type dataset"),  # a plan reads no data
-    ]:
-        if path and not os.path.exists(path):
-            where = os.path.dirname(path) or "."
-            how = f"`huggingface-cli download {source}{kind} --local-dir {where}`" if source else "a local copy"
-            raise FileNotFoundError(f"{key}: {path} not found; put {how} there")
+    missing; returns the model directory (the embedded SmolLM2 when cfg.model is "", converted on first use) and the
+    data files {"data": [...], "val_data": [...]} (empty lists for "", the stdlib dataset), Hub ids resolved into the
+    Hugging Face cache. A preview writes nothing, so it claims no out_dir; a plan reads no data."""
+    model_dir = hub.model_dir(cfg.model) if cfg.model else gguf_files.smollm2_dir()
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise FileNotFoundError(f"model: {os.path.join(model_dir, 'config.json')} not found (not a model directory)")
+    files = {key: hub.data_files(getattr(cfg, key)) if getattr(cfg, key) and not cfg.plan else []
+             for key in ("data", "val_data")}  # fmt: skip
     if cfg.export_gguf:  # what llama.cpp cannot read is refused now, not after the training
         gguf_files.check_gguf_export(model_dir, cfg.export_gguf)
     if not (cfg.preview or cfg.plan):
         claim_out_dir(cfg)
-    return model_dir
+    return model_dir, files
 
 
 def claim_out_dir(cfg):

@@ -1,12 +1,12 @@
-"""What this file proves about bench.py (nothing here is timed, no speed is asserted):
+"""What this file proves about bench.py and benchmarks/ (nothing here is timed, no speed is asserted):
 
 The training comparison (`bench.py train`):
 
 - the peer (transformers + PEFT) trains on exactly the token tensors train.py trains on: for the equal-work file and
-  for the stdlib dataset one example per row, bench.peer_dataset(...).step_batch equals train.build_data(...)'s
+  for the stdlib dataset one example per row, cpu_train.peer_dataset(...).step_batch equals train.build_data(...)'s
   step_batch tensor for tensor, step after step and across the epoch boundary;
 - every row of the equal-work file is a full 512-token row with all 511 targets supervised, so neither side pads;
-- bench.hf_batch turns our pre-shifted labels and per-document position ids into inputs on which transformers'
+- common.hf_batch turns our pre-shifted labels and per-document position ids into inputs on which transformers'
   LlamaForCausalLM computes our loss: its mean cross-entropy on a padded batch equals our Llama's summed loss over
   the supervised-token count (a small random model, fp32);
 - with --repeat, the tables pool each configuration's repeats and give every ratio as the median of the per-round
@@ -25,7 +25,7 @@ The GPU benchmark (`bench.py gpu`):
   build_systems holds our very weight tensors and computes our loss on them;
 - step_flops charges every document (and run of padding) flops_per_token at its own length;
 - the profile sorts kernels as an H200 names them: FlashAttention's (whose names hold "cutlass") as attention, cuBLAS's
-  as matmuls, quant.py's Triton kernel as NF4 dequantization, Inductor's fused kernels as other.
+  as matmuls, support/nf4_cuda.py's Triton kernel as NF4 dequantization, Inductor's fused kernels as other.
 """
 
 import json
@@ -40,9 +40,10 @@ import torch
 import transformers
 from safetensors.torch import save_file
 
-import bench
 import train
-from model import Llama, flops_per_token
+from benchmarks import common, cpu_train, gpu, gpu_systems, gpu_workloads
+from model import Llama
+from support.flops import flops_per_token
 from support.hf_config import from_hf, read_config, to_hf
 from support.tokenizer import Tokenizer
 
@@ -53,12 +54,13 @@ def setup(smollm2_dir, tmp_path_factory):
     tmp = tmp_path_factory.mktemp("bench")
     tok, cache = Tokenizer(smollm2_dir), str(tmp / "cache")
     path = str(tmp / "padded.jsonl")
-    bench.write_padded_jsonl(path, tok, cache_dir=cache)
+    cpu_train.write_padded_jsonl(path, tok, cache_dir=cache)
     return tok, cache, path, read_config(smollm2_dir)[0]
 
 
 def train_batches(cfg, tok, steps):
-    trainset, _, _ = train.build_data(cfg, tok, 8192, master=True)
+    files = {key: [getattr(cfg, key)] if getattr(cfg, key) else [] for key in ("data", "val_data")}  # as claim_inputs
+    trainset, _, _ = train.build_data(cfg, tok, files, 8192, train.Placement(0, 1, torch.device("cpu")))
     rows = cfg.batch_tokens // trainset.context_length
     return [trainset.step_batch(s, rows) for s in steps]
 
@@ -72,21 +74,21 @@ def test_peer_sees_train_py_tensors(setup, workload):
         val_data=data,
         pack=False,
         train_on_prompt=bool(data),
-        context_length=bench.CONTEXT,
-        batch_tokens=bench.ROWS * bench.CONTEXT,
-        seed=bench.SEED,
+        context_length=cpu_train.CONTEXT,
+        batch_tokens=cpu_train.ROWS * cpu_train.CONTEXT,
+        seed=cpu_train.SEED,
         cache_dir=cache,
     )
-    ds = bench.peer_dataset(data, tok, bool(data), cache_dir=cache)
-    steps = [0, 1, 2, ds.steps_per_epoch(bench.ROWS) + 1]  # the last one is in the second epoch
+    ds = cpu_train.peer_dataset(data, tok, bool(data), cache_dir=cache)
+    steps = [0, 1, 2, ds.steps_per_epoch(cpu_train.ROWS) + 1]  # the last one is in the second epoch
     for step, ours in zip(steps, train_batches(cfg, tok, steps), strict=True):
-        peer = ds.step_batch(step, bench.ROWS)
+        peer = ds.step_batch(step, cpu_train.ROWS)
         assert peer.keys() == ours.keys()
         for k in ours:
             assert torch.equal(peer[k], ours[k]), (workload, step, k)
         if workload == "padded":
-            assert peer["input_ids"].shape == (bench.ROWS, bench.CONTEXT)
-            assert int((peer["labels"] != -100).sum()) == bench.ROWS * (bench.CONTEXT - 1)
+            assert peer["input_ids"].shape == (cpu_train.ROWS, cpu_train.CONTEXT)
+            assert int((peer["labels"] != -100).sum()) == cpu_train.ROWS * (cpu_train.CONTEXT - 1)
 
 
 def test_hf_batch_gives_our_loss(setup, tmp_path):
@@ -101,8 +103,8 @@ def test_hf_batch_gives_our_loss(setup, tmp_path):
     json.dump(to_hf(cfg), open(tmp_path / "config.json", "w"))
     ref = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
 
-    batch = bench.peer_dataset("", tok, False, cache_dir=cache).step_batch(0, bench.ROWS)
-    inputs = bench.hf_batch(batch)
+    batch = cpu_train.peer_dataset("", tok, False, cache_dir=cache).step_batch(0, cpu_train.ROWS)
+    inputs = common.hf_batch(batch)
     assert (inputs["attention_mask"] == 0).any(), "the batch should hold padding"
     with torch.no_grad():
         loss_sum, n = model(batch["input_ids"], batch["position_ids"], labels=batch["labels"])
@@ -127,14 +129,14 @@ def train_results(rates, repeat_key=True):
 
 def test_train_tables_take_the_median_of_per_round_ratios(capsys):
     results = train_results([(100, 150), (50, 100), (100, 210)])  # per-round ratios 1.5, 2.0, 2.1
-    by = bench.merge_repeats(results)
+    by = cpu_train.merge_repeats(results)
     assert sorted(by["padded-fp32/ours"]["rounds"]) == [0, 1, 2]
-    ratio = bench.round_ratio(by["padded-fp32/ours"], by["padded-fp32/peer"], "tokens_per_s")
+    ratio = cpu_train.round_ratio(by["padded-fp32/ours"], by["padded-fp32/peer"], "tokens_per_s")
     assert ratio == dict(median=2.0, low=1.5, high=2.1, n=3)  # the pooled rates would give 460 / 250 = 1.84
-    bench.print_tables(results)
+    cpu_train.print_tables(results)
     out = capsys.readouterr().out
     assert "2.00x / 1.00x (1.50-2.10, 3 rounds)" in out
-    bench.print_tables(train_results([(100, 150)], repeat_key=False))  # a results.json from before --repeat
+    cpu_train.print_tables(train_results([(100, 150)], repeat_key=False))  # a results.json from before --repeat
     assert "1.50x / 1.00x" in capsys.readouterr().out
 
 
@@ -146,24 +148,24 @@ def test_gpu_command_on_cpu(tmp_path):
     argv = [sys.executable, "bench.py", "gpu", "--shape=tiny", "--warmup=1", "--rounds=2", f"--out={out}"]
     env = dict(os.environ, OMP_NUM_THREADS="1")  # one thread: a shared 2-core machine is not oversubscribed
     proc = subprocess.run(
-        [*argv, "--memory", "--profile"], cwd=bench.REPO, env=env, capture_output=True, text=True, timeout=600
+        [*argv, "--memory", "--profile"], cwd=common.REPO, env=env, capture_output=True, text=True, timeout=600
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     text = proc.stdout
     tables = text[text.index("\nequal work:") :]
     equal, natural = tables.split("\nnatural batching:")[:2]
     for table in (equal, natural):
-        for label in bench.SYSTEMS.values():  # every system has its row, and it ran
+        for label in gpu_systems.SYSTEMS.values():  # every system has its row, and it ran
             row = next(line for line in table.splitlines() if line.startswith(label + "  "))
             assert "failed" not in row and "skipped" not in row, row
-        for a, b in bench.PAIRS:
-            assert f"{bench.SYSTEMS[a]} / {bench.SYSTEMS[b]}" in table
+        for a, b in gpu_systems.PAIRS:
+            assert f"{gpu_systems.SYSTEMS[a]} / {gpu_systems.SYSTEMS[b]}" in table
     assert "profile of one equal-work step, nanoqlora QLoRA (NF4)" in text and "peak memory of nanoqlora" in text
     results = json.loads(out.read_text())
     for name in ("equal", "natural"):
         work = results["workloads"][name]
-        assert all("summary" in work["systems"][k] for k in bench.SYSTEMS), work["systems"].keys()
-        assert {r["n"] for r in work["ratios"].values()} == {2} and len(work["ratios"]) == len(bench.PAIRS)
+        assert all("summary" in work["systems"][k] for k in gpu_systems.SYSTEMS), work["systems"].keys()
+        assert {r["n"] for r in work["ratios"].values()} == {2} and len(work["ratios"]) == len(gpu_systems.PAIRS)
     first = {k: v["steps"][0]["loss"] for k, v in results["workloads"]["equal"]["systems"].items()}
     assert first["ours-lora"] == pytest.approx(first["peer-lora"], abs=2e-3)  # same weights, same tensors (bf16)
     assert len(results["memory"]) == 6 and set(results["profile"]) == {"ours-lora", "ours-qlora"}
@@ -174,24 +176,24 @@ def step_record(seconds, tokens):
 
 
 def test_median_ratio_pairs_rounds():
-    assert bench.median_ratio([(2.0, 1.0), (4.0, 1.0), (6.0, 3.0)]) == dict(median=2.0, low=2.0, high=4.0, n=3)
-    assert bench.median_ratio([]) is None
+    assert common.median_ratio([(2.0, 1.0), (4.0, 1.0), (6.0, 3.0)]) == dict(median=2.0, low=2.0, high=4.0, n=3)
+    assert common.median_ratio([]) is None
     model, opt = torch.nn.Linear(2, 2), SimpleNamespace(state={})  # what resident_bytes reads
-    systems = [bench.System(k, model=model, params=[], opt=opt) for k in ("ours-lora", "peer-lora")]
+    systems = [gpu_systems.System(k, model=model, params=[], opt=opt) for k in ("ours-lora", "peer-lora")]
     records = {  # step 0 is the warm-up; the peer stopped after two measured rounds
         "ours-lora": [step_record(9.0, 10), step_record(1.0, 10), step_record(1.0, 30), step_record(1.0, 10)],
         "peer-lora": [step_record(1.0, 10), step_record(1.0, 5), step_record(2.0, 10)],
     }
-    result = bench.workload_result(systems, records, {}, 1, 1.0, "tokens")
+    result = gpu_workloads.workload_result(systems, records, {}, 1, 1.0, "tokens")
     assert result["ratios"] == {"ours-lora/peer-lora": dict(median=4.0, low=2.0, high=6.0, n=2, metric="tokens")}
     assert result["systems"]["ours-lora"]["summary"]["tokens_per_s"] == pytest.approx(50 / 3)
 
 
 def test_natural_work_same_documents():
     row, rows = 256, 2
-    ours, peer, batches = bench.natural_work(512, row, rows, n_docs=300)
-    lens = bench.doc_lengths(300, row)
-    assert np.array_equal(lens, bench.doc_lengths(300, row)) and lens.min() >= 8 and lens.max() <= row  # seeded
+    ours, peer, batches = gpu_workloads.natural_work(512, row, rows, n_docs=300)
+    lens = gpu_workloads.doc_lengths(300, row)
+    assert np.array_equal(lens, gpu_workloads.doc_lengths(300, row)) and lens.min() >= 8 and lens.max() <= row  # seeded
     assert np.array_equal(peer.lens, lens) and np.array_equal(ours.lens, lens)
     assert sorted(d for r in ours.rows for d in r) == list(range(300))  # each document once, packed
     assert sorted(d for b in batches for d in b) == list(range(300))  # and once in the peer's batches
@@ -209,15 +211,15 @@ def test_natural_work_same_documents():
 
 
 def test_equal_work_same_tensors_and_loss():
-    cfg = from_hf(bench.SHAPES["tiny"][1])
-    batches = bench.equal_work(cfg.vocab_size, 64, 2, 3)
+    cfg = from_hf(gpu_systems.SHAPES["tiny"][1])
+    batches = gpu_workloads.equal_work(cfg.vocab_size, 64, 2, 3)
     for b in batches:
         assert b["input_ids"].shape == (2, 64) and int((b["labels"] != -100).sum()) == 2 * 63
         assert torch.equal(b["position_ids"], torch.arange(64).expand(2, 64))
-        assert bool((bench.hf_batch(b)["attention_mask"] == 1).all())
+        assert bool((common.hf_batch(b)["attention_mask"] == 1).all())
     assert not torch.equal(batches[0]["input_ids"], batches[1]["input_ids"])  # no document seen twice
     args = SimpleNamespace(compile=False)
-    ours, peer = bench.build_systems(cfg, ["ours-lora", "peer-lora"], torch.device("cpu"), torch.float32, args)
+    ours, peer = gpu_systems.build_systems(cfg, ["ours-lora", "peer-lora"], torch.device("cpu"), torch.float32, args)
     q = "model.layers.0.self_attn.q_proj"
     theirs = dict(peer.model.named_parameters())[f"base_model.model.{q}.base_layer.weight"]
     assert theirs.data_ptr() == ours.model.get_submodule(q).weight.data_ptr()  # the very same weights
@@ -237,21 +239,21 @@ def test_kernel_kinds():
         "kernel": "NF4 dequantize",
         "triton_poi_fused__unsafe_view_add_mul_native_dropout_silu_10": "other",
     }
-    assert {name: bench.kernel_kind(name) for name in names} == names
+    assert {name: gpu.kernel_kind(name) for name in names} == names
 
 
 def test_step_flops():
-    cfg = from_hf(bench.SHAPES["tiny"][1])
-    batch = bench.equal_work(cfg.vocab_size, 64, 2, 1)[0]
-    assert bench.step_flops(cfg, batch["position_ids"]) == 2 * 64 * flops_per_token(cfg, 64)
+    cfg = from_hf(gpu_systems.SHAPES["tiny"][1])
+    batch = gpu_workloads.equal_work(cfg.vocab_size, 64, 2, 1)[0]
+    assert gpu_workloads.step_flops(cfg, batch["position_ids"]) == 2 * 64 * flops_per_token(cfg, 64)
     pos = torch.cat([torch.arange(5), torch.arange(3), torch.arange(7)])[None]  # documents of 5, 3 and 7 tokens
     want = sum(n * flops_per_token(cfg, n) for n in (5, 3, 7))
-    assert bench.step_flops(cfg, pos) == pytest.approx(want)
+    assert gpu_workloads.step_flops(cfg, pos) == pytest.approx(want)
 
 
 def test_failing_system_gets_its_row_and_the_others_run(capsys):
-    cfg = from_hf(bench.SHAPES["tiny"][1])
-    batches = bench.equal_work(cfg.vocab_size, 32, 1, 3)
+    cfg = from_hf(gpu_systems.SHAPES["tiny"][1])
+    batches = gpu_workloads.equal_work(cfg.vocab_size, 32, 1, 3)
     w = torch.nn.Parameter(torch.ones(()))
     opt = SimpleNamespace(state={}, step=lambda: None, zero_grad=lambda set_to_none: None)
 
@@ -259,16 +261,20 @@ def test_failing_system_gets_its_row_and_the_others_run(capsys):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore detail")
 
     systems = [
-        bench.System("ours-lora", lambda batch: w * batch["input_ids"].float().mean(), torch.nn.Linear(1, 1), [w], opt),
-        bench.System("peer-lora", out_of_memory, torch.nn.Linear(1, 1), [w], opt),
-        bench.System("peer-qlora", status="skipped: bitsandbytes is not installed"),
+        gpu_systems.System(
+            "ours-lora", lambda batch: w * batch["input_ids"].float().mean(), torch.nn.Linear(1, 1), [w], opt
+        ),
+        gpu_systems.System("peer-lora", out_of_memory, torch.nn.Linear(1, 1), [w], opt),
+        gpu_systems.System("peer-qlora", status="skipped: bitsandbytes is not installed"),
     ]
-    records, errors = bench.run_workload(systems, lambda key, s: batches[s], 3, torch.device("cpu"), cfg, "equal")
+    records, errors = gpu_workloads.run_workload(
+        systems, lambda key, s: batches[s], 3, torch.device("cpu"), cfg, "equal"
+    )
     assert len(records["ours-lora"]) == 3 and records["peer-lora"] == []
     assert errors == {"peer-lora": "failed: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"}
-    result = bench.workload_result(systems, records, errors, 1, 1.0, "tokens")
+    result = gpu_workloads.workload_result(systems, records, errors, 1, 1.0, "tokens")
     assert "summary" in result["systems"]["ours-lora"] and result["ratios"] == {}
-    bench.print_workload("equal", result, systems)
+    gpu.print_workload("equal", result, systems)
     rows = {line.split("  ")[0]: line for line in capsys.readouterr().out.splitlines()}
     assert "failed: OutOfMemoryError" in rows["transformers + PEFT LoRA"]
     assert "skipped: bitsandbytes" in rows["transformers + PEFT + bitsandbytes QLoRA"]

@@ -244,7 +244,7 @@ def test_resume_refuses_what_it_would_ignore_and_out_dir_sees_any_run(tiny_dir, 
     """--resume with a new lr, weight decay or data setting is refused (the optimizer's saved state would silently
     keep the old values, the data would change under the step count); a broken metrics.jsonl line is named; a folder
     that holds a finished run's adapter but no checkpoint is still a run, not overwritten."""
-    run(args(tiny_dir, tmp_path, "--max_steps=2", "--eval_every=0", "--sample=False"))
+    run(args(tiny_dir, tmp_path, "--max_steps=2", "--eval_every=0", "--eval_samples=0"))
     out = tmp_path / "out"
     for flag in ("--lr=5e-4", "--weight_decay=0.1", "--train_on_prompt=True", "--truncate=False"):
         err = one_line_error(args(tiny_dir, tmp_path, "--max_steps=4", "--resume", flag), capsys)
@@ -322,7 +322,7 @@ def test_a_non_finite_gradient_is_never_applied_nor_saved(tiny_dir, tmp_path, mo
     monkeypatch.setattr(train, "train_step", lambda *a: steps.append(1) or real_step(*a))
     monkeypatch.setattr(train, "forward_loss", forward_loss)
     monkeypatch.setattr(train, "make_optimizer", make_optimizer)
-    argv = args(tiny_dir, tmp_path, "--max_steps=4", f"--save_every={save_every}", "--eval_every=0", "--sample=False")
+    argv = args(tiny_dir, tmp_path, "--max_steps=4", f"--save_every={save_every}", "--eval_every=0", "--eval_samples=0")
     err = one_line_error(argv, capsys)
     out = tmp_path / "out"
     kept = f"the checkpoint of step 2 in {out} is intact" if save_every else "no checkpoint was written yet"
@@ -347,7 +347,7 @@ def test_smollm2_qlora_run_lowers_val_loss(smollm2_dir, tmp_path):
             "--context_length=256",
             "--batch_tokens=512",
             "--warmup_steps=2",
-            "--sample=False",
+            "--eval_samples=0",
             f"--out_dir={out}",
             f"--cache_dir={tmp_path / 'cache'}",
         ]
@@ -546,7 +546,7 @@ def test_default_run_memory_estimate_within_15_percent(smollm2_dir, tmp_path, co
                 f"this CPU emulates bf16 ({fmt_flops(rates[torch.bfloat16])} against "
                 f"{fmt_flops(rates[torch.float32])} in fp32)"
             )
-    argv = [sys.executable, "train.py", "--max_steps=2", "--eval_rows=4", "--sample=False", "--device=cpu"]
+    argv = [sys.executable, "train.py", "--max_steps=2", "--eval_rows=4", "--eval_samples=0", "--device=cpu"]
     argv += [f"--precision={compute}"]
     argv += [f"--out_dir={tmp_path / 'out'}", f"--cache_dir={tmp_path / 'cache'}"]
     proc = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=900)
@@ -759,7 +759,7 @@ def test_cuda_end_to_end_on_a_1b_shape(smollm2_dir, tmp_path, monkeypatch):
     shape = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, head_dim=64)
     base = random_model_dir(tmp_path / "base", smollm2_dir, torch.bfloat16, "cuda", **shape, num_key_value_heads=8)
     common = [f"--model={base}", "--max_examples=3000", "--context_length=1024", "--batch_tokens=16384"]
-    common += ["--max_steps=30", "--warmup_steps=3", "--eval_every=10", "--save_every=10", "--sample=False"]
+    common += ["--max_steps=30", "--warmup_steps=3", "--eval_every=10", "--save_every=10", "--eval_samples=0"]
     common += [f"--cache_dir={tmp_path / 'cache'}"]
     full = run([*common, f"--out_dir={tmp_path / 'full'}", "--export_merged"])
     vals = [h["val_loss"] for h in full if "val_loss" in h]

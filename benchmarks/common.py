@@ -1,0 +1,110 @@
+"""What do the benchmarks share? Where they write, how they time, print and compare, and what machine they ran on.
+
+Interleaving
+------------
+A shared machine drifts: the same run can be tens of percent faster or slower an hour later, as neighbours come and
+go and clocks throttle. Running one system after the other puts that drift into their ratio. The training and GPU
+benchmarks therefore alternate the systems (A, B, A, B, ...) and report, for each pair, the median of the per-round
+ratios (median_ratio): each ratio compares two measurements taken moments apart, and the median ignores the odd round
+a neighbour spoiled.
+
+Both peers (transformers + PEFT) train on our batches, converted by hf_batch; tests/test_bench.py proves the
+conversion gives our loss.
+"""
+
+import importlib.metadata
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+
+import torch
+
+from support import memory
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+OUT_DIR = os.path.join(REPO, "out", "bench")
+SEED = 1337  # train.Config's seed (data order, LoRA init)
+
+
+def best_time(fn, repeat):
+    """Seconds of the fastest of `repeat` calls, after one warm-up call (lazy tables, first allocations)."""
+    fn()
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def print_table(headers, rows):
+    widths = [max(len(str(x)) for x in col) for col in zip(headers, *rows, strict=True)]
+    for row in [headers, ["-" * w for w in widths], *rows]:
+        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths, strict=True)))
+
+
+def fmt_gb(n):
+    return f"{n / 2**30:.2f} GiB"
+
+
+def cpu_name() -> str:
+    return next((s.split(":", 1)[1].strip() for s in open("/proc/cpuinfo") if s.startswith("model name")), "unknown")
+
+
+def package_versions(names) -> dict:
+    """{name: installed version, or "not installed"}."""
+    out = {}
+    for name in names:
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = "not installed"
+    return out
+
+
+def machine() -> dict:
+    import psutil
+
+    versions = {"python": platform.python_version(), "torch": torch.__version__}
+    versions |= package_versions(("transformers", "peft", "bitsandbytes"))
+    return dict(
+        cpu=cpu_name(),
+        cores=os.cpu_count(),
+        threads=torch.get_num_threads(),
+        ram_gib=round(psutil.virtual_memory().total / 2**30, 1),
+        **versions,
+    )
+
+
+def run_child(argv, log_path):
+    """(exit code, peak RSS bytes, wall seconds) of `python argv...`, stdout and stderr to log_path. The peak is the
+    child's own VmHWM, read from /proc while it runs: ru_maxrss from wait4 would also count what this process held
+    when it forked the child (Linux carries the parent's high-water mark across fork and exec)."""
+    start, peak = time.perf_counter(), 0
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        while proc.poll() is None:
+            peak = max(peak, memory.vm_hwm(proc.pid))
+            time.sleep(0.05)
+    return proc.returncode, peak, time.perf_counter() - start
+
+
+def median_ratio(pairs):
+    """The median, lowest and highest of a / b over (a, b) pairs measured together, or None without pairs."""
+    ratios = [a / b for a, b in pairs]
+    if not ratios:
+        return None
+    return dict(median=statistics.median(ratios), low=min(ratios), high=max(ratios), n=len(ratios))
+
+
+def hf_batch(batch):
+    """Our batch -> transformers' causal-LM inputs. Our labels are pre-shifted (labels[t] is the target of position
+    t); transformers shifts them itself, so they move one place right. One example per row: the padding is the
+    second run of positions starting at 0, and the attention mask is 0 there."""
+    labels = torch.full_like(batch["labels"], -100)
+    labels[:, 1:] = batch["labels"][:, :-1]
+    mask = ((batch["position_ids"] == 0).cumsum(1) == 1).long()  # (rows, width)
+    return dict(input_ids=batch["input_ids"], attention_mask=mask, labels=labels)

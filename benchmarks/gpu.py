@@ -1,0 +1,297 @@
+"""How fast do ours (LoRA and QLoRA) train on a GPU against transformers + PEFT, at which MFU and peak memory?
+
+    python bench.py gpu                the CUDA benchmark: ours (LoRA and QLoRA) vs transformers + PEFT on a random
+                                       Llama-3.1-8B, packed 8,192-token rows, in one process (minutes on an H200)
+    python bench.py gpu --shape=1b --memory --profile      a smaller shape, plus QLoRA peak memory and a kernel profile
+    python bench.py gpu --shape=tiny   the same on a 2-layer toy, on CPU (CI runs this)
+
+`bench.py gpu` needs nothing but PyTorch, transformers and PEFT, and no network: up to four systems (gpu_systems.py)
+train on one set of random weights of a published Llama shape, in one process, each workload (gpu_workloads.py: equal
+work, then natural batching) interleaved step by step. The tables give per system tokens/s, supervised tokens/s, fill,
+MFU and peak memory, and the median (and range) of the per-round ratios between the systems.
+
+--memory: the QLoRA model alone (the others freed) at 1, 2 and 4 rows per micro-batch, with and without activation
+checkpointing: the measured peak beside the estimate train.py prints (support.memory.run_estimate) for the same
+setting. --profile: torch.profiler over one step of ours (LoRA and QLoRA): the kernels that take the device time, and
+their share by kind. A system that fails (out of memory, a missing package) prints "failed: <why>" in its row and the
+others carry on. Raw per-step records: out/bench/gpu.json.
+"""
+
+import os
+import platform
+import re
+import sys
+
+import numpy as np
+import torch
+
+import train
+from benchmarks.common import REPO, cpu_name, package_versions, print_table
+from benchmarks.gpu_systems import FAILURES, LORA, SHAPES, SYSTEMS, build_systems, free_cache, one_line
+from benchmarks.gpu_workloads import equal_work, natural_work, resident_bytes, run_workload, timed_step, workload_result
+from model import Llama
+from support import atomic, memory
+from support.attention import varlen_attention
+from support.flops import flops_per_token, fmt_flops, peak_flops
+from support.hf_config import from_hf, to_hf
+from support.nf4_cuda import cuda_dequantize
+from support.precision import pick_precision
+
+# Kinds of kernel (on CPU: of operator) by name, for the profile's summary line; the first pattern that matches wins.
+KERNEL_KINDS = [
+    ("attention", r"flash|fmha|attention|attn"),  # first: FlashAttention's kernel names hold "cutlass" too
+    ("matmul", r"gemm|cutlass|nvjet|xmma|wgmma|^aten::(mm|addmm|bmm)$"),
+    ("NF4 dequantize", r"dequant|^kernel$"),  # `kernel`: the name of support/nf4_cuda.py's Triton kernel
+]
+
+
+def kernel_kind(name):
+    return next((k for k, pattern in KERNEL_KINDS if re.search(pattern, name, re.IGNORECASE)), "other")
+
+
+def profile_step(system, batch, device, cfg, top=15):
+    """torch.profiler over one step: the `top` kernels by device time (on CPU: operators by their own CPU time), and
+    the share of each kind of KERNEL_KINDS."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU, *[ProfilerActivity.CUDA] * cuda]) as prof:
+        timed_step(system, batch, device, cfg)
+    attr = "self_device_time_total" if cuda else "self_cpu_time_total"
+    events = [e for e in prof.key_averages() if not cuda or e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(getattr(e, attr) for e in events) or 1
+    kinds = dict.fromkeys([k for k, _ in KERNEL_KINDS] + ["other"], 0.0)
+    for e in events:
+        kinds[kernel_kind(e.key)] += getattr(e, attr) / total
+    ranked = sorted(events, key=lambda e: -getattr(e, attr))[:top]
+    kernels = [
+        dict(name=e.key, calls=e.count, ms=getattr(e, attr) / 1e3, share=getattr(e, attr) / total) for e in ranked
+    ]
+    return dict(measure=attr, total_ms=total / 1e3, kinds=kinds, kernels=kernels)
+
+
+def print_profile(label, p):
+    what = "kernels by device time" if p["measure"] == "self_device_time_total" else "operators by own CPU time"
+    print(f"\nprofile of one equal-work step, {label}: {what}, {p['total_ms']:.1f} ms in all")
+    rows = [(k["name"][:100], k["calls"], f"{k['ms']:.2f}", f"{k['share']:.1%}") for k in p["kernels"]]
+    print_table(["name", "calls", "ms", "share"], rows)
+    print("by kind: " + ", ".join(f"{k} {v:.1%}" for k, v in p["kinds"].items()))
+
+
+def memory_rows(system, cfg, row, device, dtype, sizes=(1, 2, 4)):
+    """One step of `system` (our QLoRA) on equal-work batches of each size, without then with activation
+    checkpointing: the measured peak (resident + the step's own allocation) beside the total of
+    support.memory.run_estimate, the memory estimate train.py prints, for the same setting."""
+    out, adapters = [], dict(lora_r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"])
+    place = train.Placement(0, 1, device, dtype)
+    for ckpt in (False, True):
+        system.model.activation_checkpointing = ckpt
+        for rows in sizes:
+            setting = train.Config(quantize=True, activation_checkpointing=ckpt, lora_targets="all-linear", **adapters)
+            est = memory.run_estimate(setting, cfg, rows * row, place)  # what train.py prints
+            rec = dict(rows=rows, checkpointing=ckpt, estimate_bytes=sum(est.values()))
+            try:
+                step = timed_step(system, equal_work(cfg.vocab_size, row, rows, 1)[0], device, cfg)
+            except torch.OutOfMemoryError:
+                rec["status"] = "out of memory"
+            except FAILURES as e:
+                rec["status"] = f"failed: {one_line(e)}"
+            else:
+                rec |= dict(step_s=step["time"], tokens_per_s=step["tokens"] / step["time"])
+                if "extra_bytes" in step:
+                    rec["peak_bytes"] = resident_bytes(system) + step["extra_bytes"]
+            if "status" in rec:
+                system.opt.zero_grad(set_to_none=True)
+                free_cache(device)
+            out.append(rec)
+            print(f"memory: {rows} x {row}, checkpointing {'on' if ckpt else 'off'}: {rec.get('status', 'done')}")
+    system.model.activation_checkpointing = False
+    return out
+
+
+def print_memory(label, row, rows):
+    print(f"\npeak memory of {label}, one step per micro-batch size (the other systems freed)")
+    table = []
+    for r in rows:
+        peak = memory.fmt(r["peak_bytes"]) if "peak_bytes" in r else r.get("status", "-")
+        speed = (f"{r['step_s']:.2f}", f"{r['tokens_per_s']:,.0f}") if "step_s" in r else ("", "")
+        on = "on" if r["checkpointing"] else "off"
+        table.append((f"{r['rows']} x {row}", on, peak, memory.fmt(r["estimate_bytes"]), *speed))
+    print_table(["micro-batch", "checkpointing", "measured peak", "memory.run_estimate", "step s", "tokens/s"], table)
+
+
+def print_workload(title, result, systems):
+    """A workload's table (a row per system) and its ratios (median of the per-round ratios, and their range)."""
+    print(f"\n{title}")
+    rows = []
+    for s in systems:
+        r = result["systems"][s.key]
+        if "summary" not in r:
+            rows.append((s.label, r["status"], *[""] * 7))
+            continue
+        m = r["summary"]
+        batch = f"{m['rows']:.3g} x {m['width']:.0f}"
+        rates = (f"{m['step_s']:.3f}", f"{m['tokens_per_s']:,.0f}", f"{m['supervised_per_s']:,.0f}", f"{m['mfu']:.1%}")
+        peak = memory.fmt(m["peak_bytes"]) if "peak_bytes" in m else "-"
+        rows.append((s.label, batch, f"{m['fill']:.1%}", *rates, peak, f"{m['loss_step1']:.4f}"))
+    headers = ["system", "rows x width", "fill", "step s", "tokens/s", "supervised/s", "MFU", "peak memory"]
+    print_table([*headers, "step-1 loss"], rows)
+    ratios = [
+        (f"{SYSTEMS[a]} / {SYSTEMS[b]}", f"{r['median']:.2f}x", f"{r['low']:.2f}-{r['high']:.2f}", r["n"])
+        for pair, r in result["ratios"].items()
+        for a, b in [pair.split("/")]
+    ]
+    if ratios:
+        metric = (
+            "supervised tokens/s" if next(iter(result["ratios"].values()))["metric"] == "supervised" else "tokens/s"
+        )
+        print_table([f"ratio of {metric}", "median of rounds", "range", "rounds"], ratios)
+
+
+def gpu_device(name):
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda":
+        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # as train.setup
+    return device
+
+
+def gpu_machine(device):
+    """The device and the versions that matter to its speed."""
+    info = dict(torch=torch.__version__, cuda=torch.version.cuda or "none", python=platform.python_version())
+    info |= package_versions(("transformers", "peft", "bitsandbytes", "flash-attn", "triton"))
+    if device.type == "cuda":
+        info |= dict(
+            device=torch.cuda.get_device_name(device), memory=torch.cuda.get_device_properties(device).total_memory
+        )
+        info["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
+    else:
+        info |= dict(device=f"{cpu_name()} ({torch.get_num_threads()} threads)", memory=None)
+    return info
+
+
+def print_gpu_header(results, cfg, device):
+    m, row, rows = results["machine"], results["row"], results["rows"]
+    gpu_memory = f", {memory.fmt(m['memory'])}" if m["memory"] else ""
+    versions = ", ".join(f"{k} {m[k]}" for k in ("transformers", "peft", "bitsandbytes", "flash-attn", "triton"))
+    print(f"{m['device']}{gpu_memory}; torch {m['torch']}, CUDA {m['cuda']}, {versions}")
+    with torch.device("meta"):
+        params = sum(p.numel() for p in Llama(cfg).parameters())
+    size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.2f}M"
+    print(
+        f"shape {results['shape']} ({SHAPES[results['shape']][0]}, {size} parameters, random weights), "
+        f"{results['precision']}, "
+        f"LoRA r={LORA['r']} alpha={LORA['alpha']:g} dropout {LORA['dropout']} on every block linear"
+    )
+    dequant = cuda_dequantize().__name__ if device.type == "cuda" else "dequantize_nf4"
+    compiled = ", blocks torch.compile'd" if results["compile"] else ""
+    print(f"ours: attention {results['attention']}, NF4 {dequant}{compiled}")
+    print(
+        f"MFU against {fmt_flops(results['peak_flops'])} {results['precision']} ({results['peak_source']}); "
+        "model FLOPs per "
+        f"token of a {row}-token document: {flops_per_token(cfg, row) / 1e9:.3g} GFLOP"
+    )
+    warmup, rounds = results["warmup"], results["rounds"]
+    print(f"{rows} x {row} tokens per step; {warmup} warm-up step(s), then {rounds} interleaved rounds")
+
+
+def describe_natural(ours, peer, batches, rows):
+    """Print and return what the natural workload holds: the lengths, and how much of each side's slots are real."""
+    lens = peer.lens
+    d = dict(documents=len(lens), p50=float(np.median(lens)), mean=float(lens.mean()))
+    d |= dict(p95=float(np.percentile(lens, 95)), max=int(lens.max()), packed_rows=len(ours.rows))
+    d["ours_fill"] = ours.num_tokens / (len(ours.rows) * ours.context_length)
+    d["peer_docs_per_step"] = len(lens) / len(batches)
+    d["peer_fill"] = peer.num_tokens / sum(len(b) * int(lens[b].max()) for b in batches)
+    print(
+        f"natural batching: {d['documents']:,} documents, lengths p50 {d['p50']:.0f}, mean {d['mean']:.0f}, p95 "
+        f"{d['p95']:.0f}, max {d['max']}; ours: {d['packed_rows']} packed rows ({d['ours_fill']:.1%} real tokens), "
+        f"{rows} per step; peer: one per row padded to the longest of its batch, {d['peer_docs_per_step']:.1f} per "
+        f"step on average ({d['peer_fill']:.1%} real tokens)"
+    )
+    return d
+
+
+def bench_gpu(args):
+    """`python bench.py gpu`: see the file docstring."""
+    # Before the first CUDA allocation: the systems' steps alternate in one caching allocator, and growable segments
+    # keep one system's freed blocks from fragmenting memory for the next.
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
+    device, (_, config, default_row) = gpu_device(args.device), SHAPES[args.shape]
+    cfg, row, steps = from_hf(config), args.row or default_row, args.warmup + args.rounds
+    dtype = pick_precision(args.precision, device, cfg)  # bf16, or on CPU the faster
+    if device.type == "cpu" and args.shape != "tiny":
+        print(f"warning: --shape={args.shape} on CPU is slow and large; --shape=tiny is the CPU smoke test")
+    peak, source = peak_flops(device, dtype)
+    results = dict(command="python bench.py " + " ".join(sys.argv[1:]), machine=gpu_machine(device), shape=args.shape)
+    results |= dict(config=to_hf(cfg), row=row, rows=args.rows, warmup=args.warmup, rounds=args.rounds)
+    results |= dict(compile=args.compile, peak_flops=peak, peak_source=source, workloads={})
+    results["precision"] = str(dtype).removeprefix("torch.")
+    results["attention"] = varlen_attention(device, dtype, cfg.head_dim).__name__
+    print_gpu_header(results, cfg, device)
+    equal = equal_work(cfg.vocab_size, row, args.rows, steps)
+    ours_ds, peer_ds, peer_batches = natural_work(cfg.vocab_size, row, args.rows)
+    results["natural_data"] = describe_natural(ours_ds, peer_ds, peer_batches, args.rows)
+    systems = build_systems(cfg, args.systems.split(","), device, dtype, args)
+
+    def natural(key, step):
+        return (
+            ours_ds.step_batch(step, args.rows)
+            if key.startswith("ours")
+            else peer_ds.collate(peer_batches[step % len(peer_batches)])
+        )
+
+    equal_title = f"equal work: identical tensors, {args.rows} x {row} tokens per step, every token supervised"
+    work = {  # name: (the batch of system `key` at step s, the metric of its ratios, the table's title)
+        "equal": (lambda key, s: equal[s], "tokens", equal_title),
+        "natural": (natural, "supervised", "natural batching: ours packed, the peer padded to the longest of a batch"),
+    }
+    for name, (batch_of, metric, _) in work.items():
+        records, errors = run_workload(systems, batch_of, steps, device, cfg, name)
+        results["workloads"][name] = workload_result(systems, records, errors, args.warmup, peak, metric)
+        atomic.write_json(args.out, results)
+    for name, (_, _, title) in work.items():
+        print_workload(title, results["workloads"][name], systems)
+    finish_gpu(args, results, systems, cfg, row, device, dtype, equal[0])
+
+
+def profiles(systems, batch, device, cfg):
+    """The profile of one step of each of our systems that runs."""
+    out = {}
+    for s in systems:
+        if s.key.startswith("ours") and not s.status:
+            out[s.key] = profile_step(s, batch, device, cfg)
+            print_profile(s.label, out[s.key])
+    return out
+
+
+def finish_gpu(args, results, systems, cfg, row, device, dtype, batch):
+    """--profile, then --memory (with our QLoRA model alone), then the JSON file."""
+    if args.profile:
+        results["profile"] = profiles(systems, batch, device, cfg)
+    if args.memory:
+        qlora = [s for s in systems if s.key == "ours-qlora" and not s.status]
+        systems.clear()  # the other systems' models go (the caller holds no other reference), so QLoRA runs alone
+        free_cache(device)
+        if qlora:
+            results["memory"] = memory_rows(qlora[0], cfg, row, device, dtype)
+            print_memory(qlora[0].label, row, results["memory"])
+        else:
+            print("\n--memory: our QLoRA system did not run")
+    atomic.write_json(args.out, results)
+    inside = os.path.abspath(args.out).startswith(REPO + os.sep)
+    print(f"\nraw results: {os.path.relpath(args.out, REPO) if inside else args.out}")
+
+
+def check_arguments(parser, args):
+    """The checks of `bench.py gpu`'s arguments argparse cannot make: parser.error names what is wrong."""
+    if args.warmup < 1 or args.rounds < 1:
+        parser.error("--warmup and --rounds must be at least 1 (the first step allocates the optimizer state)")
+    if unknown := set(args.systems.split(",")) - set(SYSTEMS):
+        parser.error(f"--systems: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SYSTEMS)}")
+    if args.rows < 1 or args.row < 0:
+        parser.error("--rows must be at least 1 and --row positive")

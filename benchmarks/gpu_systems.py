@@ -1,0 +1,264 @@
+"""Which systems does the GPU benchmark train, and how is each built on the one set of random weights?
+
+The model is a random-initialised Llama of a published shape (SHAPES; --shape: 8b = Llama-3.1-8B, 3b = Llama-3.2-3B,
+1b = Llama-3.2-1B, tiny = a 2-layer toy for CPU), built straight on the device in bf16 (on the meta device first, so no
+fp32 copy ever exists), weights N(0, 0.02). Up to four systems train LoRA r=16, alpha 32, dropout 0.05 on every linear
+of the blocks, fp32 adapters under bf16 autocast, fused AdamW, gradient clipping at 1.0, all in one process on the
+same weights:
+
+- nanoqlora LoRA: model.Llama with the packed-document attention train.py would pick
+  (support.attention.varlen_attention), 16-bit base, lora.add_lora_, train.forward_loss and train.make_optimizer;
+- nanoqlora QLoRA: the same, its block linears quant.quantize_'d to NF4 from those weights;
+- transformers + PEFT LoRA: LlamaForCausalLM from the same config, attn_implementation="sdpa", holding our very
+  weight tensors (load_state_dict(assign=True): the frozen base is shared, not copied, which is what lets three 8B
+  models and 8,192-token activations fit on one GPU), peft.get_peft_model(target_modules="all-linear");
+- transformers + PEFT + bitsandbytes QLoRA, when bitsandbytes is installed: the same weights written to a temporary
+  directory and loaded with BitsAndBytesConfig (NF4, double quantization, bf16 compute).
+
+A system that cannot be built (out of memory, a missing package) keeps its row with the reason; the others carry on.
+"""
+
+import gc
+import importlib.util
+import os
+import tempfile
+import time
+from dataclasses import dataclass
+
+import torch
+
+import lora
+import quant
+import train
+from benchmarks.common import OUT_DIR, SEED, hf_batch
+from model import Llama
+from support import atomic, hf_config
+from support.attention import varlen_attention
+from support.hf_config import to_hf
+
+_LLAMA3 = dict(
+    model_type="llama",
+    architectures=["LlamaForCausalLM"],
+    vocab_size=128256,
+    num_key_value_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    max_position_embeddings=131072,
+)
+_ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+# --shape: (name, config.json keys of the published model, default tokens per row). The weights are random.
+SHAPES = {
+    "8b": (
+        "Llama-3.1-8B",
+        _LLAMA3
+        | dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32)
+        | dict(rope_scaling=_ROPE | dict(factor=8.0)),
+        8192,
+    ),
+    "3b": (
+        "Llama-3.2-3B",
+        _LLAMA3
+        | dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24)
+        | dict(tie_word_embeddings=True, rope_scaling=_ROPE | dict(factor=32.0)),
+        8192,
+    ),
+    "1b": (
+        "Llama-3.2-1B",
+        _LLAMA3
+        | dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, head_dim=64)
+        | dict(tie_word_embeddings=True, rope_scaling=_ROPE | dict(factor=32.0)),
+        8192,
+    ),
+    "tiny": (
+        "a 2-layer toy",
+        _LLAMA3
+        | dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4)
+        | dict(num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
+        | dict(rope_scaling=_ROPE | dict(factor=8.0, original_max_position_embeddings=128)),
+        256,
+    ),
+}
+LORA = dict(r=16, alpha=32.0, dropout=0.05)
+LR = 1e-4  # the same for every system; speed does not depend on it
+SYSTEMS = {  # key: row label
+    "ours-lora": "nanoqlora LoRA",
+    "ours-qlora": "nanoqlora QLoRA (NF4)",
+    "peer-lora": "transformers + PEFT LoRA",
+    "peer-qlora": "transformers + PEFT + bitsandbytes QLoRA",
+}
+PAIRS = [
+    ("ours-lora", "peer-lora"),
+    ("ours-qlora", "peer-qlora"),
+    ("ours-qlora", "peer-lora"),
+    ("ours-qlora", "ours-lora"),
+]
+# What a system can fail with while being built or stepped: out of memory (a RuntimeError), a missing or mismatched
+# package, a bad setting. Each is reported in the system's row; the other systems carry on.
+FAILURES = (RuntimeError, ImportError, ValueError, TypeError, OSError)
+
+
+@dataclass
+class System:
+    """One trainer under test: forward(batch) gives the mean loss over the supervised tokens, on the device."""
+
+    key: str
+    forward: object = None
+    model: object = None
+    params: list | None = None
+    opt: object = None
+    status: str = ""  # why it does not run ("failed: ...", "skipped: ..."); "" when it does
+
+    @property
+    def label(self):
+        return SYSTEMS[self.key]
+
+
+class Skipped(Exception):
+    """A system left out on purpose (its optional package is not installed)."""
+
+
+def one_line(e):
+    return f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0][:160]}"
+
+
+def free_cache(device):
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def random_llama(cfg, device, dtype):
+    """Our Llama of shape `cfg` on `device` in `dtype`, built on the meta device first (no fp32 copy ever exists), with
+    the attention train.py would pick; weights N(0, 0.02) and norms 1 from a seeded generator."""
+    with torch.device("meta"):
+        model = Llama(cfg, varlen_attention(device, dtype, cfg.head_dim, windowed=bool(cfg.sliding_layers)))
+    model = model.to(dtype).to_empty(device=device)
+    if cfg.tie_word_embeddings:  # to_empty gives every parameter its own storage
+        model.lm_head.weight = model.model.embed_tokens.weight
+    gen = torch.Generator(device).manual_seed(SEED)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02, generator=gen) if p.dim() > 1 else p.fill_(1.0)
+    return model
+
+
+def qlora_llama(cfg, base, device, dtype):
+    """Our NF4 model of the weights `base` (a state dict): block linears quantized from them on `device`, the
+    embeddings, norms and lm_head shared with them (the same storage)."""
+    with torch.device("meta"):
+        model = Llama(cfg, varlen_attention(device, dtype, cfg.head_dim, windowed=bool(cfg.sliding_layers)))
+    quant.quantize_(model.to(dtype), compute_dtype=dtype, device=device, weights=base.__getitem__)
+    rest = {k: base[k] for k, v in model.state_dict().items() if v.is_meta}
+    model.load_state_dict(rest, strict=False, assign=True)
+    return model
+
+
+def ours_system(key, model, device, dtype, lr, compile=False):
+    """Adapters on our model, as train.build_model adds them; the loss and optimizer of train.py."""
+    torch.manual_seed(SEED)  # the same adapters on LoRA and QLoRA
+    lora.add_lora_(model, "all-linear", LORA["r"], LORA["alpha"], LORA["dropout"], lora_dtype=torch.float32)
+    if compile:
+        model.compile_blocks()
+    place = train.Placement(0, 1, device, dtype)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def forward(batch):
+        loss, n = train.forward_loss(model, batch, place)
+        return loss / max(n, 1)
+
+    return System(key, forward, model, params, train.make_optimizer(train.Config(lr=lr), params, device))
+
+
+def peer_llama(cfg, base, device, dtype):
+    """transformers' LlamaForCausalLM of the same config with sdpa attention, holding the tensors of `base`."""
+    import transformers
+
+    with torch.device(device):  # a bf16 model, randomly initialised, whose tensors are then replaced by ours
+        model = transformers.AutoModelForCausalLM.from_config(
+            transformers.LlamaConfig.from_dict(to_hf(cfg)), attn_implementation="sdpa", dtype=dtype
+        )
+    model.load_state_dict(base, assign=True)  # strict: the names are the same
+    return model
+
+
+def peer_qlora_llama(cfg, base, device, dtype):
+    """transformers + bitsandbytes NF4 (double quantization, bf16 compute) of the weights `base`, through the one door
+    bitsandbytes quantization has in transformers: from_pretrained of a directory, written here to a temporary one."""
+    if importlib.util.find_spec("bitsandbytes") is None:
+        raise Skipped("bitsandbytes is not installed")
+    import transformers
+
+    os.makedirs(OUT_DIR, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=OUT_DIR) as tmp:
+        tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+        atomic.write_safetensors(
+            os.path.join(tmp, "model.safetensors"), {k: v for k, v in base.items() if k not in tied}
+        )
+        atomic.write_json(os.path.join(tmp, "config.json"), hf_config.config_json(cfg, dtype))
+        q = transformers.BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype
+        )
+        where = device.index if device.type == "cuda" else "cpu"
+        return transformers.LlamaForCausalLM.from_pretrained(
+            tmp, dtype=dtype, quantization_config=q, device_map={"": where}, attn_implementation="sdpa"
+        )
+
+
+def peer_system(key, model, device, dtype, lr):
+    """PEFT LoRA on a transformers model (adapters in fp32: PEFT's autocast_adapter_dtype), fused AdamW as the
+    Trainer's default; the loss on our batch converted by hf_batch, under the same autocast as ours."""
+    import peft
+
+    model.config.use_cache = False
+    torch.manual_seed(SEED)
+    config = peft.LoraConfig(
+        r=LORA["r"],
+        lora_alpha=LORA["alpha"],
+        lora_dropout=LORA["dropout"],
+        target_modules="all-linear",
+        task_type="CAUSAL_LM",
+    )
+    model = peft.get_peft_model(model, config)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    amp = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+
+    def forward(batch):
+        inputs = {k: v.to(device) for k, v in hf_batch(batch).items()}
+        with amp:
+            return model(**inputs).loss
+
+    return System(key, forward, model, params, torch.optim.AdamW(params, lr=lr, fused=True))
+
+
+def build_system(key, cfg, base, base_model, device, dtype, args):
+    """One system on the weights `base` (the state dict of `base_model`, our dense Llama)."""
+    if key == "peer-lora":
+        return peer_system(key, peer_llama(cfg, base, device, dtype), device, dtype, LR)
+    if key == "peer-qlora":
+        return peer_system(key, peer_qlora_llama(cfg, base, device, dtype), device, dtype, LR)
+    model = qlora_llama(cfg, base, device, dtype) if key == "ours-qlora" else base_model
+    return ours_system(key, model, device, dtype, LR, args.compile)
+
+
+def build_systems(cfg, keys, device, dtype, args):
+    """The systems named in `keys`, in SYSTEMS order, all on one set of random weights; a system that cannot be built
+    gets its reason as status. The dense base tensors live on only as long as some system holds them."""
+    base_model = random_llama(cfg, device, dtype)
+    base = dict(base_model.state_dict())  # references, no copies
+    built = {}
+    # The peers and our QLoRA read `base` before our LoRA model takes its linears over (add_lora_ adapts in place).
+    for key in ("peer-lora", "peer-qlora", "ours-qlora", "ours-lora"):
+        if key not in keys:
+            continue
+        start = time.perf_counter()
+        try:
+            built[key] = build_system(key, cfg, base, base_model, device, dtype, args)
+        except Skipped as e:
+            built[key] = System(key, status=f"skipped: {e}")
+        except FAILURES as e:
+            built[key] = System(key, status=f"failed: {one_line(e)}")
+            free_cache(device)
+        print(f"{SYSTEMS[key]}: built in {time.perf_counter() - start:.1f} s {built[key].status}".rstrip(), flush=True)
+    return [built[k] for k in SYSTEMS if k in built]

@@ -1,0 +1,124 @@
+"""How does a model too large for one GPU train? QLoRA sharded with PyTorch's FSDP2 (`fully_shard`).
+
+DDP replicates the whole base on every GPU: a 70B model in NF4 is about 37 GB of weights before any activation, more
+than a 24 or 48 GB card holds. Fully sharded data parallelism (Rajbhandari et al., ZeRO, https://arxiv.org/abs/1910.02054;
+PyTorch FSDP, https://arxiv.org/abs/2304.11277) splits every parameter across the N ranks instead: each keeps 1/N of
+the base and of the adapters, gathers one block's weights for its forward (and again for its backward), and frees them
+after; the adapters' gradients are reduce-scattered, so each rank's optimizer holds only its shard.
+
+The NF4 base shards like any weight. FSDP2 shards parameters, not buffers, so the four buffers of every NF4 linear
+(the packed codes, the 8-bit absmax, the nested absmax, the offset) become frozen parameters first (`params_from_nf4`).
+Tensors of different dtypes are all-gathered as their raw bytes (FSDP2 views mixed-dtype groups as uint8), so the
+bytes a rank gathers are bit for bit the bytes a single process holds, and dequantization gives the same weight. The
+offset, a 0-d tensor, becomes shape (1,), which broadcasts the same. No MixedPrecisionPolicy: every tensor stays in
+its stored dtype (NF4 bytes, a 16-bit base, fp32 LoRA masters) and bf16 autocast computes as without sharding.
+
+Loading (`load_sharded`): the model is built on the meta device, then block by block: its 16-bit weights are read and
+quantized one at a time, its adapters are added (in the same order, so from the same random draws, as one process
+adds them) and the block is sharded at once, which frees the rank's copy of what other ranks keep. No rank ever holds
+more than its shards plus one block. The loss: each rank divides its summed loss by the global number of supervised
+tokens, so the gradients must be summed over ranks, not averaged: the divide factor is 1.
+
+What needs every rank: a sharded model computes only when all ranks run the same forward, so evaluation, samples and
+adapter health run on every rank (rank 0 keeps the results); checkpoints gather full tensors (`full_state`) so that a
+run resumes on any number of ranks, or on one process. torch.compile of the blocks and merged exports are not offered
+with FSDP: the first calls the blocks past FSDP's hooks, the second needs the whole model in one place.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+import lora
+import quant
+from model import Llama, find_linears
+from support.attention import varlen_attention
+from support.hf import Checkpoint, is_prequantized, load_weights_, read_config, read_nf4
+
+NF4_TENSORS = ("weight", "absmax", "nested_absmax", "offset")
+
+
+def params_from_nf4(module):
+    """Re-register the NF4 buffers of every NF4Linear under `module` as frozen parameters (FSDP2 shards parameters);
+    the offset becomes shape (1,)."""
+    for m in module.modules():
+        if isinstance(m, quant.NF4Linear):
+            for name in NF4_TENSORS:
+                t = m._buffers.pop(name)
+                m.register_parameter(name, nn.Parameter(t.reshape(1) if name == "offset" else t, requires_grad=False))
+
+
+def load_sharded(model_dir, dtype, device, world, quantize, adapters, cpu_offload=False):
+    """The QLoRA (or LoRA) model of model_dir, sharded over `world` ranks block by block, as the file docstring says.
+    adapters: train.Config.adapters() plus lora_dtype."""
+    config, _ = read_config(model_dir)
+    ckpt, mesh = Checkpoint(model_dir), init_device_mesh(device.type, (world,))
+    shard = dict(mesh=mesh, offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
+    with torch.device("meta"):
+        model = Llama(config, varlen_attention(device, dtype, config.head_dim, windowed=bool(config.sliding_layers)))
+    chosen = list(find_linears(model, adapters["targets"]))  # in the order one process adds them (same draws)
+    lora_kw = {k: v for k, v in adapters.items() if k != "targets"}
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+
+    def weights(key):  # one weight at a time: a bnb-4bit entry as it is, or a 16-bit tensor to quantize
+        return read_nf4(ckpt, key, shapes[key]) if f"{key}.absmax" in ckpt else ckpt.get(key, shapes[key])
+
+    model.requires_grad_(False)
+    for i, block in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}."
+        if quantize or is_prequantized(ckpt):
+            quant.quantize_(model, [prefix + n for n, _ in find_linears(block)], dtype, device, weights)
+        load_weights_(model, ckpt, dtype, device, within=prefix)
+        add_adapters_(model, [n for n in chosen if n.startswith(prefix)], lora_kw)
+        params_from_nf4(block)
+        fully_shard(block, **shard)  # from here this rank keeps only its shard of the block
+    load_weights_(model, ckpt, dtype, device)  # embeddings, the final norm, lm_head
+    add_adapters_(model, [n for n in chosen if not n.startswith("model.layers.")], lora_kw)
+    fully_shard(model, **shard)
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            m.set_gradient_divide_factor(1.0)  # the loss is already divided by the global supervised-token count
+    trainable, total = lora.count_parameters(model)
+    print(f"LoRA r={adapters['r']} on {len(chosen)} linears, sharded over {world} rank(s): {trainable:,} trainable")
+    return model
+
+
+def add_adapters_(model, names, lora_kw):
+    """LoRA on the named linears of `model` (already frozen), as lora.add_lora_ builds each."""
+    for name in names:
+        base = model.get_submodule(name)
+        model.set_submodule(name, lora.with_lora(base, **lora_kw))
+
+
+def adapter_health(model) -> dict:
+    """lora.adapter_health of a sharded model, block by block: each block gathered on every rank, then freed."""
+    health = {}
+    for i, block in enumerate(model.model.layers):
+        block.unshard()
+        health |= {f"model.layers.{i}.{n}": h for n, h in lora.adapter_health(block).items()}
+        block.reshard()
+    return health
+
+
+def is_sharded(model) -> bool:
+    return isinstance(model, FSDPModule)
+
+
+def full(t):
+    """The whole tensor of a parameter or optimizer state on every rank (a collective for a DTensor)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def like(value, param):
+    """`value` (a whole tensor) laid out as `param` is: this rank's shard for a DTensor, else as it is."""
+    if isinstance(param, DTensor) and value.shape == param.shape:
+        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+    return value
+
+
+def all_reduce_sum(t):
+    dist.all_reduce(t)
+    return t

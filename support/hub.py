@@ -1,0 +1,89 @@
+"""Where do the model and the data come from? A local path, or a Hugging Face Hub id.
+
+`model` and `data` take a local path or a Hub id: `model = "meta-llama/Llama-3.1-8B"`, `data =
+"ise-uiuc/Magicoder-OSS-Instruct-75K"` (a dataset repo: its training files, JSONL, JSON or Parquet), or a named file
+in a dataset repo, `data = "owner/name/path/in/repo.jsonl"`. An id is resolved through huggingface_hub, into its cache
+(under HF_HOME, ~/.cache/huggingface by default), fetching only what training reads: config.json, the safetensors
+weights and the tokenizer files of a model; the data files of a dataset. Large files show huggingface_hub's progress
+bars. HF_HUB_OFFLINE=1 resolves from the cache alone. A local path of the same name wins over the Hub, and the
+start-up output says which was used. A gated repo, a missing one, no network with nothing cached, or a model without
+safetensors weights is one line saying what to do.
+"""
+
+import glob
+import os
+import re
+
+MODEL_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer*", "special_tokens_map.json"]
+MODEL_FILES += ["chat_template.jinja", "generation_config.json"]
+DATA_FILES = ["*.jsonl", "*.json", "*.parquet", "**/*.jsonl", "**/*.json", "**/*.parquet"]
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(/.+)?")  # owner/name, or owner/name/path/in/repo for a data file
+
+
+def model_dir(spec) -> str:
+    """The local directory of a model given as a path or a Hub id."""
+    if os.path.isdir(spec):
+        if HUB_ID.fullmatch(spec):
+            print(f"model: {spec} is a directory here: using it, not the Hub repo of that name")
+        return spec
+    if not HUB_ID.fullmatch(spec) or spec.count("/") != 1:
+        raise FileNotFoundError(f"model: {spec}: no such directory (expected a model directory or a Hub id)")
+    path = download("model", spec, MODEL_FILES)
+    if not glob.glob(os.path.join(path, "*.safetensors")):
+        raise FileNotFoundError(
+            f"model: {spec} has no safetensors weights on the Hub (only .bin or .pth ones, which this project does "
+            "not read); convert them, or give a local directory"
+        )
+    print(f"model: {spec} from the Hugging Face cache ({path})")
+    return path
+
+
+def data_files(spec) -> list[str]:
+    """The local files of a dataset given as a path, a Hub dataset id (its training files: those whose path says
+    "train" when there are such, else all of its data files) or a Hub id and a file in it."""
+    if os.path.exists(spec):
+        if HUB_ID.fullmatch(spec):
+            print(f"data: {spec} is a file here: using it, not the Hub dataset of that name")
+        return [spec]
+    if not HUB_ID.fullmatch(spec):
+        raise FileNotFoundError(f"data: {spec}: no such file (expected a data file or a Hub dataset id)")
+    owner, name, *inside = spec.split("/")
+    repo = f"{owner}/{name}"
+    path = download("data", repo, ["/".join(inside)] if inside else DATA_FILES)
+    found = glob.glob(os.path.join(path, "**", "*"), recursive=True)
+    files = sorted(f for f in found if f.endswith((".jsonl", ".json", ".parquet")) and os.path.isfile(f))
+    train = [f for f in files if "train" in os.path.relpath(f, path)]
+    files = train or files
+    if not files:
+        raise FileNotFoundError(f"data: {spec} holds no JSONL, JSON or Parquet file")
+    print(f"data: {spec} from the Hugging Face cache ({', '.join(os.path.relpath(f, path) for f in files)})")
+    return files
+
+
+def download(key, repo, patterns) -> str:
+    """snapshot_download of `repo` (a dataset repo when key is "data"), with each failure one line naming `key`."""
+    from huggingface_hub import constants, snapshot_download
+    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    kind = "dataset" if key == "data" else "model"
+    try:
+        return snapshot_download(repo, repo_type=kind, allow_patterns=patterns)
+    except GatedRepoError:
+        raise PermissionError(
+            f"{key}: {repo} is gated: accept its licence on https://huggingface.co/{'datasets/' * (kind == 'dataset')}"
+            f"{repo}, then log in with `hf auth login` (or set HF_TOKEN)"
+        ) from None
+    except RepositoryNotFoundError:
+        raise FileNotFoundError(
+            f"{key}: {repo} is not a {kind} on the Hugging Face Hub, or it is private: log in with `hf auth login`, "
+            "or give a local path"
+        ) from None
+    except LocalEntryNotFoundError:
+        offline = " (HF_HUB_OFFLINE is set)" if constants.is_offline_mode() else ""
+        get = f"hf download {repo}" + (" --repo-type dataset" if kind == "dataset" else "")
+        raise FileNotFoundError(
+            f"{key}: {repo} is not in the Hugging Face cache ({constants.HF_HUB_CACHE}) and the Hub cannot be "
+            f"reached{offline}; run `{get}` where there is a network, or give a local path"
+        ) from None
+    except HfHubHTTPError as e:
+        raise OSError(f"{key}: {repo}: {str(e).strip().splitlines()[0]}") from None
