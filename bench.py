@@ -15,46 +15,25 @@ what its numbers mean.
     python bench.py pack               tokenize + pack 75,000 Magicoder-sized examples, then again from the cache
     python bench.py first-run          the default `python train.py` as a newcomer runs it: wall time, steps,
                                        validation loss before and after, peak RSS, the CPU kind and the precision
+    python bench.py fsdp               DDP vs FSDP over 2 CPU ranks, interleaved: step time, per-rank peak RSS
 """
 
 import argparse
-import os
 
-from benchmarks.common import OUT_DIR
 from benchmarks.cpu_train import bench_train, print_saved_tables, run_peer
 from benchmarks.first_run import bench_first_run
-from benchmarks.gpu import SHAPES, SYSTEMS, bench_gpu, check_arguments
+from benchmarks.fsdp import bench_fsdp
+from benchmarks.gpu import bench_gpu, check_arguments, gpu_arguments
 from benchmarks.pack import bench_pack
 from benchmarks.quant import bench_quant
 
 
-def gpu_arguments(sub):
-    g = sub.add_parser("gpu", help="ours (LoRA, QLoRA) vs transformers + PEFT on a random Llama, in one process")
-    g.add_argument(
-        "--shape", choices=list(SHAPES), default="8b", help="8b, 3b, 1b (Llama 3.x) or tiny (CPU smoke test)"
-    )
-    g.add_argument("--row", type=int, default=0, help="tokens per row (default: 8192; 256 for tiny)")
-    g.add_argument("--rows", type=int, default=1, help="rows per step, one micro-batch (default 1)")
-    g.add_argument("--warmup", type=int, default=2, help="steps per system left out of the statistics (default 2)")
-    g.add_argument("--rounds", type=int, default=8, help="measured steps per system, interleaved (default 8)")
-    g.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {', '.join(SYSTEMS)}")
-    g.add_argument("--device", default="auto", help="auto (CUDA when available), cuda, cuda:N or cpu")
-    g.add_argument(
-        "--precision",
-        choices=["auto", "bf16", "fp32"],
-        default="auto",
-        help="auto: bf16 on a GPU, the faster of bf16 and fp32 on CPU (support.precision.pick_precision)",
-    )
-    g.add_argument("--compile", action="store_true", help="torch.compile our blocks (compilation is in the warm-up)")
-    g.add_argument("--memory", action="store_true", help="QLoRA peak memory at 1, 2, 4 rows, checkpointing off/on")
-    g.add_argument("--profile", action="store_true", help="the kernels of one step of ours (torch.profiler)")
-    g.add_argument("--out", default=os.path.join(OUT_DIR, "gpu.json"), help="raw results (default out/bench/gpu.json)")
-
-
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{gpu,quant,train,pack,first-run}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="{gpu,quant,train,pack,first-run,fsdp}")
     gpu_arguments(sub)
+    s = sub.add_parser("fsdp", help="DDP vs FSDP over 2 CPU ranks, interleaved: step time and per-rank peak RSS")
+    s.add_argument("--rounds", type=int, default=2, help="rounds of both, interleaved (default 2)")
     q = sub.add_parser("quant", help="NF4 quantize / dequantize throughput, ours vs bitsandbytes (CPU)")
     q.add_argument("--size", type=int, default=4096, help="the weight is size x size (default 4096)")
     q.add_argument("--repeat", type=int, default=5, help="timed runs per case; the best is reported (default 5)")
@@ -85,6 +64,8 @@ def main():
         bench_pack()
     elif args.command == "first-run":
         bench_first_run(args.repeat)
+    elif args.command == "fsdp":
+        bench_fsdp(rounds=args.rounds)
     elif args.command == "train":
         if args.steps <= args.warmup or args.repeat < 1:
             parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}); --repeat must be at least 1")

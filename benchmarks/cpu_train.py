@@ -26,7 +26,8 @@ Per run: N steps; the first `--warmup` are dropped. Step time is the median of t
 those steps over their total time, leaving out any step under half the median tokens/s (a hiccup of the shared machine;
 such steps are counted and named). MFU = model FLOPs per token (train.py's formula, support.flops.flops_per_token: 4N
 for a frozen-base LoRA step plus causal attention at 512 tokens) x tokens/s / support.flops.matmul_peak of the precision
-in use (the 2048^3 matmul train.py times on CPU, timed for 1.5 s here). With --repeat=R the whole plan runs R times in
+in use (support/flops.py's matmul_peak: square matmuls of the largest size up to 2048 that its time allows, timed for
+1.5 s here). With --repeat=R the whole plan runs R times in
 rounds (every configuration once per round), so each ours/peer pair is measured minutes apart in every round; the tables
 pool the repeats' steps, take the highest peak RSS, and give each ratio as the median of the R per-round ratios.
 """
@@ -389,7 +390,7 @@ def bench_train(steps, warmup, only, repeat=1):
         f"{info['python']}, torch {info['torch']}, transformers {info['transformers']}, peft {info['peft']}, "
         f"bitsandbytes {info['bitsandbytes']}"
     )
-    print(f"matmul peak (2048^3): fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s")
+    print(f"matmul peak: fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s")
     flops = flops_per_token(config, CONTEXT)
     print(f"model FLOPs per token (LoRA step at {CONTEXT} tokens): {flops / 1e9:.3f} GFLOP")
     print(f"padded workload: {n_long} stdlib functions of at least {CONTEXT} tokens; {steps} steps, {warmup} warm-up")

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 import train
-from benchmarks.common import REPO, cpu_name, package_versions, print_table
+from benchmarks.common import OUT_DIR, REPO, cpu_name, package_versions, print_table
 from benchmarks.gpu_systems import FAILURES, LORA, SHAPES, SYSTEMS, build_systems, free_cache, one_line
 from benchmarks.gpu_workloads import equal_work, natural_work, resident_bytes, run_workload, timed_step, workload_result
 from model import Llama
@@ -295,3 +295,26 @@ def check_arguments(parser, args):
         parser.error(f"--systems: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SYSTEMS)}")
     if args.rows < 1 or args.row < 0:
         parser.error("--rows must be at least 1 and --row positive")
+
+
+def gpu_arguments(sub):
+    g = sub.add_parser("gpu", help="ours (LoRA, QLoRA) vs transformers + PEFT on a random Llama, in one process")
+    g.add_argument(
+        "--shape", choices=list(SHAPES), default="8b", help="8b, 3b, 1b (Llama 3.x) or tiny (CPU smoke test)"
+    )
+    g.add_argument("--row", type=int, default=0, help="tokens per row (default: 8192; 256 for tiny)")
+    g.add_argument("--rows", type=int, default=1, help="rows per step, one micro-batch (default 1)")
+    g.add_argument("--warmup", type=int, default=2, help="steps per system left out of the statistics (default 2)")
+    g.add_argument("--rounds", type=int, default=8, help="measured steps per system, interleaved (default 8)")
+    g.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {', '.join(SYSTEMS)}")
+    g.add_argument("--device", default="auto", help="auto (CUDA when available), cuda, cuda:N or cpu")
+    g.add_argument(
+        "--precision",
+        choices=["auto", "bf16", "fp32"],
+        default="auto",
+        help="auto: bf16 on a GPU, the faster of bf16 and fp32 on CPU (support.precision.pick_precision)",
+    )
+    g.add_argument("--compile", action="store_true", help="torch.compile our blocks (compilation is in the warm-up)")
+    g.add_argument("--memory", action="store_true", help="QLoRA peak memory at 1, 2, 4 rows, checkpointing off/on")
+    g.add_argument("--profile", action="store_true", help="the kernels of one step of ours (torch.profiler)")
+    g.add_argument("--out", default=os.path.join(OUT_DIR, "gpu.json"), help="raw results (default out/bench/gpu.json)")

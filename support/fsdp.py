@@ -70,7 +70,7 @@ def load_sharded(model_dir, dtype, device, world, quantize, adapters, cpu_offloa
     for i, block in enumerate(model.model.layers):
         prefix = f"model.layers.{i}."
         if quantize or is_prequantized(ckpt):
-            quant.quantize_(model, [prefix + n for n, _ in find_linears(block)], dtype, device, weights)
+            quant.quantize_(model, [n for n in find_linears(model) if n.startswith(prefix)], dtype, device, weights)
         load_weights_(model, ckpt, dtype, device, within=prefix)
         add_adapters_(model, [n for n in chosen if n.startswith(prefix)], lora_kw)
         params_from_nf4(block)
@@ -81,6 +81,7 @@ def load_sharded(model_dir, dtype, device, world, quantize, adapters, cpu_offloa
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)  # the loss is already divided by the global supervised-token count
+            m.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-multiplied sum)
     trainable, total = lora.count_parameters(model)
     print(f"LoRA r={adapters['r']} on {len(chosen)} linears, sharded over {world} rank(s): {trainable:,} trainable")
     return model
@@ -101,6 +102,16 @@ def adapter_health(model) -> dict:
         health |= {f"model.layers.{i}.{n}": h for n, h in lora.adapter_health(block).items()}
         block.reshard()
     return health
+
+
+def resident_bytes(model) -> tuple[int, int]:
+    """(bytes of the parameters this rank holds now, bytes of the whole model's): a sharded parameter counts its local
+    shard, a gathered one (a block in its forward) in full."""
+    held = whole = 0
+    for p in model.parameters():
+        held += (p.to_local() if isinstance(p, DTensor) else p).nbytes
+        whole += p.numel() * p.element_size()
+    return held, whole
 
 
 def is_sharded(model) -> bool:

@@ -10,26 +10,28 @@ start-up output says which was used. A gated repo, a missing one, no network wit
 safetensors weights is one line saying what to do.
 """
 
+import fnmatch
 import glob
 import os
 import re
 
 MODEL_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer*", "special_tokens_map.json"]
 MODEL_FILES += ["chat_template.jinja", "generation_config.json"]
-DATA_FILES = ["*.jsonl", "*.json", "*.parquet", "**/*.jsonl", "**/*.json", "**/*.parquet"]
+DATA_FILES = ["*.jsonl", "*.json", "*.parquet"]  # fnmatch's * spans folders too, as huggingface_hub matches them
+TRAIN_FILES = ["*train*.jsonl", "*train*.json", "*train*.parquet"]
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(/.+)?")  # owner/name, or owner/name/path/in/repo for a data file
 
 
-def model_dir(spec) -> str:
-    """The local directory of a model given as a path or a Hub id."""
+def model_dir(spec, only_config=False) -> str:
+    """The local directory of a model given as a path or a Hub id (only_config: just its config.json, for --plan)."""
     if os.path.isdir(spec):
         if HUB_ID.fullmatch(spec):
             print(f"model: {spec} is a directory here: using it, not the Hub repo of that name")
         return spec
     if not HUB_ID.fullmatch(spec) or spec.count("/") != 1:
         raise FileNotFoundError(f"model: {spec}: no such directory (expected a model directory or a Hub id)")
-    path = download("model", spec, MODEL_FILES)
-    if not glob.glob(os.path.join(path, "*.safetensors")):
+    path = download("model", spec, ["config.json"] if only_config else MODEL_FILES)
+    if not only_config and not glob.glob(os.path.join(path, "*.safetensors")):
         raise FileNotFoundError(
             f"model: {spec} has no safetensors weights on the Hub (only .bin or .pth ones, which this project does "
             "not read); convert them, or give a local directory"
@@ -48,16 +50,15 @@ def data_files(spec) -> list[str]:
     if not HUB_ID.fullmatch(spec):
         raise FileNotFoundError(f"data: {spec}: no such file (expected a data file or a Hub dataset id)")
     owner, name, *inside = spec.split("/")
-    repo = f"{owner}/{name}"
-    path = download("data", repo, ["/".join(inside)] if inside else DATA_FILES)
-    found = glob.glob(os.path.join(path, "**", "*"), recursive=True)
-    files = sorted(f for f in found if f.endswith((".jsonl", ".json", ".parquet")) and os.path.isfile(f))
-    train = [f for f in files if "train" in os.path.relpath(f, path)]
-    files = train or files
-    if not files:
-        raise FileNotFoundError(f"data: {spec} holds no JSONL, JSON or Parquet file")
-    print(f"data: {spec} from the Hugging Face cache ({', '.join(os.path.relpath(f, path) for f in files)})")
-    return files
+    for patterns in [["/".join(inside)]] if inside else (TRAIN_FILES, DATA_FILES):
+        path = download("data", f"{owner}/{name}", patterns)
+        found = glob.glob(os.path.join(path, "**", "*"), recursive=True)  # the snapshot: what this call and earlier
+        rel = sorted(os.path.relpath(f, path) for f in found if os.path.isfile(f))  # ones fetched; ours match
+        files = [os.path.join(path, f) for f in rel if any(fnmatch.fnmatch(f, p) for p in patterns)]
+        if files:
+            print(f"data: {spec} from the Hugging Face cache ({', '.join(os.path.relpath(f, path) for f in files)})")
+            return files
+    raise FileNotFoundError(f"data: {spec} holds no such file" if inside else f"data: {spec} holds no data file")
 
 
 def download(key, repo, patterns) -> str:

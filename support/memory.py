@@ -181,9 +181,9 @@ def budget_bytes(spec):
 def plan(config, budget, context, max_rows, dtype, lora, chunked=True, shards=0, offload=False):
     """(table rows, choice) of the decision tree for `config` in `budget` bytes per rank: every NF4/16-bit base,
     optimizer, checkpointing and micro-batch size in powers of two up to max_rows, each with its estimate, and the
-    first that the tree reaches (fastest first: 16-bit before NF4, AdamW before 8-bit, no checkpointing before
-    checkpointing, then the largest micro-batch); the choice is None when nothing fits. shards, offload: as estimate
-    (a sharded run takes AdamW only)."""
+    first that the tree reaches (fastest first: 16-bit before NF4 (sharded: NF4 first), AdamW before 8-bit (sharded:
+    AdamW only), no checkpointing before checkpointing, then the largest micro-batch); the choice is None when nothing
+    fits. shards, offload: as estimate."""
     rows_options = [r for r in (1, 2, 4, 8, 16, 32, 64) if r <= max_rows] or [1]
     table, kw = {}, dict(chunked=chunked, shards=shards, offload=offload)
     for quantize in (False, True):
@@ -193,8 +193,10 @@ def plan(config, budget, context, max_rows, dtype, lora, chunked=True, shards=0,
                     parts = estimate(config, rows * context, dtype, quantize, lora, opt_bytes, ckpt, **kw)
                     table[quantize, opt_bytes, ckpt, rows] = sum(parts.values())
     fits = lambda key: table[key] <= budget  # noqa: E731
-    optimizers = (8,) if shards else (8, 2)
-    base = next(((qz, ob) for qz in (False, True) for ob in optimizers if fits((qz, ob, True, 1))), None)
+    # Sharded, the base travels every step (gathered from the other ranks, or from CPU memory when offloaded): NF4
+    # moves a quarter of the bytes, so it goes first; AdamW only (bitsandbytes' 8-bit AdamW takes no sharded state).
+    bases, optimizers = ((True, False), (8,)) if shards else ((False, True), (8, 2))
+    base = next(((qz, ob) for qz in bases for ob in optimizers if fits((qz, ob, True, 1))), None)
     if base is None:
         return table, None
     ckpt = not fits((*base, False, 1))
@@ -301,24 +303,18 @@ def optimizer_bytes(optimizer) -> int:
 
 def micro_batch_rows(cfg, place, model, trainset, rows_per_rank, forward_loss) -> int:
     """Micro-batch size in rows. CUDA: the largest that fits, probed with forward+backward passes on the longest rows
-    while the optimizer state (allocated at the first step) is held in reserve. CPU: the smallest of at least
-    CPU_MICRO_TOKENS that the memory estimate allows. forward_loss(model, batch, place) -> (loss, tokens)."""
+    while the optimizer state (allocated at the first step) is held in reserve; sharded (FSDP), the largest the
+    estimate fits in 90% of the GPU (a probe that ran out of memory on one rank only would leave the others waiting
+    in a collective). CPU: the smallest of at least CPU_MICRO_TOKENS that the memory estimate allows.
+    forward_loss(model, batch, place) -> (loss, tokens)."""
     if isinstance(cfg.micro_batch_tokens, int):
         return max(1, min(rows_per_rank, cfg.micro_batch_tokens // trainset.context_length))
+    if place.device.type == "cuda" and cfg.parallel != "fsdp":
+        return probe_cuda_rows(cfg, place, model, trainset, rows_per_rank, forward_loss)
     if place.device.type == "cuda":
-        longest = sorted(range(len(trainset)), key=lambda r: -sum(trainset.lens[d] for d in trainset.rows[r]))
-
-        def attempt(rows):
-            try:
-                loss, _ = forward_loss(model, trainset.collate(longest[:rows]), place)
-                loss.backward()
-            finally:
-                model.zero_grad(set_to_none=True)
-
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        reserve = torch.empty(optimizer_bytes(cfg.optimizer) * trainable, dtype=torch.uint8, device=place.device)
-        rows = probe_micro_rows(attempt, rows_per_rank, place.device)
-        del reserve
+        budget, rows, context = 0.9 * torch.cuda.mem_get_info(place.device)[1], rows_per_rank, trainset.context_length
+        while rows > 1 and sum(run_estimate(cfg, model.config, rows * context, place).values()) > budget:
+            rows -= 1
         return rows
     # CPU: memory first. Several rows per micro-batch buy a little speed for a much larger resident set (the CPU
     # ladder measures both); set micro_batch_tokens to trade the other way.
@@ -329,6 +325,25 @@ def micro_batch_rows(cfg, place, model, trainset, rows_per_rank, forward_loss) -
     grows = lambda parts: parts["activations"] + parts["transient"] + parts["heap"]  # noqa: E731  (the rest is loaded)
     while rows > 1 and grows(run_estimate(cfg, model.config, rows * trainset.context_length, place)) > budget:
         rows //= 2
+    return rows
+
+
+def probe_cuda_rows(cfg, place, model, trainset, rows_per_rank, forward_loss) -> int:
+    """The largest micro-batch whose forward and backward on the longest rows fit, the optimizer state held in
+    reserve (see probe_micro_rows)."""
+    longest = sorted(range(len(trainset)), key=lambda r: -sum(trainset.lens[d] for d in trainset.rows[r]))
+
+    def attempt(rows):
+        try:
+            loss, _ = forward_loss(model, trainset.collate(longest[:rows]), place)
+            loss.backward()
+        finally:
+            model.zero_grad(set_to_none=True)
+
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    reserve = torch.empty(optimizer_bytes(cfg.optimizer) * trainable, dtype=torch.uint8, device=place.device)
+    rows = probe_micro_rows(attempt, rows_per_rank, place.device)
+    del reserve
     return rows
 
 

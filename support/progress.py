@@ -56,6 +56,9 @@ def describe_step(cfg, place, model, context, rows, micro_rows, process_bytes) -
     parts = memory.run_estimate(cfg, model.config, micro_rows * context, place)
     parts |= {"process": process_bytes} if process_bytes else {}
     peak, source = peak_flops(place.device, place.dtype)
+    if fsdp.is_sharded(model):  # every rank says what it holds: its shard
+        held, whole = fsdp.resident_bytes(model)
+        print(f"FSDP: rank {place.rank} holds {memory.fmt(held)} of the model's {memory.fmt(whole)} of parameters")
     if place.main:
         print(
             f"batch: {rows * place.world} rows x {context} tokens per step = {place.world} rank(s) x "

@@ -18,7 +18,7 @@ def claim_inputs(cfg) -> tuple[str, dict]:
     missing; returns the model directory (the embedded SmolLM2 when cfg.model is "", converted on first use) and the
     data files {"data": [...], "val_data": [...]} (empty lists for "", the stdlib dataset), Hub ids resolved into the
     Hugging Face cache. A preview writes nothing, so it claims no out_dir; a plan reads no data."""
-    model_dir = hub.model_dir(cfg.model) if cfg.model else gguf_files.smollm2_dir()
+    model_dir = hub.model_dir(cfg.model, only_config=bool(cfg.plan)) if cfg.model else gguf_files.smollm2_dir()
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise FileNotFoundError(f"model: {os.path.join(model_dir, 'config.json')} not found (not a model directory)")
     files = {key: hub.data_files(getattr(cfg, key)) if getattr(cfg, key) and not cfg.plan else []

@@ -138,3 +138,33 @@ def test_micro_batch_probe_under_simulated_oom(monkeypatch, fit_up_to, max_rows)
     tried = [e for e in events if isinstance(e, int)]
     assert tried[0] == max_rows and len(tried) <= 1 + max_rows.bit_length()
     assert events.count("empty_cache") == len(tried) and events[-1] == "reset_peak"
+
+
+def test_sharded_estimate_and_the_plan_on_several_gpus():
+    """FSDP over N ranks: each holds 1/N of the weights, adapters, gradients and optimizer state (none of it on the GPU
+    when offloaded) plus what it gathers, the root's weights and two blocks; activations are every rank's own. --plan
+    on several GPUs tries DDP, then FSDP (NF4 first: the base travels every step), then FSDP with CPU offload, and
+    names the torchrun command."""
+    cfg, lora = config(num_hidden_layers=16, hidden_size=256, intermediate_size=640), adapters(4, "all-linear", 0.05)
+    whole = memory.estimate(cfg, 512, torch.bfloat16, True, lora, 8, True)
+    for shards, offload in [(2, False), (4, False), (4, True)]:
+        part = memory.estimate(cfg, 512, torch.bfloat16, True, lora, 8, True, shards=shards, offload=offload)
+        for key in ("weights", "adapters", "gradients", "optimizer"):
+            assert part[key] == (0 if offload else int(whole[key] / shards)), key
+        assert part["activations"] == whole["activations"] and part["transient"] == whole["transient"]
+        root = 2 * cfg.vocab_size * cfg.hidden_size * 2 + 2 * cfg.hidden_size  # embeddings, lm_head, final norm
+        assert part["gathered"] == int(root + 2 * (whole["weights"] - root + whole["adapters"]) / 16)
+    one, two = memory.budget_bytes("H100"), memory.budget_bytes("2xH100")
+    assert one == two and memory.gpu_count("2xH100") == 2 and memory.gpu_count("H100") == 1
+    table, _ = memory.plan(cfg, 0, 512, 1, torch.bfloat16, lora, shards=2, offload=False)
+    budget = table[True, 8, True, 1] + 2**12  # the sharded NF4 base fits, one row, checkpointing; replicated not
+    ddp = memory.plan(cfg, budget, 512, 1, torch.bfloat16, lora)[0]
+    assert min(ddp.values()) > budget
+    spec = f"2x{budget / 2**30 + 1:.9f}GB"  # the CUDA context (1 GiB) comes off the size given
+    text = memory.report(cfg, spec, 512, 1, torch.bfloat16, lora)
+    assert "-- DDP: bytes per GPU" in text and "-- FSDP: bytes per GPU" in text
+    assert text.splitlines()[-1] == (
+        "fastest that fits on 2 GPUs, FSDP: NF4 base, AdamW, checkpointing on, 1 row(s) per micro-batch (torchrun "
+        "--nproc_per_node=2 train.py: --quantize=True --optimizer=adamw --activation_checkpointing=True "
+        "--micro_batch_tokens=512 --parallel=fsdp --cpu_offload=False)"
+    )

@@ -33,54 +33,22 @@ import sys
 
 import pytest
 import torch
+from conftest import random_model_dir
 from safetensors.torch import load_file
 
 import quant
 import train
-from model import Llama
 from pack import PackedDataset, build_dataset
 from support import atomic, checkpoint, memory, optional, precision, run_dir
 from support.config import load_config
 from support.examples import stdlib_examples
 from support.flops import fmt_flops, matmul_rates
 from support.hf import load_model
-from support.hf_config import config_json, from_hf, read_config, to_hf
+from support.hf_config import read_config
 from support.tokenizer import Tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRECISIONS = (torch.bfloat16, torch.float32)
-
-
-def random_model_dir(out, smollm2_dir, dtype=torch.float32, device="cpu", **shape):
-    """A random Llama of the given shape with SmolLM2's vocabulary, tokenizer files and chat template, written as a
-    Hugging Face directory in `dtype` (weights N(0, 0.02), norms at 1: a model with sane logits)."""
-    os.makedirs(out, exist_ok=True)
-    cfg = from_hf({**to_hf(read_config(smollm2_dir)[0]), **shape})
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Llama(cfg).to(dtype)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
-    from safetensors.torch import save_file
-
-    state = {k: v.contiguous().cpu() for k, v in model.state_dict().items()}
-    if cfg.tie_word_embeddings:
-        del state["lm_head.weight"]
-    save_file(state, os.path.join(out, "model.safetensors"))
-    json.dump(config_json(cfg, dtype), open(os.path.join(out, "config.json"), "w"))
-    for name in os.listdir(smollm2_dir):
-        if name.startswith("tokenizer") or name == "special_tokens_map.json":
-            shutil.copy(os.path.join(smollm2_dir, name), out)
-    return str(out)
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(smollm2_dir, tmp_path_factory):
-    """A 2-layer random Llama with SmolLM2's vocabulary, tokenizer files and chat template."""
-    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
-    shape |= dict(num_key_value_heads=2, head_dim=16)
-    return random_model_dir(tmp_path_factory.mktemp("tiny-llama"), smollm2_dir, **shape)
 
 
 def args(tiny_dir, tmp_path, *extra):
@@ -337,6 +305,8 @@ def test_a_non_finite_gradient_is_never_applied_nor_saved(tiny_dir, tmp_path, mo
 
 
 def test_smollm2_qlora_run_lowers_val_loss(smollm2_dir, tmp_path):
+    """The real SmolLM2, QLoRA: validation loss falls; the adapter, the loss plot and metrics are written, and
+    metrics.jsonl holds the held-out answer at the first and the last evaluation."""
     out = tmp_path / "out"
     history = run(
         [
@@ -347,7 +317,8 @@ def test_smollm2_qlora_run_lowers_val_loss(smollm2_dir, tmp_path):
             "--context_length=256",
             "--batch_tokens=512",
             "--warmup_steps=2",
-            "--eval_samples=0",
+            "--eval_samples=1",
+            "--sample_tokens=16",
             f"--out_dir={out}",
             f"--cache_dir={tmp_path / 'cache'}",
         ]
@@ -355,7 +326,10 @@ def test_smollm2_qlora_run_lowers_val_loss(smollm2_dir, tmp_path):
     vals = [h["val_loss"] for h in history if "val_loss" in h]
     assert len(vals) == 2 and vals[1] < vals[0] - 0.05, vals
     assert (out / "adapter" / "adapter_config.json").exists() and (out / "loss.png").exists()
-    assert len(open(out / "metrics.jsonl").readlines()) == 10  # NF4's error and the step-0 loss, then 8 steps
+    records = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert len(records) == 10  # NF4's error and the step-0 evaluation, then 8 steps
+    answered = {r["step"]: r["samples"] for r in records if "samples" in r}  # the held-out answer at each evaluation
+    assert set(answered) == {0, 8} and all(len(a) == 1 and a[0]["prompt"] and a[0]["answer"] for a in answered.values())
 
 
 @pytest.mark.parametrize("micro_rows", [1, 3, 4])

@@ -1,0 +1,69 @@
+"""What does sharding cost against replicating? DDP and FSDP over 2 CPU ranks, interleaved.
+
+    python bench.py fsdp                 SmolLM2-135M QLoRA, 2 gloo ranks, DDP vs FSDP (--rounds=2, --steps=6)
+
+Each configuration is a fresh `torchrun --nproc_per_node=2 train.py ...` of the default model with the same settings
+but --parallel (2 x 256 tokens per rank per step, fp32, no evaluation), run in rounds (DDP, FSDP, DDP, FSDP ...) so
+that a shared machine's drift stays out of their ratio. Step time is the median over the measured steps (the first
+--warmup left out, from metrics.jsonl); the ratio is the median of the per-round ratios. Peak RSS is each rank's own
+(its VmHWM, read from /proc while it runs), so the table shows what sharding saves per rank: on CPU the weights are
+a small part of the process (Python, torch, the tokenizer and the activations weigh more); on GPUs with a large model
+the weights dominate. One machine's two ranks share its cores, so the times say what FSDP's extra all-gathers cost in
+work, not what a network between GPUs costs.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import psutil
+
+from benchmarks.common import OUT_DIR, REPO, cpu_name, fmt_gb, print_table
+from support import memory
+
+SETTINGS = ["--precision=fp32", "--context_length=256", "--batch_tokens=1024", "--eval_every=0", "--eval_samples=0"]
+
+
+def run_ranks(parallel, steps, out):
+    """(median step seconds after the warm-up, {rank pid: peak RSS}) of one 2-rank torchrun of train.py."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29561", "train.py"]
+    argv += [*SETTINGS, f"--parallel={parallel}", f"--max_steps={steps}", f"--out_dir={out}", "--overwrite"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    peaks = {}
+    with open(os.path.join(out + ".log"), "w") as log:
+        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        while proc.poll() is None:
+            for child in psutil.Process(proc.pid).children(recursive=True):
+                peaks[child.pid] = max(peaks.get(child.pid, 0), memory.vm_hwm(child.pid))
+            time.sleep(0.05)
+    if proc.returncode != 0:
+        raise SystemExit(f"error: torchrun with --parallel={parallel} failed; see {out}.log")
+    records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    times = [1024 / r["tokens_per_s"] for r in records if "tokens_per_s" in r]
+    ranks = sorted(peaks.values())[-2:]  # the two workers: the largest resident sets under torchrun
+    return times, ranks
+
+
+def bench_fsdp(steps=6, warmup=2, rounds=2):
+    print(f"CPU: {cpu_name()}, {os.cpu_count()} cores; 2 gloo ranks, SmolLM2-135M QLoRA, {' '.join(SETTINGS)}")
+    results = {"ddp": [], "fsdp": []}
+    with tempfile.TemporaryDirectory(dir=OUT_DIR) as tmp:
+        for r in range(rounds):
+            for parallel in results:
+                times, ranks = run_ranks(parallel, steps, os.path.join(tmp, f"{parallel}-{r}"))
+                results[parallel].append((statistics.median(times[warmup:]), ranks))
+                print(f"round {r + 1}: {parallel} {results[parallel][-1][0]:.2f} s a step", flush=True)
+    ratios = [f / d for (f, _), (d, _) in zip(results["fsdp"], results["ddp"], strict=True)]
+    rows = []
+    for parallel, runs in results.items():
+        step = statistics.median(t for t, _ in runs)
+        peak = [max(ranks[i] for _, ranks in runs) for i in range(2)]
+        rows.append([parallel, f"{step:.2f}", " / ".join(fmt_gb(p) for p in peak)])
+    print_table(["parallel", "step s (median)", "peak RSS of each rank"], rows)
+    print(
+        f"FSDP / DDP step time: {statistics.median(ratios):.2f}x (per round: {', '.join(f'{x:.2f}' for x in ratios)})"
+    )

@@ -1,0 +1,130 @@
+"""support/fsdp.py: QLoRA sharded with PyTorch's FSDP2 over gloo ranks on CPU, against one process.
+
+- With 2 and 4 ranks, on a tiny Llama and a tiny Qwen3, with an NF4 and a 16-bit base, with and without activation
+  checkpointing: the losses of every step and the saved PEFT adapter equal one process's. Tolerance: losses within
+  1e-6 relative, adapters within 1e-6 absolute, the fp32 rounding of summing gradients in another order (the ranks'
+  partial sums are reduce-scattered), which AdamW's first steps magnify near g = 0 by at most lr * d / eps; a wrong
+  normalisation of the loss over ranks moves them by lr * 50% (1e-4 per element here). Measured: identical.
+- Each rank holds 1/N of the parameter bytes between steps (the ranks' shards add up to the whole, each within 1% of
+  1/N: tensors are cut into whole rows), and while a block computes, that block and the root's weights (embeddings,
+  norm, lm_head) in full: measured from the tensors.
+- A run sharded over 2 ranks, resumed in one process, then resumed sharded over 4 ranks reaches the losses and the
+  adapter of one uninterrupted process (the checkpoint holds whole tensors named by parameter).
+- Two "nodes" on localhost (two torchrun launches, --nnodes=2, c10d rendezvous) give one process's losses.
+- What FSDP does not offer (compile, a merged export, 8-bit AdamW) is one line each.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+from conftest import random_model_dir
+from safetensors.torch import load_file
+from test_train import args, one_line_error, run
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # a shared 2-core machine is not oversubscribed by 4 ranks
+STEPS = ["--eval_every=0", "--micro_batch_tokens=256", "--min_lr_ratio=1.0"]  # the lr does not depend on max_steps
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def models(smollm2_dir, tmp_path_factory):
+    """A tiny Llama and a tiny Qwen3 (per-head q/k norms) with SmolLM2's vocabulary and tokenizer."""
+    root = tmp_path_factory.mktemp("fsdp-models")
+    qwen3 = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32)
+    return {
+        "llama": random_model_dir(root / "llama", smollm2_dir, **TINY, head_dim=16),
+        "qwen3": random_model_dir(root / "qwen3", smollm2_dir, **TINY, **qwen3),
+    }
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(ranks, argv, extra=()):
+    """train.py under torchrun with `ranks` processes on this machine (gloo)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={free_port()}"]
+    proc = subprocess.run([*cmd, *extra, "train.py", *argv], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def losses(out):
+    return [json.loads(line)["loss"] for line in open(out / "out" / "metrics.jsonl") if '"loss"' in line]
+
+
+def assert_same_run(a, b):
+    """The losses and the PEFT adapter of two runs, within the tolerance of the file docstring."""
+    assert losses(a) == pytest.approx(losses(b), rel=1e-6, abs=0), (losses(a), losses(b))
+    x, y = (load_file(d / "out" / "adapter" / "adapter_model.safetensors") for d in (a, b))
+    assert x.keys() == y.keys() and all(float((x[k] - y[k]).abs().max()) <= 1e-6 for k in x)
+
+
+@pytest.mark.parametrize(  # each base, each rank count, each family, with and without checkpointing
+    "family, ranks, base, checkpointing",
+    [
+        ("llama", 2, "--quantize=True", False),
+        ("llama", 2, "--quantize=False", True),
+        ("qwen3", 4, "--quantize=True", True),
+    ],
+)
+def test_sharded_runs_equal_one_process(models, tmp_path, family, ranks, base, checkpointing):
+    flags = [*STEPS, base, f"--activation_checkpointing={checkpointing}"]
+    run(args(models[family], tmp_path / "one", *flags))
+    printed = torchrun(ranks, args(models[family], tmp_path / "sharded", *flags, "--parallel=fsdp"))
+    assert_same_run(tmp_path / "one", tmp_path / "sharded")
+    assert printed.count("FSDP: rank ") == ranks and f"sharded over {ranks} rank(s)" in printed
+
+
+def test_each_rank_holds_a_shard_and_gathers_one_block(models, tmp_path):
+    out = tmp_path / "bytes.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", f"--master_port={free_port()}"]
+    proc = subprocess.run([*cmd, "tests/fsdp_worker.py", models["llama"], str(out)], cwd=ROOT, env=ENV, text=True,
+                          capture_output=True)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ranks = [json.loads(line) for line in open(out)]
+    assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
+    whole, block = ranks[0]["whole"], ranks[0]["block"]
+    root = whole - 2 * block  # two blocks; the rest is the embeddings (tied to lm_head) and the final norm
+    assert sum(r["between"] for r in ranks) == whole  # every byte held by exactly one rank
+    for r in ranks:
+        assert abs(r["between"] - whole / 4) <= 0.01 * whole / 4, r  # torch.chunk's rows: the last shards are shorter
+        gathered = r["during"] - r["between"]  # a block and the root, each in full less this rank's own shard
+        assert 0.75 * (block + root) * 0.99 <= gathered <= 0.75 * (block + root) * 1.01 + block, r
+    print(f"\nper rank: {ranks[0]['between']:,} of {whole:,} bytes between steps; {ranks[0]['during']:,} at most")
+
+
+def test_resume_across_rank_counts(models, tmp_path):
+    run(args(models["llama"], tmp_path / "one", *STEPS, "--max_steps=4"))
+    moved = args(models["llama"], tmp_path / "moved", *STEPS)
+    torchrun(2, [*moved, "--max_steps=2", "--parallel=fsdp"])
+    run([*moved, "--max_steps=3", "--resume"])
+    torchrun(4, [*moved, "--max_steps=4", "--resume", "--parallel=fsdp"])
+    assert_same_run(tmp_path / "one", tmp_path / "moved")
+
+
+def test_two_nodes_on_localhost(models, tmp_path):
+    run(args(models["llama"], tmp_path / "one", *STEPS))
+    argv = args(models["llama"], tmp_path / "nodes", *STEPS, "--parallel=fsdp")
+    rendezvous = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}"]
+    nodes = [
+        subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--node_rank={n}", "train.py",
+                          *argv], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for n in (0, 1)
+    ]  # fmt: skip
+    outputs = [node.communicate(timeout=300)[0] for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), outputs[0][-2000:] + outputs[1][-2000:]
+    assert_same_run(tmp_path / "one", tmp_path / "nodes")
+
+
+def test_what_fsdp_does_not_offer_is_one_line(models, tmp_path, capsys):
+    for flag, key in [("--compile", "compile"), ("--export_merged", "export_merged"), ("--optimizer=adamw8bit", None)]:
+        err = one_line_error(args(models["llama"], tmp_path, "--parallel=fsdp", flag), capsys)
+        assert err.startswith(f"error: {key or 'optimizer'}: not with parallel=fsdp ("), err

@@ -1,0 +1,127 @@
+"""support/hub.py: models and datasets by Hub id, through huggingface_hub's own cache (no network: a stand-in Hub on
+localhost, tests/fake_hub.py, at HF_ENDPOINT).
+
+- train.py given a model id and a dataset id fetches, into HF_HOME, only the model's config, safetensors and tokenizer
+  files and the dataset's data file, laid out by huggingface_hub itself; then with HF_HUB_OFFLINE=1 and the Hub gone
+  the same ids resolve to that cache and train to the same losses;
+- a dataset with train and test files takes its train files; a named file in a dataset repo is fetched alone;
+- one line each, naming the repo and what to do: a repo absent from the cache offline, a gated repo (401 as the Hub
+  answers one whose licence is not accepted), a missing repo (404), a model without safetensors weights;
+- a local directory named like a Hub id wins over the Hub, and the output says so.
+"""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import huggingface_hub
+import pytest
+from conftest import random_model_dir
+from fake_hub import FakeHub
+from test_train import args, one_line_error
+
+from support import hub
+from support.examples import stdlib_examples
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+
+
+def jsonl(examples):
+    return "".join(json.dumps({"instruction": e["instruction"], "response": e["response"]}) + "\n" for e in examples)
+
+
+@pytest.fixture(scope="module")
+def fake_hub(smollm2_dir, tmp_path_factory):
+    """A model repo (the files of a tiny Llama, plus a README and a .bin copy that training never reads), a dataset
+    repo with one JSONL file, one with train and test files, a gated model and a model with only .bin weights."""
+    model = random_model_dir(tmp_path_factory.mktemp("tiny"), smollm2_dir, **TINY, head_dim=16)
+    files = {f: open(os.path.join(model, f), "rb").read() for f in os.listdir(model)}
+    extras = {"README.md": b"# tiny", "pytorch_model.bin": files["model.safetensors"]}
+    code = jsonl(stdlib_examples("train")[:64]).encode()
+    split = {"data/train.jsonl": code, "data/test.jsonl": jsonl(stdlib_examples("val")[:8]).encode()}
+    no_safetensors = {k: v for k, v in (files | extras).items() if k != "model.safetensors"}
+    server = FakeHub({
+        ("model", "acme/tiny"): {"files": files | extras, "gated": False},
+        ("dataset", "acme/code"): {"files": {"code.jsonl": code, "README.md": b"#"}, "gated": False},
+        ("dataset", "acme/split"): {"files": split, "gated": False},
+        ("model", "acme/gated"): {"files": files, "gated": True},
+        ("model", "acme/bin-only"): {"files": no_safetensors, "gated": False},
+    })  # fmt: skip
+    yield server
+    server.close()
+
+
+def train_py(argv, env):
+    proc = subprocess.run([sys.executable, "train.py", *argv], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout + proc.stderr
+
+
+def test_ids_download_once_then_train_offline(fake_hub, tmp_path):
+    home = tmp_path / "hf"
+    online = {**os.environ, "HF_HOME": str(home), "HF_ENDPOINT": fake_hub.url}
+    argv = ["configs/tiny.py", "--model=acme/tiny", "--data=acme/code", "--device=cpu", "--eval_every=0"]
+    printed = train_py([*argv, f"--out_dir={tmp_path / 'a'}", f"--cache_dir={tmp_path / 'cache'}"], online)
+    snapshot = home / "hub" / "models--acme--tiny" / "snapshots"
+    (commit,) = os.listdir(snapshot)
+    assert f"model: acme/tiny from the Hugging Face cache ({snapshot / commit})" in printed
+    assert "data: acme/code from the Hugging Face cache (code.jsonl)" in printed
+    assert (
+        sorted(fake_hub.fetched)
+        == sorted([f"acme/tiny/{f}" for f in os.listdir(snapshot / commit)] + ["acme/code/code.jsonl"])
+        and "acme/tiny/pytorch_model.bin" not in fake_hub.fetched
+    )  # only what training reads
+    offline = {**online, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}  # nothing listens there
+    train_py([*argv, f"--out_dir={tmp_path / 'b'}", f"--cache_dir={tmp_path / 'cache'}"], offline)
+    losses = [[json.loads(x)["loss"] for x in open(tmp_path / d / "metrics.jsonl") if '"loss"' in x] for d in "ab"]
+    assert losses[0] == losses[1] and len(losses[0]) == 4
+
+
+@pytest.fixture
+def hub_here(fake_hub, tmp_path, monkeypatch):
+    """huggingface_hub pointed at the stand-in Hub, with an empty cache, in this process (it reads its environment
+    at import, so its constants are set instead)."""
+    constants = huggingface_hub.constants
+    monkeypatch.setattr(constants, "ENDPOINT", fake_hub.url)
+    template = fake_hub.url + "/{repo_id}/resolve/{revision}/{filename}"
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf-cache"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    return constants
+
+
+def test_a_dataset_takes_its_train_files_or_the_named_one(hub_here):
+    assert [os.path.basename(f) for f in hub.data_files("acme/split")] == ["train.jsonl"]
+    assert [os.path.basename(f) for f in hub.data_files("acme/split/data/test.jsonl")] == ["test.jsonl"]
+
+
+def test_hub_failures_are_one_line(hub_here, tiny_dir, tmp_path, capsys, monkeypatch):
+    def error(model):
+        return one_line_error(args(tiny_dir, tmp_path, f"--model={model}"), capsys)
+
+    assert error("acme/gated") == (
+        "error: model: acme/gated is gated: accept its licence on https://huggingface.co/acme/gated, then log in with "
+        "`hf auth login` (or set HF_TOKEN)"
+    )
+    assert error("acme/nope") == (
+        "error: model: acme/nope is not a model on the Hugging Face Hub, or it is private: log in with `hf auth "
+        "login`, or give a local path"
+    )
+    assert error("acme/bin-only").startswith("error: model: acme/bin-only has no safetensors weights on the Hub")
+    monkeypatch.setattr(hub_here, "HF_HUB_OFFLINE", True)
+    assert error("acme/elsewhere") == (
+        f"error: model: acme/elsewhere is not in the Hugging Face cache ({hub_here.HF_HUB_CACHE}) and the Hub cannot "
+        "be reached (HF_HUB_OFFLINE is set); run `hf download acme/elsewhere` where there is a network, or give a "
+        "local path"
+    )
+
+
+def test_a_local_directory_named_like_an_id_wins(tiny_dir, tmp_path, capsys, monkeypatch):
+    (tmp_path / "acme").mkdir()
+    shutil.copytree(tiny_dir, tmp_path / "acme" / "tiny")
+    monkeypatch.chdir(tmp_path)
+    assert hub.model_dir("acme/tiny") == "acme/tiny"
+    assert "model: acme/tiny is a directory here: using it, not the Hub repo of that name" in capsys.readouterr().out
