@@ -26,7 +26,6 @@ with FSDP: the first calls the blocks past FSDP's hooks, the second needs the wh
 """
 
 import torch
-import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
@@ -95,12 +94,18 @@ def add_adapters_(model, names, lora_kw):
 
 
 def adapter_health(model) -> dict:
-    """lora.adapter_health of a sharded model, block by block: each block gathered on every rank, then freed."""
+    """lora.adapter_health of a sharded model, block by block: each block gathered on every rank, then freed; then the
+    root's own adapters (an adapted lm_head), the root gathered the same way."""
     health = {}
     for i, block in enumerate(model.model.layers):
         block.unshard()
         health |= {f"model.layers.{i}.{n}": h for n, h in lora.adapter_health(block).items()}
         block.reshard()
+    outside = {n: m for n, m in lora.lora_modules(model).items() if not n.startswith("model.layers.")}
+    if outside:
+        model.unshard()
+        health |= {n: lora.adapter_health(m)[""] for n, m in outside.items()}
+        model.reshard()
     return health
 
 
@@ -128,8 +133,3 @@ def like(value, param):
     if isinstance(param, DTensor) and value.shape == param.shape:
         return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
     return value
-
-
-def all_reduce_sum(t):
-    dist.all_reduce(t)
-    return t
