@@ -118,7 +118,7 @@ class Config:
     eval_samples: int = setting(1, at_least(0, " (0 = none)"))  # held-out prompts answered at every evaluation
     sample_tokens: int = setting(96, at_least(1))  # max new tokens of each answer
     log: str = setting("", ("", "tensorboard", "wandb"))  # also send the metrics to TensorBoard or W&B
-    export_merged: bool = setting(False)  # also write a merged 16-bit Hugging Face model to out_dir/merged
+    export_merged: bool = setting(False)  # also write a merged Hugging Face model (run's dtype) to out_dir/merged
     export_gguf: str = setting("", ("", *FILE_TYPES))  # also write out_dir/model-<type>.gguf + an Ollama Modelfile
     cache_dir: str = setting("data/cache")  # tokenized-data cache
     device: str = setting("auto", ("auto", "cpu", "cuda"))
@@ -297,10 +297,13 @@ def evaluate(model, valset, rows: int, micro_rows: int, place: Placement) -> flo
 
 
 def sample(model, tok, example, cfg: Config, place: Placement) -> str:
-    """The model's greedy answer to a held-out example's prompt."""
+    """The model's greedy answer to a held-out example's prompt, in eval mode (no dropout: the same on every rank)."""
     text, _, bos = render(example, tok, cfg.template or None)
+    model.eval()
     with place.autocast():
-        return tok.decode(generate(model, tok.encode(text, bos=bos), cfg.sample_tokens, eos_id=tok.eos_id))
+        answer = tok.decode(generate(model, tok.encode(text, bos=bos), cfg.sample_tokens, eos_id=tok.eos_id))
+    model.train()
+    return answer
 
 
 def evaluation(cfg: Config, place: Placement, model, tok, valset, prompts, micro_rows) -> dict:
@@ -332,18 +335,20 @@ def train(cfg: Config) -> list[dict]:
     model = build_model(cfg, place, model_dir)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(cfg, params, place.device)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg))
     scaler = torch.amp.GradScaler("cuda", enabled=place.dtype == torch.float16)
     rows = max(1, cfg.batch_tokens // trainset.context_length // place.world)  # this rank's rows per step
     micro_rows = memory.micro_batch_rows(cfg, place, model, trainset, rows, forward_loss)
     context = trainset.context_length
     estimated, peak = progress.describe_step(cfg, place, model, context, rows, micro_rows, process_bytes)
-    state, tracker = (model, opt, sched, scaler), trackers.open_tracker(cfg) if place.main else None
+    tracker = trackers.open_tracker(cfg) if place.main else None
     if cfg.resume:
-        step = checkpoint.load_checkpoint(os.path.join(cfg.out_dir, "checkpoint.pt"), *state, cfg)
+        step = checkpoint.load_checkpoint(os.path.join(cfg.out_dir, "checkpoint.pt"), model, opt, scaler, cfg)
         history = checkpoint.read_metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), step)
     else:
         step, history = 0, before_training(cfg, place, model, tok, valset, prompts, micro_rows, tracker)
+    # The schedule, like the data and the dropout, is a function of the step: a resumed run takes up its own.
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg), last_epoch=step - 1)
+    state = (model, opt, sched, scaler)
     speed = (estimated, flops_per_token(config, context) / peak)
     loop(cfg, place, state, (trainset, valset, tok, prompts), step, history, (rows, micro_rows), speed, tracker)
     adapter = {n: fsdp.full(p.detach()) for n, p in model.named_parameters() if p.requires_grad}  # gathered if sharded
@@ -392,20 +397,20 @@ def loop(cfg: Config, place: Placement, state, data, step, history, rows, speed,
                 if place.main:
                     history.append(record)  # before the evaluation, which a second Ctrl-C may break into
                 # once in a while: evaluate (not when stopping: torchrun kills its workers 30 s after Ctrl-C)
-                evaluating = cfg.eval_every and not stop_asked and (step % cfg.eval_every == 0 or step == cfg.max_steps)
-                if evaluating and (place.main or everywhere):
+                due = cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps)
+                if due and not stops.any_rank(stop_asked, place.world, place.device) and (place.main or everywhere):
                     record |= evaluation(cfg, place, model, tok, valset, prompts, micro_rows)
                     progress.adapter_report(model, record, bar, place.main)
                 if place.main:
                     progress.show_step(bar, record, place, estimated, cfg.max_steps, tracker)
                 if cfg.save_every and step % cfg.save_every == 0:  # once in a while: save
-                    last_saved = checkpoint.save(cfg, *state, step, history, place.main)
+                    last_saved = checkpoint.save(cfg, model, opt, scaler, step, history, place.main)
     except KeyboardInterrupt:  # a second Ctrl-C, in the middle of a step: nothing of it is saved
         print(f"\nstopped at once: {checkpoint.last_checkpoint(cfg, last_saved)}", file=sys.stderr)
         raise SystemExit(130) from None
     finally:
         bar.close()  # so that an error message starts on a line of its own
-    checkpoint.save(cfg, *state, step, history, place.main)  # before the outputs: the merged export changes the model
+    checkpoint.save(cfg, model, opt, scaler, step, history, place.main)  # first: the merged export changes the model
     if step < cfg.max_steps:  # Ctrl-C: stopped between two steps, so the checkpoint is exactly step `step`
         if place.main:
             print(f"interrupted: checkpoint at step {step} written; continue with --resume --out_dir={cfg.out_dir}")

@@ -7,8 +7,9 @@ new one, never a part of either. The temporary file is created with the permissi
 the umask), so adapters and checkpoints stay readable to the other users and containers that serve them. The folder
 catches what the writer itself leaves beside its file (safetensors writes its own temp file beside its target), and
 its writer holds a lock in it (flock); a process killed mid-write leaves the folder, and a later write of the same
-target removes it once nobody holds its lock. A directory replaces an old one in two renames: the old one moves into
-the private folder first (a rename cannot overwrite a non-empty directory), so for a moment neither is there.
+target removes it once nobody holds its lock. A directory (its files flushed, one level deep: the converted model's
+layout) replaces an old one in two renames: the old one moves into the private folder first (a rename cannot overwrite
+a non-empty directory), so for a moment neither is there.
 """
 
 import contextlib

@@ -1,13 +1,13 @@
 """What does a checkpoint hold, and when may a run resume from it?
 
-checkpoint.pt holds the adapter weights, the optimizer and schedule state, fp16's loss scale and the settings, every
-tensor whole and named by its parameter, so a run sharded over N ranks resumes on M ranks or on one process. No RNG
-state and no data position: every step reseeds its dropout from (seed, step, rank) and takes the rows pack.py gives
-that step, so the step number is all a resumed run needs, on any number of ranks. A resumed run must share the
-settings declared with resume=True in train.Config: they shape the adapters, the optimizer (whose saved state carries
-lr, betas and weight decay: a new value would be silently ignored) or the data and its order. max_steps, warmup_steps
-and min_lr_ratio may change: the schedule is recomputed from them. metrics.jsonl is rewritten whole with each
-checkpoint, so the two always agree.
+checkpoint.pt holds the adapter weights, the optimizer state, fp16's loss scale and the settings, every tensor whole and
+named by its parameter, so a run sharded over N ranks resumes on M ranks or on one process. No RNG state, no schedule
+and no data position: every step reseeds its dropout from (seed, step, rank) and takes the rows pack.py gives that step,
+and the learning rate is the schedule's at that step, so the step number is all a resumed run needs, on any number of
+ranks. A resumed run must share the settings declared with resume=True in train.Config: they shape the adapters, the
+optimizer (whose saved state carries lr, betas and weight decay: a new value would be silently ignored) or the data and
+its order. max_steps, warmup_steps and min_lr_ratio may change: the schedule is recomputed from them. metrics.jsonl is
+rewritten whole with each checkpoint, so the two always agree.
 """
 
 import dataclasses
@@ -22,17 +22,17 @@ from support.config import resume_keys
 from support.fsdp import full, like
 
 
-def save_checkpoint(path, model, opt, sched, scaler, step, cfg, main=True):
-    """Adapter weights, optimizer, schedule and fp16's loss scale, every tensor whole and keyed by its parameter's name
-    (a sharded model's shards are gathered: every rank calls this, rank 0 writes). No RNG state: every step reseeds
-    from (seed, step, rank)."""
+def save_checkpoint(path, model, opt, scaler, step, cfg, main=True):
+    """Adapter weights, optimizer and fp16's loss scale, every tensor whole and keyed by its parameter's name (a sharded
+    model's shards are gathered: every rank calls this, rank 0 writes). No RNG state and no schedule: every step
+    reseeds from (seed, step, rank), and the learning rate is a function of the step."""
     lora_state = {n: full(p.detach()).clone() for n, p in model.named_parameters() if p.requires_grad}
     optimizer = optimizer_state(model, opt)
     if not main:
         return
     # fmt: off
-    state = dict(step=step, lora=lora_state, optimizer=optimizer, scheduler=sched.state_dict(),
-                 scaler=scaler.state_dict(), config=dataclasses.asdict(cfg))
+    state = dict(step=step, lora=lora_state, optimizer=optimizer, scaler=scaler.state_dict(),
+                 config=dataclasses.asdict(cfg))
     # fmt: on
 
     def write(tmp):
@@ -53,20 +53,23 @@ def optimizer_state(model, opt) -> dict:
 
 
 def load_optimizer(model, opt, saved):
-    """optimizer_state's dict into `opt`, each tensor laid out as its parameter is (this rank's shard under FSDP);
-    a checkpoint keyed by position (written before names were used) loads as it is."""
-    if any(isinstance(k, int) for k in saved["state"]):
-        return opt.load_state_dict(saved)
+    """optimizer_state's dict into `opt`, each tensor laid out as its parameter is (this rank's shard under FSDP). A
+    checkpoint keyed by position (written before names were used) is first keyed by name, in the order of the
+    optimizer's parameters, which is the order it was written in."""
     names, params = {id(p): n for n, p in model.named_parameters()}, [p for g in opt.param_groups for p in g["params"]]
+    if all(isinstance(i, int) for g in saved["param_groups"] for i in g["params"]):
+        name_of = [names[id(p)] for p in params]
+        groups = [g | {"params": [name_of[i] for i in g["params"]]} for g in saved["param_groups"]]
+        saved = {"state": {name_of[i]: s for i, s in saved["state"].items()}, "param_groups": groups}
     index = {names[id(p)]: i for i, p in enumerate(params)}
     state = {index[n]: {k: like(v, params[index[n]]) for k, v in s.items()} for n, s in saved["state"].items()}
     groups = [g | {"params": [index[n] for n in g["params"]]} for g in saved["param_groups"]]
     opt.load_state_dict({"state": state, "param_groups": groups})
 
 
-def load_checkpoint(path, model, opt, sched, scaler, cfg) -> int:
-    """The step a checkpoint was written at, its adapters, optimizer, schedule and loss scale loaded into the run (on
-    every rank); a corrupted file or one from other settings is a ValueError, loading nothing."""
+def load_checkpoint(path, model, opt, scaler, cfg) -> int:
+    """The step a checkpoint was written at, its adapters, optimizer and loss scale loaded into the run (on every
+    rank); a corrupted file or one from other settings is a ValueError, loading nothing."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=False)
         step, lora_state = state["step"], state["lora"]
@@ -83,16 +86,15 @@ def load_checkpoint(path, model, opt, sched, scaler, cfg) -> int:
         for name, value in lora_state.items():
             params[name].copy_(like(value, params[name]))
     load_optimizer(model, opt, state["optimizer"])
-    sched.load_state_dict(state["scheduler"])
     if state.get("scaler"):  # fp16's loss scale ({} when off)
         scaler.load_state_dict(state["scaler"])
     return step
 
 
-def save(cfg, model, opt, sched, scaler, step, history, main=True) -> int:
+def save(cfg, model, opt, scaler, step, history, main=True) -> int:
     """out_dir/checkpoint.pt and out_dir/metrics.jsonl, each written whole by rank 0 (every rank calls it: a sharded
     model's tensors are gathered); returns the step saved."""
-    save_checkpoint(os.path.join(cfg.out_dir, "checkpoint.pt"), model, opt, sched, scaler, step, cfg, main)
+    save_checkpoint(os.path.join(cfg.out_dir, "checkpoint.pt"), model, opt, scaler, step, cfg, main)
     if main:
         save_metrics(cfg, history)
     return step

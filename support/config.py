@@ -156,6 +156,8 @@ def check_config(cfg):
     if cfg.log and not optional.installed(cfg.log):  # the package is named as the tracker is
         errors.append(f"log: {cfg.log} needs the {cfg.log} package (pip install {cfg.log}); or leave log empty")
     errors += [f"{key}: not with parallel=fsdp ({why})" for key, why in fsdp_conflicts(cfg)]
+    if cfg.cpu_offload and cfg.parallel != "fsdp":
+        errors.append("cpu_offload: needs parallel=fsdp (it keeps the shards of a sharded model in CPU memory)")
     if errors:
         raise ValueError("\n".join(errors))
 
@@ -164,7 +166,9 @@ def fsdp_conflicts(cfg) -> list[tuple[str, str]]:
     """(setting, why) for each setting a sharded run does not offer."""
     if cfg.parallel != "fsdp":
         return []
-    out = [("compile", "compiled blocks would run past FSDP's gathering hooks")] if cfg.compile else []
+    cpu = cfg.device == "cpu" or not torch.cuda.is_available()
+    out = [("cpu_offload", "on a CPU the shards are in CPU memory already")] if cfg.cpu_offload and cpu else []
+    out += [("compile", "compiled blocks would run past FSDP's gathering hooks")] if cfg.compile else []
     if "8bit" in cfg.optimizer:
         out.append(("optimizer", "bitsandbytes' 8-bit AdamW does not take sharded parameters; use adamw"))
     if cfg.export_merged or cfg.export_gguf:

@@ -17,8 +17,10 @@ import re
 
 MODEL_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer*", "special_tokens_map.json"]
 MODEL_FILES += ["chat_template.jinja", "generation_config.json"]
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 DATA_FILES = ["*.jsonl", "*.json", "*.parquet"]  # fnmatch's * spans folders too, as huggingface_hub matches them
 TRAIN_FILES = ["*train*.jsonl", "*train*.json", "*train*.parquet"]
+TRAIN_WORD = re.compile(r"(^|[/_.-])train([/_.-]|$)")  # train.jsonl, data/train-0.parquet, train/x.json
 HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+(/.+)?")  # owner/name, or owner/name/path/in/repo for a data file
 
 
@@ -28,7 +30,7 @@ def model_dir(spec, only_config=False) -> str:
         if HUB_ID.fullmatch(spec):
             print(f"model: {spec} is a directory here: using it, not the Hub repo of that name")
         return spec
-    if not HUB_ID.fullmatch(spec) or spec.count("/") != 1:
+    if not looks_like_hub_id(spec) or spec.count("/") != 1:
         raise FileNotFoundError(f"model: {spec}: no such directory (expected a model directory or a Hub id)")
     path = download("model", spec, ["config.json"] if only_config else MODEL_FILES)
     if not only_config and not glob.glob(os.path.join(path, "*.safetensors")):
@@ -47,24 +49,38 @@ def data_files(spec) -> list[str]:
         if HUB_ID.fullmatch(spec):
             print(f"data: {spec} is a file here: using it, not the Hub dataset of that name")
         return [spec]
-    if not HUB_ID.fullmatch(spec):
+    if not looks_like_hub_id(spec) or spec.count("/") == 1 and spec.endswith(DATA_SUFFIXES):
         raise FileNotFoundError(f"data: {spec}: no such file (expected a data file or a Hub dataset id)")
     owner, name, *inside = spec.split("/")
     for patterns in [["/".join(inside)]] if inside else (TRAIN_FILES, DATA_FILES):
         path = download("data", f"{owner}/{name}", patterns)
         found = glob.glob(os.path.join(path, "**", "*"), recursive=True)  # the snapshot: what this call and earlier
         rel = sorted(os.path.relpath(f, path) for f in found if os.path.isfile(f))  # ones fetched; ours match
-        files = [os.path.join(path, f) for f in rel if any(fnmatch.fnmatch(f, p) for p in patterns)]
+        rel = [f for f in rel if any(fnmatch.fnmatch(f, p) for p in patterns)]
+        rel = [f for f in rel if TRAIN_WORD.search(f)] if patterns is TRAIN_FILES else rel  # not "unconstrained"
+        files = [os.path.join(path, f) for f in rel]
         if files:
             print(f"data: {spec} from the Hugging Face cache ({', '.join(os.path.relpath(f, path) for f in files)})")
             return files
     raise FileNotFoundError(f"data: {spec} holds no such file" if inside else f"data: {spec} holds no data file")
 
 
+def looks_like_hub_id(spec) -> bool:
+    """owner/name[/path], whose owner is no folder here (checkpoints/X, a missing local path, is never sent to the
+    Hub)."""
+    return bool(HUB_ID.fullmatch(spec)) and not os.path.exists(spec.split("/")[0])
+
+
 def download(key, repo, patterns) -> str:
     """snapshot_download of `repo` (a dataset repo when key is "data"), with each failure one line naming `key`."""
     from huggingface_hub import constants, snapshot_download
-    from huggingface_hub.errors import GatedRepoError, HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
 
     kind = "dataset" if key == "data" else "model"
     try:
@@ -88,3 +104,5 @@ def download(key, repo, patterns) -> str:
         ) from None
     except HfHubHTTPError as e:
         raise OSError(f"{key}: {repo}: {str(e).strip().splitlines()[0]}") from None
+    except HFValidationError as e:  # a name the Hub cannot hold ("a/b--c")
+        raise ValueError(f"{key}: {repo} is neither a local path nor a valid Hub id ({e})") from None

@@ -361,7 +361,7 @@ def plan_for(cfg, config) -> str:
     """--plan: report() for a run's settings, at its context length (2048 tokens for "auto", capped by the model)."""
     context = cfg.context_length if isinstance(cfg.context_length, int) else min(2048, config.max_position_embeddings)
     dtype = torch.float32 if cfg.precision == "fp32" else torch.bfloat16
-    rows = max(1, cfg.batch_tokens // context)
+    rows = max(1, cfg.batch_tokens // context // gpu_count(cfg.plan))  # a rank's share of a step's rows
     return report(config, cfg.plan, context, rows, dtype, cfg.adapters(), chunked=cfg.chunked_loss)
 
 

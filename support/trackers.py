@@ -3,14 +3,17 @@
 With `log = "tensorboard"` or `log = "wandb"` every record that goes into metrics.jsonl also goes to the tracker, as it
 is made (rank 0 only): every number in it, nested keys joined by "/" ("adapters/mean", "nf4_error/worst"), at the
 record's step, and the held-out answers of each evaluation as text. TensorBoard's event files go to
-out_dir/tensorboard (`tensorboard --logdir out`), its scalars in double precision so that they hold metrics.jsonl's
-values exactly. W&B runs offline unless an API key is set (WANDB_API_KEY, or `wandb login`), into out_dir/wandb, with
-the Config as the run's config; `wandb sync` uploads an offline run later. Both packages are optional installs.
+out_dir/tensorboard/<start time> (`tensorboard --logdir out`), one run per launch, so that a resumed run (which repeats
+the steps after its checkpoint) or an overwritten one shows as a run of its own; its scalars are in double precision, to
+hold metrics.jsonl's values exactly. W&B runs offline unless an API key is set (WANDB_API_KEY, or `wandb login`), into
+out_dir/wandb, with the Config as the run's config; `wandb sync` uploads an offline run later. Both packages are
+optional installs.
 """
 
 import dataclasses
 import netrc
 import os
+import time
 
 
 def open_tracker(cfg):
@@ -48,7 +51,8 @@ class TensorBoard:
     def __init__(self, cfg):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(log_dir=os.path.join(cfg.out_dir, "tensorboard"))
+        started = time.strftime("%Y%m%d-%H%M%S")  # a run of its own per launch: a resumed one does not overwrite
+        self.writer = SummaryWriter(log_dir=os.path.join(cfg.out_dir, "tensorboard", started))
 
     def log(self, record):
         step = record["step"]

@@ -11,7 +11,8 @@
 - A run sharded over 2 ranks, resumed in one process, then resumed sharded over 4 ranks reaches the losses and the
   adapter of one uninterrupted process (the checkpoint holds whole tensors named by parameter).
 - Two "nodes" on localhost (two torchrun launches, --nnodes=2, c10d rendezvous) give one process's losses.
-- What FSDP does not offer (compile, a merged export, 8-bit AdamW) is one line each.
+- What FSDP does not offer (compile, a merged export, 8-bit AdamW, CPU offload on a CPU) is one line each, and so is
+  CPU offload without FSDP.
 """
 
 import json
@@ -125,6 +126,8 @@ def test_two_nodes_on_localhost(models, tmp_path):
 
 
 def test_what_fsdp_does_not_offer_is_one_line(models, tmp_path, capsys):
-    for flag, key in [("--compile", "compile"), ("--export_merged", "export_merged"), ("--optimizer=adamw8bit", None)]:
+    for flag in ("--compile", "--export_merged", "--optimizer=adamw8bit", "--cpu_offload=True"):  # on this CPU
         err = one_line_error(args(models["llama"], tmp_path, "--parallel=fsdp", flag), capsys)
-        assert err.startswith(f"error: {key or 'optimizer'}: not with parallel=fsdp ("), err
+        assert err.startswith(f"error: {flag[2:].split('=')[0]}: not with parallel=fsdp ("), err
+    err = one_line_error(args(models["llama"], tmp_path, "--cpu_offload=True"), capsys)
+    assert err == "error: cpu_offload: needs parallel=fsdp (it keeps the shards of a sharded model in CPU memory)"

@@ -4,7 +4,9 @@ localhost, tests/fake_hub.py, at HF_ENDPOINT).
 - train.py given a model id and a dataset id fetches, into HF_HOME, only the model's config, safetensors and tokenizer
   files and the dataset's data file, laid out by huggingface_hub itself; then with HF_HUB_OFFLINE=1 and the Hub gone
   the same ids resolve to that cache and train to the same losses;
-- a dataset with train and test files takes its train files; a named file in a dataset repo is fetched alone;
+- a dataset with train and test files takes its train files; a named file in a dataset repo is fetched alone; a missing
+  local path (its first folder is here, or a data file's name) and a name the Hub cannot hold are one line each, never
+  sent to the Hub;
 - one line each, naming the repo and what to do: a repo absent from the cache offline, a gated repo (401 as the Hub
   answers one whose licence is not accepted), a missing repo (404), a model without safetensors weights;
 - a local directory named like a Hub id wins over the Hub, and the output says so.
@@ -47,6 +49,7 @@ def fake_hub(smollm2_dir, tmp_path_factory):
         ("model", "acme/tiny"): {"files": files | extras, "gated": False},
         ("dataset", "acme/code"): {"files": {"code.jsonl": code, "README.md": b"#"}, "gated": False},
         ("dataset", "acme/split"): {"files": split, "gated": False},
+        ("dataset", "acme/words"): {"files": {"unconstrained.jsonl": code, "main.jsonl": code}, "gated": False},
         ("model", "acme/gated"): {"files": files, "gated": True},
         ("model", "acme/bin-only"): {"files": no_safetensors, "gated": False},
     })  # fmt: skip
@@ -93,9 +96,13 @@ def hub_here(fake_hub, tmp_path, monkeypatch):
     return constants
 
 
-def test_a_dataset_takes_its_train_files_or_the_named_one(hub_here):
+def test_a_dataset_takes_its_train_files_or_the_named_one(hub_here, fake_hub):
+    """A dataset's files named train (as a word of the path: not "unconstrained") are its training files; else all of
+    its data files; a named file is fetched alone."""
     assert [os.path.basename(f) for f in hub.data_files("acme/split")] == ["train.jsonl"]
+    assert "acme/split/data/test.jsonl" not in fake_hub.fetched
     assert [os.path.basename(f) for f in hub.data_files("acme/split/data/test.jsonl")] == ["test.jsonl"]
+    assert [os.path.basename(f) for f in hub.data_files("acme/words")] == ["main.jsonl", "unconstrained.jsonl"]
 
 
 def test_hub_failures_are_one_line(hub_here, tiny_dir, tmp_path, capsys, monkeypatch):
@@ -117,6 +124,19 @@ def test_hub_failures_are_one_line(hub_here, tiny_dir, tmp_path, capsys, monkeyp
         "be reached (HF_HUB_OFFLINE is set); run `hf download acme/elsewhere` where there is a network, or give a "
         "local path"
     )
+
+
+def test_a_missing_local_path_is_never_sent_to_the_hub(hub_here, fake_hub, tiny_dir, tmp_path, capsys):
+    """A path whose first folder is here (checkpoints/X), a file name with a data suffix, and a name the Hub cannot
+    hold are one line each, without a request to the Hub."""
+    asked = len(fake_hub.fetched)
+    err = one_line_error(args(tiny_dir, tmp_path, "--model=tests/no-such-model"), capsys)
+    assert err == "error: model: tests/no-such-model: no such directory (expected a model directory or a Hub id)"
+    err = one_line_error(args(tiny_dir, tmp_path, "--data=data/mine.jsonl"), capsys)
+    assert err == "error: data: data/mine.jsonl: no such file (expected a data file or a Hub dataset id)"
+    err = one_line_error(args(tiny_dir, tmp_path, "--model=acme/b--c"), capsys)
+    assert err.startswith("error: model: acme/b--c is neither a local path nor a valid Hub id (")
+    assert len(fake_hub.fetched) == asked
 
 
 def test_a_local_directory_named_like_an_id_wins(tiny_dir, tmp_path, capsys, monkeypatch):

@@ -39,7 +39,8 @@ def metrics(out):
 
 def test_tensorboard_holds_the_metrics(tiny_dir, tmp_path):
     run(args(tiny_dir, tmp_path, *FLAGS, "--log=tensorboard"))
-    events = EventAccumulator(str(tmp_path / "out" / "tensorboard"), size_guidance={"tensors": 0})
+    (logdir,) = glob.glob(str(tmp_path / "out" / "tensorboard" / "*"))  # one run per launch
+    events = EventAccumulator(logdir, size_guidance={"tensors": 0})
     events.Reload()
     logged, texts = defaultdict(dict), defaultdict(list)
     for tag in events.Tags()["tensors"]:

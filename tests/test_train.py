@@ -136,6 +136,16 @@ def test_resume_is_step_exact(tiny_dir, tmp_path, monkeypatch, capsys):
     assert a == b
 
 
+def test_a_resumed_run_takes_up_its_own_schedule(tiny_dir, tmp_path):
+    """Resumed with a new max_steps, every later step's learning rate is the new schedule's, as a fresh run with that
+    max_steps has it: the schedule is a function of the step (the checkpoint holds none)."""
+    run(args(tiny_dir, tmp_path / "a", "--max_steps=2", "--eval_every=0"))
+    resumed = run(args(tiny_dir, tmp_path / "a", "--max_steps=6", "--eval_every=0", "--resume"))
+    fresh = run(args(tiny_dir, tmp_path / "b", "--max_steps=6", "--eval_every=0"))
+    lrs = lambda history: [(r["step"], r["lr"]) for r in history if "lr" in r and r["step"] > 2]  # noqa: E731
+    assert lrs(resumed) == lrs(fresh) and len(lrs(fresh)) == 4
+
+
 def test_ctrl_c_twice_stops_at_once_and_saves_nothing(tiny_dir, tmp_path, monkeypatch, capsys):
     """The second Ctrl-C breaks into the step: nothing of it is written, and the SIGINT handler is put back."""
     before = signal.getsignal(signal.SIGINT)
