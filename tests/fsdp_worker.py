@@ -1,6 +1,7 @@
-"""Run under torchrun by test_fsdp.py: a tiny model sharded over the ranks; writes, per rank, the parameter bytes it
-holds between steps and the most it holds while a block computes (its hooks run inside the block's forward, once FSDP
-has gathered it), as JSON lines to argv[2]."""
+"""Run under torchrun by test_fsdp.py: a tiny model sharded over the ranks; writes, per rank, as JSON lines to argv[2]:
+the parameter bytes it holds between steps, the most it holds while a block computes (its hooks run inside the block's
+forward, once FSDP has gathered it), and the most it held while loading (each block whole just before it is sharded,
+beside the shards of the blocks before it)."""
 
 import json
 import os
@@ -16,9 +17,27 @@ import train  # noqa: E402
 from support import fsdp  # noqa: E402
 
 
+def tensor_bytes(module):
+    """Bytes of the parameters and buffers `module` holds on this rank now (a shard counts its local part)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in tensors if not t.is_meta)
+
+
 def main(model_dir, out):
     cfg = train.Config(model=model_dir, device="cpu", precision="fp32", parallel="fsdp", lora_r=4, lora_alpha=8.0)
     place = train.setup(cfg)
+    sharded, loading, fully_shard = [0], {"blocks": 0, "root": 0}, fsdp.fully_shard
+
+    def shard_and_count(module, **kw):  # the loader's every fully_shard: each block, then the whole model
+        if hasattr(module, "lm_head"):  # the blocks' shards and the root whole (until now it was on the meta device)
+            loading["root"] = tensor_bytes(module)
+        else:  # the shards of the blocks before and this block whole: all a rank holds (the root is still meta)
+            loading["blocks"] = max(loading["blocks"], sharded[0] + tensor_bytes(module))
+        result = fully_shard(module, **kw)
+        sharded[0] += tensor_bytes(module)
+        return result
+
+    fsdp.fully_shard = shard_and_count
     model = train.build_model(cfg, place, model_dir)
     between, whole = fsdp.resident_bytes(model)
     during = []
@@ -30,6 +49,7 @@ def main(model_dir, out):
     loss, _ = model(ids, pos, labels=ids)
     loss.backward()
     line = dict(rank=place.rank, world=place.world, between=between, whole=whole, during=max(during), block=block_bytes)
+    line |= {f"loading_{k}": v for k, v in loading.items()}
     with open(out, "a") as f:
         f.write(json.dumps(line) + "\n")
     dist.destroy_process_group()

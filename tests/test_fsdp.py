@@ -7,7 +7,8 @@
   normalisation of the loss over ranks moves them by lr * 50% (1e-4 per element here). Measured: identical.
 - Each rank holds 1/N of the parameter bytes between steps (the ranks' shards add up to the whole, each within 1% of
   1/N: tensors are cut into whole rows), and while a block computes, that block and the root's weights (embeddings,
-  norm, lm_head) in full: measured from the tensors.
+  norm, lm_head) in full; while loading, of the blocks never more than its shards and the one block being sharded:
+  measured from the tensors.
 - A run sharded over 2 ranks, resumed in one process, then resumed sharded over 4 ranks reaches the losses and the
   adapter of one uninterrupted process (the checkpoint holds whole tensors named by parameter).
 - Two "nodes" on localhost (two torchrun launches, --nnodes=2, c10d rendezvous) give one process's losses.
@@ -84,22 +85,30 @@ def test_sharded_runs_equal_one_process(models, tmp_path, family, ranks, base, c
     assert printed.count("FSDP: rank ") == ranks and f"sharded over {ranks} rank(s)" in printed
 
 
-def test_each_rank_holds_a_shard_and_gathers_one_block(models, tmp_path):
+def test_each_rank_holds_a_shard_and_gathers_one_block(smollm2_dir, tmp_path):
+    layers = 8  # enough blocks that "its shards and one whole block" is well below all of them
+    deep = random_model_dir(tmp_path / "deep", smollm2_dir, **(TINY | dict(num_hidden_layers=layers)), head_dim=16)
     out = tmp_path / "bytes.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", f"--master_port={free_port()}"]
-    proc = subprocess.run([*cmd, "tests/fsdp_worker.py", models["llama"], str(out)], cwd=ROOT, env=ENV, text=True,
+    proc = subprocess.run([*cmd, "tests/fsdp_worker.py", deep, str(out)], cwd=ROOT, env=ENV, text=True,
                           capture_output=True)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     ranks = [json.loads(line) for line in open(out)]
     assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
     whole, block = ranks[0]["whole"], ranks[0]["block"]
-    root = whole - 2 * block  # two blocks; the rest is the embeddings (tied to lm_head) and the final norm
+    root = whole - layers * block  # the rest is the embeddings (tied to lm_head) and the final norm
     assert sum(r["between"] for r in ranks) == whole  # every byte held by exactly one rank
     for r in ranks:
         assert abs(r["between"] - whole / 4) <= 0.01 * whole / 4, r  # torch.chunk's rows: the last shards are shorter
         gathered = r["during"] - r["between"]  # a block and the root, each in full less this rank's own shard
         assert 0.75 * (block + root) * 0.99 <= gathered <= 0.75 * (block + root) * 1.01 + block, r
-    print(f"\nper rank: {ranks[0]['between']:,} of {whole:,} bytes between steps; {ranks[0]['during']:,} at most")
+        # loading the blocks: this rank's shards of those before and the one being sharded (whole), never all of them
+        assert r["loading_blocks"] <= layers * block / 4 * 1.01 + block < layers * block / 2, r
+        assert r["loading_root"] <= layers * block / 4 * 1.01 + root, r  # then the root whole, beside the shards
+    print(
+        f"\nper rank: {ranks[0]['between']:,} of {whole:,} bytes between steps; {ranks[0]['during']:,} at most; "
+        f"while loading the blocks ({layers * block:,} bytes) at most {max(r['loading_blocks'] for r in ranks):,}"
+    )
 
 
 def test_resume_across_rank_counts(models, tmp_path):
