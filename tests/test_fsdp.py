@@ -27,6 +27,8 @@ from conftest import random_model_dir
 from safetensors.torch import load_file
 from test_train import args, one_line_error, run
 
+from support.examples import stdlib_examples
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # a shared 2-core machine is not oversubscribed by 4 ranks
 STEPS = ["--eval_every=0", "--micro_batch_tokens=256", "--min_lr_ratio=1.0"]  # the lr does not depend on max_steps
@@ -42,6 +44,15 @@ def models(smollm2_dir, tmp_path_factory):
         "llama": random_model_dir(root / "llama", smollm2_dir, **TINY, head_dim=16),
         "qwen3": random_model_dir(root / "qwen3", smollm2_dir, **TINY, **qwen3),
     }
+
+
+@pytest.fixture(scope="module")
+def steps(tmp_path_factory):
+    """STEPS on a data file of 80 stdlib examples, written once: each rank reads it rather than parsing the stdlib."""
+    data = tmp_path_factory.mktemp("fsdp-data") / "stdlib.jsonl"
+    rows = [{"instruction": ex["instruction"], "response": ex["response"]} for ex in stdlib_examples()[:80]]
+    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return [*STEPS, f"--data={data}"]
 
 
 def free_port():
@@ -77,8 +88,8 @@ def assert_same_run(a, b):
         ("qwen3", 4, "--quantize=True", True),
     ],
 )
-def test_sharded_runs_equal_one_process(models, tmp_path, family, ranks, base, checkpointing):
-    flags = [*STEPS, base, f"--activation_checkpointing={checkpointing}"]
+def test_sharded_runs_equal_one_process(models, steps, tmp_path, family, ranks, base, checkpointing):
+    flags = [*steps, base, f"--activation_checkpointing={checkpointing}"]
     run(args(models[family], tmp_path / "one", *flags))
     printed = torchrun(ranks, args(models[family], tmp_path / "sharded", *flags, "--parallel=fsdp"))
     assert_same_run(tmp_path / "one", tmp_path / "sharded")
@@ -111,18 +122,18 @@ def test_each_rank_holds_a_shard_and_gathers_one_block(smollm2_dir, tmp_path):
     )
 
 
-def test_resume_across_rank_counts(models, tmp_path):
-    run(args(models["llama"], tmp_path / "one", *STEPS, "--max_steps=4"))
-    moved = args(models["llama"], tmp_path / "moved", *STEPS)
+def test_resume_across_rank_counts(models, steps, tmp_path):
+    run(args(models["llama"], tmp_path / "one", *steps, "--max_steps=4"))
+    moved = args(models["llama"], tmp_path / "moved", *steps)
     torchrun(2, [*moved, "--max_steps=2", "--parallel=fsdp"])
     run([*moved, "--max_steps=3", "--resume"])
     torchrun(4, [*moved, "--max_steps=4", "--resume", "--parallel=fsdp"])
     assert_same_run(tmp_path / "one", tmp_path / "moved")
 
 
-def test_two_nodes_on_localhost(models, tmp_path):
-    run(args(models["llama"], tmp_path / "one", *STEPS))
-    argv = args(models["llama"], tmp_path / "nodes", *STEPS, "--parallel=fsdp")
+def test_two_nodes_on_localhost(models, steps, tmp_path):
+    run(args(models["llama"], tmp_path / "one", *steps))
+    argv = args(models["llama"], tmp_path / "nodes", *steps, "--parallel=fsdp")
     rendezvous = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}"]
     nodes = [
         subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--node_rank={n}", "train.py",
