@@ -1,7 +1,7 @@
 """Run under torchrun by test_fsdp.py: a tiny model sharded over the ranks; writes, per rank, as JSON lines to argv[2]:
 the parameter bytes it holds between steps, the most it holds while a block computes (its hooks run inside the block's
-forward, once FSDP has gathered it), and the most it held while loading (each block whole just before it is sharded,
-beside the shards of the blocks before it)."""
+forward, once FSDP has gathered it), and the most it held while loading: all the model's tensors it held at each
+`fully_shard` of a block, and at the root's."""
 
 import json
 import os
@@ -26,18 +26,19 @@ def tensor_bytes(module):
 def main(model_dir, out):
     cfg = train.Config(model=model_dir, device="cpu", precision="fp32", parallel="fsdp", lora_r=4, lora_alpha=8.0)
     place = train.setup(cfg)
-    sharded, loading, fully_shard = [0], {"blocks": 0, "root": 0}, fsdp.fully_shard
+    built, loading, fully_shard, llama = [], {"blocks": 0, "root": 0}, fsdp.fully_shard, fsdp.Llama
+
+    def llama_and_keep(*args, **kwargs):  # the loader's model, so that every byte it holds can be counted
+        built.append(llama(*args, **kwargs))
+        return built[-1]
 
     def shard_and_count(module, **kw):  # the loader's every fully_shard: each block, then the whole model
-        if hasattr(module, "lm_head"):  # the blocks' shards and the root whole (until now it was on the meta device)
-            loading["root"] = tensor_bytes(module)
-        else:  # the shards of the blocks before and this block whole: all a rank holds (the root is still meta)
-            loading["blocks"] = max(loading["blocks"], sharded[0] + tensor_bytes(module))
-        result = fully_shard(module, **kw)
-        sharded[0] += tensor_bytes(module)
-        return result
+        held = tensor_bytes(built[0])  # every real tensor of the model on this rank (meta ones are not yet loaded)
+        key = "root" if module is built[0] else "blocks"
+        loading[key] = max(loading[key], held)
+        return fully_shard(module, **kw)
 
-    fsdp.fully_shard = shard_and_count
+    fsdp.Llama, fsdp.fully_shard = llama_and_keep, shard_and_count
     model = train.build_model(cfg, place, model_dir)
     between, whole = fsdp.resident_bytes(model)
     during = []

@@ -115,7 +115,7 @@ def test_each_rank_holds_a_shard_and_gathers_one_block(smollm2_dir, tmp_path):
         assert 0.75 * (block + root) * 0.99 <= gathered <= 0.75 * (block + root) * 1.01 + block, r
         # loading the blocks: this rank's shards of those before and the one being sharded (whole), never all of them
         assert r["loading_blocks"] <= layers * block / 4 * 1.01 + block < layers * block / 2, r
-        assert r["loading_root"] <= layers * block / 4 * 1.01 + root, r  # then the root whole, beside the shards
+        assert r["loading_root"] <= layers * block / 4 * 1.01 + root, r  # then the root, whole, beside the shards
     print(
         f"\nper rank: {ranks[0]['between']:,} of {whole:,} bytes between steps; {ranks[0]['during']:,} at most; "
         f"while loading the blocks ({layers * block:,} bytes) at most {max(r['loading_blocks'] for r in ranks):,}"
