@@ -46,7 +46,7 @@ def main(argv=None):
         print(export_gguf(args.model_dir, args.out, args.type, modelfile=not args.no_modelfile))
         if not args.no_modelfile:
             print(f"{modelfile_path(args.out)} (Ollama: ollama create NAME -f {modelfile_path(args.out)})")
-    except (ValueError, FileNotFoundError, ModuleNotFoundError) as e:
+    except (ValueError, OSError, ModuleNotFoundError) as e:  # OSError: a missing file, or a write that failed
         raise SystemExit(f"convert.py: {e}") from None
 
 

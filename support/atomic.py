@@ -19,6 +19,7 @@ import os
 import re
 import secrets
 import shutil
+import stat
 import time
 from pathlib import Path
 
@@ -48,6 +49,8 @@ def atomic_write(path, write, directory=False):
         write(tmp)
         os.chmod(tmp, mode)  # a writer that recreates the file (safetensors does, as 0600) gets the ordinary mode back
         for file in [tmp] if not directory else [os.path.join(tmp, f) for f in os.listdir(tmp)]:
+            if directory:  # the files in it: 0666 & ~umask (the directory's mode less execute), as open() makes them
+                os.chmod(file, stat.S_IMODE(mode) & 0o666)
             with open(file, "rb") as f:
                 os.fsync(f.fileno())
         if directory and os.path.exists(path):

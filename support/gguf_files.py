@@ -267,7 +267,11 @@ def _weights(reader, path, cfg, dtype):
     permuted = cfg["model_type"] == "llama"
     state = {}
     for t in reader.tensors:
-        w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # (out, in) or (dim,)
+        try:
+            w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # (out, in) or (dim,)
+        except NotImplementedError as e:  # a type gguf's reader cannot dequantize
+            kind = t.tensor_type.name
+            raise ValueError(f"{path}: tensor {t.name} is of type {kind}, which gguf cannot read ({e})") from None
         if permuted and (kind := t.name.split(".")[-2]) in heads:
             w = _unpermute(w, heads[kind])
         state[_hf_name(path, t.name)] = w.to(dtype).contiguous()
@@ -346,16 +350,19 @@ def convert_gguf(gguf_path, out_dir, dtype=torch.float32):
     except ValueError as e:  # numpy's words for bytes that are not a GGUF file, or a truncated one
         raise ValueError(f"{gguf_path}: not a valid GGUF file ({e})") from None
 
+    # everything is read and converted first: a GGUF this cannot convert is its own error, not a failed write
+    cfg = _config(reader, gguf_path, dtype)
+    tok, tokens = _tokenizer(reader, gguf_path)
+    tok_cfg = _tokenizer_config(reader, gguf_path, tokens)
+    gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg[k] is not None}
+    weights = _weights(reader, gguf_path, cfg, dtype)
+
     def write(tmp):
-        cfg = _config(reader, gguf_path, dtype)
-        tok, tokens = _tokenizer(reader, gguf_path)
-        tok_cfg = _tokenizer_config(reader, gguf_path, tokens)
-        gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg[k] is not None}
         for name, obj in [("config.json", cfg), ("tokenizer_config.json", tok_cfg), ("generation_config.json", gen)]:
             with open(os.path.join(tmp, name), "w") as f:
                 json.dump(obj, f, indent=2, ensure_ascii=False)
         tok.save(os.path.join(tmp, "tokenizer.json"))
-        save_file(_weights(reader, gguf_path, cfg, dtype), os.path.join(tmp, "model.safetensors"), {"format": "pt"})
+        save_file(weights, os.path.join(tmp, "model.safetensors"), {"format": "pt"})
 
     out_dir = os.path.abspath(out_dir)
     os.makedirs(os.path.dirname(out_dir), exist_ok=True)

@@ -200,7 +200,7 @@ def test_crash_leaves_no_directory(tmp_path, monkeypatch):
     def crash(*args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(gguf_files, "_weights", crash)  # after config.json and tokenizer.json were written
+    monkeypatch.setattr(gguf_files, "save_file", crash)  # after config.json and tokenizer.json were written
     with pytest.raises(OSError, match="could not write it \\(No space left on device\\); nothing was written"):
         gguf_files.convert_gguf(gguf_files.smollm2_gguf_path(), tmp_path / "model")
     assert os.listdir(tmp_path) == []
@@ -216,6 +216,19 @@ def test_a_file_that_is_no_whole_gguf_is_one_line(tmp_path):
             gguf_files.convert_gguf(str(path), tmp_path / "out")
         assert str(e.value).startswith(f"{path}: not a valid GGUF file (") and "\n" not in str(e.value)
     assert sorted(os.listdir(tmp_path)) == ["half.gguf", "text.gguf"]
+
+
+def test_a_tensor_type_gguf_cannot_read_is_one_line(tmp_path, monkeypatch):
+    import gguf.quants
+
+    def unsupported(data, qtype):
+        raise NotImplementedError(f"Dequantization for {qtype.name} is not yet implemented")
+
+    monkeypatch.setattr(gguf.quants, "dequantize", unsupported)
+    path = gguf_files.smollm2_gguf_path()
+    with pytest.raises(ValueError, match=f"^{re.escape(path)}: tensor [a-z_.0-9]+ is of type [A-Z0-9_]+, which gguf"):
+        gguf_files.convert_gguf(path, tmp_path / "model")
+    assert os.listdir(tmp_path) == []
 
 
 def test_reconverts_incomplete_dir_despite_leftovers(tmp_path, smollm2_dir):

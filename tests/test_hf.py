@@ -294,8 +294,8 @@ def mode(path):
 
 
 def test_written_files_have_ordinary_permissions(tmp_path, umask_027):
-    """Adapter, bnb-4bit checkpoint, merged export and JSON files are created 0666 & ~umask, as open() would make
-    them: with umask 027, 0640 (mkstemp would have left 0600)."""
+    """Adapter, bnb-4bit checkpoint, merged export, JSON files and the files of a directory written whole are created
+    0666 & ~umask, as open() would make them: with umask 027, 0640 (mkstemp or safetensors would have left 0600)."""
     with open(tmp_path / "plain.txt", "w") as f:
         f.write("x")
     model = tiny_llama()
@@ -305,8 +305,13 @@ def test_written_files_have_ordinary_permissions(tmp_path, umask_027):
     lora.merge_lora_(model)
     export_merged(model, tmp_path / "merged")
     write_json(tmp_path / "metrics.json", {"a": 1})
+    weights = {"w": torch.zeros(2)}  # a directory written whole (as a GGUF is converted), safetensors' file inside
+    atomic_write(
+        tmp_path / "converted", lambda d: save_file(weights, os.path.join(d, "model.safetensors")), directory=True
+    )
     files = [p for p in tmp_path.rglob("*") if p.is_file()]
-    assert len(files) == 8 and {mode(p) for p in files} == {mode(tmp_path / "plain.txt")} == {0o640}
+    assert len(files) == 9 and {mode(p) for p in files} == {mode(tmp_path / "plain.txt")} == {0o640}
+    assert mode(tmp_path / "converted") == 0o750  # 0777 & ~umask, as os.mkdir makes it
 
 
 def test_failed_write_keeps_the_old_file(tmp_path):
