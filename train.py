@@ -320,12 +320,12 @@ def train(cfg: Config) -> list[dict]:
     """Fine-tune as `cfg` says; returns the metrics history (step 0's records, then one per step). --plan and
     --preview stop after printing, before any model is loaded."""
     check_config(cfg)
-    place = setup(cfg)
     model_dir, files = claim_inputs(cfg)
     config = read_config(model_dir)[0]
-    if cfg.plan:
+    if cfg.plan:  # for the machine it names, not this one: no device, no process group
         print(memory.plan_for(cfg, config))
         return []
+    place = setup(cfg)
     tok = Tokenizer(model_dir)
     trainset, valset, prompts = build_data(cfg, tok, files, config.max_position_embeddings, place)
     if cfg.preview:

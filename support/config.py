@@ -166,7 +166,7 @@ def fsdp_conflicts(cfg) -> list[tuple[str, str]]:
     """(setting, why) for each setting a sharded run does not offer."""
     if cfg.parallel != "fsdp":
         return []
-    cpu = cfg.device == "cpu" or not torch.cuda.is_available()
+    cpu = not cfg.plan and (cfg.device == "cpu" or not torch.cuda.is_available())  # a plan is for another machine
     out = [("cpu_offload", "on a CPU the shards are in CPU memory already")] if cfg.cpu_offload and cpu else []
     out += [("compile", "compiled blocks would run past FSDP's gathering hooks")] if cfg.compile else []
     if "8bit" in cfg.optimizer:

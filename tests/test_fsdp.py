@@ -151,3 +151,6 @@ def test_what_fsdp_does_not_offer_is_one_line(models, tmp_path, capsys):
         assert err.startswith(f"error: {flag[2:].split('=')[0]}: not with parallel=fsdp ("), err
     err = one_line_error(args(models["llama"], tmp_path, "--cpu_offload=True"), capsys)
     assert err == "error: cpu_offload: needs parallel=fsdp (it keeps the shards of a sharded model in CPU memory)"
+    # the 70B config planned on this CPU for two GPUs: the plan is for them, so their settings are not refused here
+    assert run(["configs/llama70b.py", f"--model={models['llama']}", "--plan=2x24GB"]) == []
+    assert "memory plan for 2x24GB (23.00 GiB per GPU" in capsys.readouterr().out
