@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 
+import psutil
 import torch
 
 from support import memory
@@ -83,13 +84,26 @@ def run_child(argv, log_path):
     """(exit code, peak RSS bytes, wall seconds) of `python argv...`, stdout and stderr to log_path. The peak is the
     child's own VmHWM, read from /proc while it runs: ru_maxrss from wait4 would also count what this process held
     when it forked the child (Linux carries the parent's high-water mark across fork and exec)."""
-    start, peak = time.perf_counter(), 0
+    start = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        while proc.poll() is None:
-            peak = max(peak, memory.vm_hwm(proc.pid))
-            time.sleep(0.05)
+        peak = peaks_while_running(proc).get(proc.pid, 0)
     return proc.returncode, peak, time.perf_counter() - start
+
+
+def peaks_while_running(proc, descendants=False) -> dict:
+    """{pid: peak RSS bytes (VmHWM, read from /proc)} of `proc`, or of every process it starts (torchrun's ranks),
+    polled until it exits."""
+    peaks = {}
+    while proc.poll() is None:
+        try:
+            watched = psutil.Process(proc.pid).children(recursive=True) if descendants else [proc]
+        except psutil.NoSuchProcess:  # it exited since the poll
+            break
+        for p in watched:
+            peaks[p.pid] = max(peaks.get(p.pid, 0), memory.vm_hwm(p.pid))
+        time.sleep(0.05)
+    return peaks
 
 
 def median_ratio(pairs):

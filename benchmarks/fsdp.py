@@ -18,32 +18,31 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 
-import psutil
+from benchmarks.common import OUT_DIR, REPO, cpu_name, fmt_gb, median_ratio, peaks_while_running, print_table
 
-from benchmarks.common import OUT_DIR, REPO, cpu_name, fmt_gb, print_table
-from support import memory
-
-SETTINGS = ["--precision=fp32", "--context_length=256", "--batch_tokens=1024", "--eval_every=0", "--eval_samples=0"]
+BATCH_TOKENS = 1024  # 2 ranks x 2 rows of 256 tokens
+SETTINGS = [
+    "--precision=fp32",
+    "--context_length=256",
+    f"--batch_tokens={BATCH_TOKENS}",
+    "--eval_every=0",
+    "--eval_samples=0",
+]
 
 
 def run_ranks(parallel, steps, out):
-    """(median step seconds after the warm-up, {rank pid: peak RSS}) of one 2-rank torchrun of train.py."""
+    """([seconds of each step], [peak RSS of each rank]) of one 2-rank torchrun of train.py."""
     argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29561", "train.py"]
     argv += [*SETTINGS, f"--parallel={parallel}", f"--max_steps={steps}", f"--out_dir={out}", "--overwrite"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    peaks = {}
     with open(os.path.join(out + ".log"), "w") as log:
         proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        while proc.poll() is None:
-            for child in psutil.Process(proc.pid).children(recursive=True):
-                peaks[child.pid] = max(peaks.get(child.pid, 0), memory.vm_hwm(child.pid))
-            time.sleep(0.05)
+        peaks = peaks_while_running(proc, descendants=True)
     if proc.returncode != 0:
         raise SystemExit(f"error: torchrun with --parallel={parallel} failed; see {out}.log")
     records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
-    times = [1024 / r["tokens_per_s"] for r in records if "tokens_per_s" in r]
+    times = [BATCH_TOKENS / r["tokens_per_s"] for r in records if "tokens_per_s" in r]
     ranks = sorted(peaks.values())[-2:]  # the two workers: the largest resident sets under torchrun
     return times, ranks
 
@@ -51,19 +50,18 @@ def run_ranks(parallel, steps, out):
 def bench_fsdp(steps=6, warmup=2, rounds=2):
     print(f"CPU: {cpu_name()}, {os.cpu_count()} cores; 2 gloo ranks, SmolLM2-135M QLoRA, {' '.join(SETTINGS)}")
     results = {"ddp": [], "fsdp": []}
+    os.makedirs(OUT_DIR, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=OUT_DIR) as tmp:
         for r in range(rounds):
             for parallel in results:
                 times, ranks = run_ranks(parallel, steps, os.path.join(tmp, f"{parallel}-{r}"))
                 results[parallel].append((statistics.median(times[warmup:]), ranks))
                 print(f"round {r + 1}: {parallel} {results[parallel][-1][0]:.2f} s a step", flush=True)
-    ratios = [f / d for (f, _), (d, _) in zip(results["fsdp"], results["ddp"], strict=True)]
+    ratio = median_ratio([(f, d) for (f, _), (d, _) in zip(results["fsdp"], results["ddp"], strict=True)])
     rows = []
     for parallel, runs in results.items():
         step = statistics.median(t for t, _ in runs)
         peak = [max(ranks[i] for _, ranks in runs) for i in range(2)]
         rows.append([parallel, f"{step:.2f}", " / ".join(fmt_gb(p) for p in peak)])
     print_table(["parallel", "step s (median)", "peak RSS of each rank"], rows)
-    print(
-        f"FSDP / DDP step time: {statistics.median(ratios):.2f}x (per round: {', '.join(f'{x:.2f}' for x in ratios)})"
-    )
+    print(f"FSDP / DDP step time: {ratio['median']:.2f}x (rounds from {ratio['low']:.2f} to {ratio['high']:.2f})")
