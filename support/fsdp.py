@@ -25,7 +25,6 @@ run resumes on any number of ranks, or on one process. torch.compile of the bloc
 with FSDP: the first calls the blocks past FSDP's hooks, the second needs the whole model in one place.
 """
 
-import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
@@ -33,9 +32,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 import lora
 import quant
-from model import Llama, find_linears
-from support.attention import varlen_attention
-from support.hf import Checkpoint, is_prequantized, load_weights_, read_config, read_nf4
+from model import find_linears
+from support.hf import is_prequantized, load_weights_, open_model
 
 NF4_TENSORS = ("weight", "absmax", "nested_absmax", "offset")
 
@@ -53,23 +51,17 @@ def params_from_nf4(module):
 def load_sharded(model_dir, dtype, device, world, quantize, adapters, cpu_offload=False):
     """The QLoRA (or LoRA) model of model_dir, sharded over `world` ranks block by block, as the file docstring says.
     adapters: train.Config.adapters() plus lora_dtype."""
-    config, _ = read_config(model_dir)
-    ckpt, mesh = Checkpoint(model_dir), init_device_mesh(device.type, (world,))
+    model, ckpt, weights, dtype = open_model(model_dir, dtype, device)
+    mesh = init_device_mesh(device.type, (world,))
     shard = dict(mesh=mesh, offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
-    with torch.device("meta"):
-        model = Llama(config, varlen_attention(device, dtype, config.head_dim, windowed=bool(config.sliding_layers)))
     chosen = list(find_linears(model, adapters["targets"]))  # in the order one process adds them (same draws)
     lora_kw = {k: v for k, v in adapters.items() if k != "targets"}
-    shapes = {n: p.shape for n, p in model.named_parameters()}
-
-    def weights(key):  # one weight at a time: a bnb-4bit entry as it is, or a 16-bit tensor to quantize
-        return read_nf4(ckpt, key, shapes[key]) if f"{key}.absmax" in ckpt else ckpt.get(key, shapes[key])
-
+    quantized = list(find_linears(model)) if quantize or is_prequantized(ckpt) else []
     model.requires_grad_(False)
     for i, block in enumerate(model.model.layers):
         prefix = f"model.layers.{i}."
-        if quantize or is_prequantized(ckpt):
-            quant.quantize_(model, [n for n in find_linears(model) if n.startswith(prefix)], dtype, device, weights)
+        if quantized:
+            quant.quantize_(model, [n for n in quantized if n.startswith(prefix)], dtype, device, weights)
         load_weights_(model, ckpt, dtype, device, within=prefix)
         add_adapters_(model, [n for n in chosen if n.startswith(prefix)], lora_kw)
         params_from_nf4(block)

@@ -117,17 +117,33 @@ class Checkpoint:
         return t
 
 
-def load_weights_(model, ckpt, dtype=None, device=None, within=""):
-    """Fill every parameter still on the meta device from `ckpt`, one tensor at a time, then tie lm_head. within: fill
-    only the modules under this name ("model.layers.3."), for a model loaded block by block (support/fsdp.py)."""
-    tied = model.config.tie_word_embeddings
-    with torch.device("meta"):  # the tensor names a plain Llama of this config owns (nothing is allocated)
-        known = {name for name, _ in Llama(model.config).named_parameters(remove_duplicate=False)}
+def open_model(path, dtype, device):
+    """What loading a model directory starts from, for load_model and support/fsdp.py's loader: (a model.Llama of
+    config.json on the meta device, its packed-document attention chosen for `device` and the dtype; the Checkpoint,
+    checked to hold no tensor the model lacks; weights(key), one block weight at a time: a bnb-4bit entry as it is,
+    or a 16-bit tensor to quantize; the dtype: `dtype`, else config.json's, else fp32)."""
+    config, stored = read_config(path)
+    dtype, ckpt = dtype or stored or torch.float32, Checkpoint(path)
+    with torch.device("meta"):
+        model = Llama(config, varlen_attention(device, dtype, config.head_dim, windowed=bool(config.sliding_layers)))
+    known = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     # bnb-4bit checkpoints carry per-weight extras, "<linear>.weight.absmax" etc.: read_nf4 reads them.
     owner = lambda n: n.split(".weight.")[0] + ".weight" if ".weight." in n else n  # noqa: E731
     extra = sorted(n for n in ckpt.keys() if owner(n) not in known and not n.endswith("rotary_emb.inv_freq"))
     if extra:
         raise ValueError(f"{ckpt.path}: checkpoint has tensors the model lacks: {', '.join(extra[:5])}")
+    shapes = {n: p.shape for n, p in model.named_parameters()}
+
+    def weights(key):
+        return read_nf4(ckpt, key, shapes[key]) if f"{key}.absmax" in ckpt else ckpt.get(key, shapes[key])
+
+    return model, ckpt, weights, dtype
+
+
+def load_weights_(model, ckpt, dtype=None, device=None, within=""):
+    """Fill every parameter still on the meta device from `ckpt`, one tensor at a time, then tie lm_head. within: fill
+    only the modules under this name ("model.layers.3."), for a model loaded block by block (support/fsdp.py)."""
+    tied = model.config.tie_word_embeddings
     for mod_name, module in model.named_modules():
         for p_name, p in list(module.named_parameters(recurse=False)):
             name = f"{mod_name}.{p_name}"
@@ -189,16 +205,8 @@ def load_model(path, dtype=None, device="cpu", quantize=False, add_lora=None, ad
     fresh adapters (targets, r, alpha, dropout, use_rslora, lora_dtype); adapter: a PEFT adapter directory to load.
     The packed-document attention is chosen here, once, for the device and dtype.
     """
-    config, stored = read_config(path)
-    dtype, device = dtype or stored or torch.float32, torch.device(device)
-    ckpt = Checkpoint(path)
-    with torch.device("meta"):
-        model = Llama(config, varlen_attention(device, dtype, config.head_dim, windowed=bool(config.sliding_layers)))
-    shapes = {n: p.shape for n, p in model.named_parameters()}
-
-    def weights(key):  # one block weight at a time: a bnb-4bit entry as it is, or a 16-bit tensor to quantize
-        return read_nf4(ckpt, key, shapes[key]) if f"{key}.absmax" in ckpt else ckpt.get(key, shapes[key])
-
+    device = torch.device(device)
+    model, ckpt, weights, dtype = open_model(path, dtype, device)
     if quantize or is_prequantized(ckpt):
         quant.quantize_(model, compute_dtype=dtype, device=device, weights=weights)
     load_weights_(model, ckpt, dtype, device)

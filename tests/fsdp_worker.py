@@ -26,11 +26,12 @@ def tensor_bytes(module):
 def main(model_dir, out):
     cfg = train.Config(model=model_dir, device="cpu", precision="fp32", parallel="fsdp", lora_r=4, lora_alpha=8.0)
     place = train.setup(cfg)
-    built, loading, fully_shard, llama = [], {"blocks": 0, "root": 0}, fsdp.fully_shard, fsdp.Llama
+    built, loading, fully_shard, open_model = [], {"blocks": 0, "root": 0}, fsdp.fully_shard, fsdp.open_model
 
-    def llama_and_keep(*args, **kwargs):  # the loader's model, so that every byte it holds can be counted
-        built.append(llama(*args, **kwargs))
-        return built[-1]
+    def open_and_keep(*args):  # the loader's model, so that every byte it holds can be counted
+        opened = open_model(*args)
+        built.append(opened[0])
+        return opened
 
     def shard_and_count(module, **kw):  # the loader's every fully_shard: each block, then the whole model
         held = tensor_bytes(built[0])  # every real tensor of the model on this rank (meta ones are not yet loaded)
@@ -38,7 +39,7 @@ def main(model_dir, out):
         loading[key] = max(loading[key], held)
         return fully_shard(module, **kw)
 
-    fsdp.Llama, fsdp.fully_shard = llama_and_keep, shard_and_count
+    fsdp.open_model, fsdp.fully_shard = open_and_keep, shard_and_count
     model = train.build_model(cfg, place, model_dir)
     between, whole = fsdp.resident_bytes(model)
     during = []
