@@ -95,34 +95,48 @@ def nf4_bytes(n):
     return (n + 1) // 2 + blocks + 4 * math.ceil(blocks / 256) + 4
 
 
+def model_sizes(config, targets) -> dict:
+    """What the estimate needs of a model's shapes, read from a Llama of `config` on the meta device (nothing is
+    allocated): its parameter count (a tied lm_head once), the numel of each block linear, the in + out features of
+    the LoRA `targets`, the in_features of those in the first block by kind, and the parameters outside the blocks.
+    Building the model is the slow part of an estimate (0.15 s for a 70B config), so a plan reads it once."""
+    with torch.device("meta"):
+        model = Llama(config)
+    adapted = find_linears(model, targets, (nn.Linear,))
+    return {
+        "params": sum({id(p): p.numel() for p in model.parameters()}.values()),
+        "block_linears": [m.weight.numel() for m in find_linears(model, "all-linear").values()],
+        "adapted": sum(m.in_features + m.out_features for m in adapted.values()),
+        "first_block": {
+            n.rsplit(".", 1)[-1]: m.in_features for n, m in adapted.items() if n.startswith("model.layers.0.")
+        },
+        "root": sum(p.numel() for n, p in model.named_parameters() if not n.startswith("model.layers.")),
+    }
+
+
 def estimate(config, tokens, dtype, quantize, lora, opt_bytes, checkpointing, cpu=False, chunked=True, shards=0,
-             offload=False):  # fmt: skip
+             offload=False, sizes=None):  # fmt: skip
     """Bytes by part for a micro-batch of `tokens` tokens, on one rank: weights, adapters, gradients, optimizer,
     activations, transient, on CPU the heap, and when sharded what is gathered (see the file docstring). lora: the LoRA
     settings (train.Config.adapters: targets as model.find_linears, r, dropout); chunked=False is the full-vocabulary
     loss, whose (tokens, V) fp32 logits are kept for backward; shards: FSDP over that many ranks (0: not sharded),
-    offload: its shards kept in CPU memory."""
-    targets, lora_r, dropout = lora["targets"], lora["r"], lora["dropout"]
-    with torch.device("meta"):  # shapes only: nothing is allocated
-        model = Llama(config)
-    c, a = config, torch.finfo(dtype).bits // 8
-    blocks = find_linears(model, "all-linear")
-    adapted = find_linears(model, targets, (nn.Linear,))
-    params = {id(p): p.numel() for p in model.parameters()}  # a tied lm_head counts once
-    quantized = sum(m.weight.numel() for m in blocks.values()) if quantize else 0
-    weights = a * (sum(params.values()) - quantized)
-    weights += sum(nf4_bytes(m.weight.numel()) for m in blocks.values()) if quantize else 0
-    lora_numbers = sum(lora_r * (m.in_features + m.out_features) for m in adapted.values())
+    offload: its shards kept in CPU memory; sizes: model_sizes(config, lora targets), when the caller has it."""
+    lora_r, dropout = lora["r"], lora["dropout"]
+    sizes = sizes or model_sizes(config, lora["targets"])
+    c, a, linears = config, torch.finfo(dtype).bits // 8, sizes["block_linears"]
+    quantized = sum(linears) if quantize else 0
+    weights = a * (sizes["params"] - quantized) + (sum(nf4_bytes(n) for n in linears) if quantize else 0)
+    lora_numbers = lora_r * sizes["adapted"]
     h, i, heads = c.hidden_size, c.intermediate_size, c.num_attention_heads
     q, kv = heads * c.head_dim, c.num_key_value_heads * c.head_dim
     per_block = 2 * (4 * h + a * h) + a * (2 * q + 2 * kv) + 4 * heads + 3 * a * i
-    first = {n.rsplit(".", 1)[-1]: m for n, m in adapted.items() if n.startswith("model.layers.0.")}
-    per_block += sum(a * lora_r + ((a + 1) * m.in_features if dropout > 0 else 0) for m in first.values())
+    first = sizes["first_block"]  # {kind: in_features} of the adapted linears of a block
+    per_block += sum(a * lora_r + ((a + 1) * n_in if dropout > 0 else 0) for n_in in first.values())
     per_block += a * i if dropout == 0 and "down_proj" in first else 0  # silu(gate) * up, kept for down's LoRA
     # the loss's fp32 logits beside the matmul's output, logsumexp's scratch or the gradient: 8 bytes a logit, of one
     # chunk, or of every token for the full-vocabulary loss (on top of the logits it keeps)
     transient = (min(tokens, LOSS_CHUNK) if chunked else tokens) * c.vocab_size * 8
-    transient += max(m.weight.numel() for m in blocks.values()) * a if quantize else 0  # W dequantized in backward
+    transient += max(linears) * a if quantize else 0  # W dequantized in backward
     layers = c.num_hidden_layers
     kept = tokens * a * h * layers if checkpointing else tokens * per_block * layers  # saved by the forward
     kept += 0 if chunked else tokens * c.vocab_size * 4  # the full loss keeps every fp32 logit
@@ -137,8 +151,7 @@ def estimate(config, tokens, dtype, quantize, lora, opt_bytes, checkpointing, cp
     }
     parts |= {"heap": parts["activations"]} if cpu else {}
     if shards:
-        root = a * sum(p.numel() for n, p in model.named_parameters() if not n.startswith("model.layers."))
-        parts |= sharded(parts, root, layers, shards, offload)
+        parts |= sharded(parts, a * sizes["root"], layers, shards, offload)
     return parts
 
 
@@ -185,7 +198,7 @@ def plan(config, budget, context, max_rows, dtype, lora, chunked=True, shards=0,
     AdamW only), no checkpointing before checkpointing, then the largest micro-batch); the choice is None when nothing
     fits. shards, offload: as estimate."""
     rows_options = [r for r in (1, 2, 4, 8, 16, 32, 64) if r <= max_rows] or [1]
-    table, kw = {}, dict(chunked=chunked, shards=shards, offload=offload)
+    table, kw = {}, dict(chunked=chunked, shards=shards, offload=offload, sizes=model_sizes(config, lora["targets"]))
     for quantize in (False, True):
         for opt_bytes in (8, 2):
             for ckpt in (False, True):
