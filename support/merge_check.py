@@ -63,8 +63,8 @@ def merge_and_check_(model, prompts, original=None):
     def gap(a, b):
         return float((a - b).abs().max())
 
-    trained = logits()
-    if to_original:
+    if to_original:  # the adapter on the NF4 base, and the untrained NF4 base
+        trained = logits()
         with adapters_off(model):
             trained_base = logits()
     sources = rebase_(model, original)
@@ -74,9 +74,9 @@ def merge_and_check_(model, prompts, original=None):
         with adapters_off(model):
             report |= dict(gap_4bit=gap(trained, reference), gap_4bit_base=gap(trained_base, logits()))
     fold_(model)
-    model.train(was_training)
     dtype = next(m.weight.dtype for m in model.modules() if isinstance(m, nn.Linear))
     report |= dict(merge_error=gap(logits(), reference), tolerance=MERGE_TOLERANCE[dtype] * gap(reference, 0))
+    model.train(was_training)
     if report["merge_error"] > report["tolerance"]:
         raise ValueError(
             f"merge check: the merged model's logits are up to {report['merge_error']:.2e} away from the adapter on "
