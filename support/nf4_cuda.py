@@ -13,7 +13,6 @@ dequantize op imports this file on its first call.
 
 import contextlib
 import functools
-import importlib.util
 
 import torch
 
@@ -21,6 +20,7 @@ import quant
 from support import optional
 
 
+@functools.cache  # looked up by every dequantize of the bitsandbytes path
 def _bnb_functional():
     """bitsandbytes.functional when it is installed and imports (the optional CUDA fast path), else None."""
     return optional.load("bitsandbytes.functional", "NF4 runs without it")
@@ -89,7 +89,7 @@ def cuda_dequantize():
     has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
     if _bnb_functional() is not None and has_kernel("bitsandbytes::dequantize_4bit", "CUDA"):
         return dequantize_bnb
-    if importlib.util.find_spec("triton") is not None and runs_like_reference(dequantize_triton, "cuda"):
+    if optional.installed("triton") and runs_like_reference(dequantize_triton, "cuda"):
         return dequantize_triton
     return quant.dequantize_nf4
 
