@@ -19,21 +19,24 @@ PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float
 
 def pick_precision(precision, device, config, main=True) -> torch.dtype:
     """The compute dtype for `precision` ("auto", "bf16", "fp16" or "fp32") on `device`, for a model of `config`'s
-    shapes; `main` prints what was measured (rank 0 only)."""
+    shapes. On CPU only `main` (rank 0) measures, and prints what it measured: another rank's measurement would
+    compete with it for the same cores, and agreed() gives every rank rank 0's choice in place of the fp32 stand-in."""
     p = precision
     if device.type == "cuda" and p == "auto":
         p = "bf16" if torch.cuda.get_device_capability(device)[0] >= 8 else "fp16"
     elif p == "fp16" and device.type == "cpu":
         raise ValueError("precision: fp16 is not supported on CPU (its matmuls run single-threaded); use bf16 or fp32")
-    elif device.type == "cpu" and p in ("auto", "bf16"):
+    elif device.type == "cpu" and p == "auto" and not main:
+        p = "fp32"
+    elif device.type == "cpu" and p in ("auto", "bf16") and main:
         shape = (128, min(config.hidden_size, 2048), min(config.intermediate_size, 4096))
         rates = matmul_rates(shape, (torch.bfloat16, torch.float32), device)
         faster = faster_precision(rates)
         why = f"{fmt_flops(rates[torch.bfloat16])} in bf16, {fmt_flops(rates[torch.float32])} in fp32"
         why += f" ({' x '.join(map(str, shape))} matmuls)"
-        if main and p == "auto":
+        if p == "auto":
             print(f"precision auto: {faster} on this CPU, the faster here: {why}")
-        elif main and faster == "fp32":
+        elif faster == "fp32":
             print(f"warning: precision bf16 runs slower than fp32 on this CPU, which emulates bf16: {why}")
         p = faster if p == "auto" else p
     return PRECISIONS[p]
@@ -50,7 +53,7 @@ def name(dtype) -> str:
 
 
 def agreed(dtype, world, device) -> torch.dtype:
-    """Rank 0's dtype on every rank: each rank measured its own, and timings can disagree."""
+    """Rank 0's dtype on every rank (on CPU only rank 0 measured, see pick_precision)."""
     if world == 1:
         return dtype
     choice = torch.tensor(list(PRECISIONS.values()).index(dtype), device=device)

@@ -2,7 +2,7 @@
 
 On simulated GPUs it is fp16 before compute capability 8.0 and bf16 from it, without measuring; on CPU, given the two
 measured rates (a stand-in), it takes the faster and says why in one line, an explicit bf16 stays bf16 with a warning
-where it is the slower; on this CPU the chosen precision is the faster of the two measured.
+where it is the slower, and only rank 0 measures; on this CPU the chosen precision is the faster of the two measured.
 """
 
 import pytest
@@ -43,6 +43,10 @@ def test_auto_precision_on_cpu_follows_the_measurement(monkeypatch, capsys, bf16
     assert ("warning: precision bf16 runs slower than fp32" in capsys.readouterr().out) == (want == torch.float32)
     assert precision.pick_precision("fp32", torch.device("cpu"), config) == torch.float32
     assert len(asked) == 2
+    # another rank than 0 measures nothing and prints nothing: it takes rank 0's choice (agreed) in place of fp32
+    assert precision.pick_precision("auto", torch.device("cpu"), config, main=False) == torch.float32
+    assert precision.pick_precision("bf16", torch.device("cpu"), config, main=False) == torch.bfloat16
+    assert len(asked) == 2 and capsys.readouterr().out == ""
 
 
 def test_auto_precision_on_this_cpu_is_the_faster_of_the_two_measured(smollm2_dir, monkeypatch):
