@@ -21,6 +21,7 @@ import transformers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 sys.path.insert(0, ROOT)
 DATA = Path(__file__).parent / "data"
 TEMPLATES = DATA / "templates"
@@ -268,9 +269,12 @@ def random_model_dir(out, smollm2_dir, dtype=torch.float32, device="cpu", **shap
     return str(out)
 
 
+def instruction_jsonl(examples) -> str:
+    """Examples (stdlib_examples') as the lines of an instruction/response JSONL file."""
+    return "".join(json.dumps({"instruction": e["instruction"], "response": e["response"]}) + "\n" for e in examples)
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(smollm2_dir, tmp_path_factory):
     """A 2-layer random Llama with SmolLM2's vocabulary, tokenizer files and chat template."""
-    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
-    shape |= dict(num_key_value_heads=2, head_dim=16)
-    return random_model_dir(tmp_path_factory.mktemp("tiny-llama"), smollm2_dir, **shape)
+    return random_model_dir(tmp_path_factory.mktemp("tiny-llama"), smollm2_dir, **TINY, head_dim=16)

@@ -23,26 +23,23 @@ import subprocess
 import sys
 
 import pytest
-from conftest import random_model_dir
+from conftest import ROOT, TINY, instruction_jsonl, random_model_dir
 from safetensors.torch import load_file
 from test_train import args, one_line_error, run
 
 from support.examples import stdlib_examples
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # a shared 2-core machine is not oversubscribed by 4 ranks
 STEPS = ["--eval_every=0", "--micro_batch_tokens=256", "--min_lr_ratio=1.0"]  # the lr does not depend on max_steps
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 
 
 @pytest.fixture(scope="module")
-def models(smollm2_dir, tmp_path_factory):
+def models(smollm2_dir, tiny_dir, tmp_path_factory):
     """A tiny Llama and a tiny Qwen3 (per-head q/k norms) with SmolLM2's vocabulary and tokenizer."""
-    root = tmp_path_factory.mktemp("fsdp-models")
     qwen3 = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], head_dim=32)
     return {
-        "llama": random_model_dir(root / "llama", smollm2_dir, **TINY, head_dim=16),
-        "qwen3": random_model_dir(root / "qwen3", smollm2_dir, **TINY, **qwen3),
+        "llama": tiny_dir,
+        "qwen3": random_model_dir(tmp_path_factory.mktemp("qwen3"), smollm2_dir, **TINY, **qwen3),
     }
 
 
@@ -50,9 +47,16 @@ def models(smollm2_dir, tmp_path_factory):
 def steps(tmp_path_factory):
     """STEPS on a data file of 80 stdlib examples, written once: each rank reads it rather than parsing the stdlib."""
     data = tmp_path_factory.mktemp("fsdp-data") / "stdlib.jsonl"
-    rows = [{"instruction": ex["instruction"], "response": ex["response"]} for ex in stdlib_examples()[:80]]
-    data.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    data.write_text(instruction_jsonl(stdlib_examples()[:80]))
     return [*STEPS, f"--data={data}"]
+
+
+@pytest.fixture(scope="module")
+def one_process(models, steps, tmp_path_factory):
+    """The tiny Llama's run in one process, 4 steps (configs/tiny.py): what the sharded runs are compared with."""
+    root = tmp_path_factory.mktemp("one-process")
+    run(args(models["llama"], root, *steps))
+    return root
 
 
 def free_port():
@@ -61,10 +65,10 @@ def free_port():
         return s.getsockname()[1]
 
 
-def torchrun(ranks, argv, extra=()):
-    """train.py under torchrun with `ranks` processes on this machine (gloo)."""
+def torchrun(ranks, argv, script="train.py"):
+    """`script` (train.py) under torchrun with `ranks` processes on this machine (gloo)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={free_port()}"]
-    proc = subprocess.run([*cmd, *extra, "train.py", *argv], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    proc = subprocess.run([*cmd, script, *argv], cwd=ROOT, env=ENV, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 
@@ -100,10 +104,7 @@ def test_each_rank_holds_a_shard_and_gathers_one_block(smollm2_dir, tmp_path):
     layers = 8  # enough blocks that "its shards and one whole block" is well below all of them
     deep = random_model_dir(tmp_path / "deep", smollm2_dir, **(TINY | dict(num_hidden_layers=layers)), head_dim=16)
     out = tmp_path / "bytes.jsonl"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", f"--master_port={free_port()}"]
-    proc = subprocess.run([*cmd, "tests/fsdp_worker.py", deep, str(out)], cwd=ROOT, env=ENV, text=True,
-                          capture_output=True)  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    torchrun(4, [deep, str(out)], script="tests/fsdp_worker.py")
     ranks = [json.loads(line) for line in open(out)]
     assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
     whole, block = ranks[0]["whole"], ranks[0]["block"]
@@ -122,17 +123,15 @@ def test_each_rank_holds_a_shard_and_gathers_one_block(smollm2_dir, tmp_path):
     )
 
 
-def test_resume_across_rank_counts(models, steps, tmp_path):
-    run(args(models["llama"], tmp_path / "one", *steps, "--max_steps=4"))
+def test_resume_across_rank_counts(models, steps, one_process, tmp_path):
     moved = args(models["llama"], tmp_path / "moved", *steps)
     torchrun(2, [*moved, "--max_steps=2", "--parallel=fsdp"])
     run([*moved, "--max_steps=3", "--resume"])
     torchrun(4, [*moved, "--max_steps=4", "--resume", "--parallel=fsdp"])
-    assert_same_run(tmp_path / "one", tmp_path / "moved")
+    assert_same_run(one_process, tmp_path / "moved")
 
 
-def test_two_nodes_on_localhost(models, steps, tmp_path):
-    run(args(models["llama"], tmp_path / "one", *steps))
+def test_two_nodes_on_localhost(models, steps, one_process, tmp_path):
     argv = args(models["llama"], tmp_path / "nodes", *steps, "--parallel=fsdp")
     rendezvous = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}"]
     nodes = [
@@ -142,7 +141,7 @@ def test_two_nodes_on_localhost(models, steps, tmp_path):
     ]  # fmt: skip
     outputs = [node.communicate(timeout=300)[0] for node in nodes]
     assert all(node.returncode == 0 for node in nodes), outputs[0][-2000:] + outputs[1][-2000:]
-    assert_same_run(tmp_path / "one", tmp_path / "nodes")
+    assert_same_run(one_process, tmp_path / "nodes")
 
 
 def test_what_fsdp_does_not_offer_is_one_line(models, tmp_path, capsys):

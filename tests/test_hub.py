@@ -20,30 +20,22 @@ import sys
 
 import huggingface_hub
 import pytest
-from conftest import random_model_dir
+from conftest import ROOT, instruction_jsonl
 from fake_hub import FakeHub
 from test_train import args, one_line_error
 
 from support import hub
 from support.examples import stdlib_examples
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-
-
-def jsonl(examples):
-    return "".join(json.dumps({"instruction": e["instruction"], "response": e["response"]}) + "\n" for e in examples)
-
 
 @pytest.fixture(scope="module")
-def fake_hub(smollm2_dir, tmp_path_factory):
+def fake_hub(tiny_dir):
     """A model repo (the files of a tiny Llama, plus a README and a .bin copy that training never reads), a dataset
     repo with one JSONL file, one with train and test files, a gated model and a model with only .bin weights."""
-    model = random_model_dir(tmp_path_factory.mktemp("tiny"), smollm2_dir, **TINY, head_dim=16)
-    files = {f: open(os.path.join(model, f), "rb").read() for f in os.listdir(model)}
+    files = {f: open(os.path.join(tiny_dir, f), "rb").read() for f in os.listdir(tiny_dir)}
     extras = {"README.md": b"# tiny", "pytorch_model.bin": files["model.safetensors"]}
-    code = jsonl(stdlib_examples("train")[:64]).encode()
-    split = {"data/train.jsonl": code, "data/test.jsonl": jsonl(stdlib_examples("val")[:8]).encode()}
+    code = instruction_jsonl(stdlib_examples("train")[:64]).encode()
+    split = {"data/train.jsonl": code, "data/test.jsonl": instruction_jsonl(stdlib_examples("val")[:8]).encode()}
     no_safetensors = {k: v for k, v in (files | extras).items() if k != "model.safetensors"}
     server = FakeHub({
         ("model", "acme/tiny"): {"files": files | extras, "gated": False},

@@ -377,6 +377,3 @@ def test_stdlib_packing_efficiency(smollm2_dir, stdlib_cache, context):
     report = packing_report(ds)
     print(report)
     assert ds.num_tokens / (len(ds) * context) >= 0.97
-
-
-# ---------------------------------------------------------------------------------------------- preview

@@ -71,10 +71,6 @@ def run(argv):
         os.chdir(cwd)
 
 
-def adapter(tmp_path):
-    return load_file(os.path.join(tmp_path, "out", "adapter", "adapter_model.safetensors"))
-
-
 def test_accumulation_equals_one_batch(tiny_dir):
     """One step of 4 rows as one micro-batch and as 4 micro-batches of one row gives the same adapters. In float64: the
     two orders of summation then differ by about 1e-16 of a gradient's scale, and AdamW's first step, lr * g / (|g| +
@@ -566,7 +562,6 @@ def test_exports_keep_a_resumable_checkpoint_and_merge_from_a_bnb_4bit_base(tiny
     """--export_merged folds the adapters into the base, after the checkpoint is saved: the checkpoint still holds
     the trained adapters and a resumed run continues from them. A bnb-4bit base (no 16-bit original) merges into its
     dequantized weights instead of failing."""
-    from safetensors.torch import load_file
 
     from support import hf
 
