@@ -410,7 +410,8 @@ def loop(cfg: Config, place: Placement, state, data, step, history, rows, speed,
         raise SystemExit(130) from None
     finally:
         bar.close()  # so that an error message starts on a line of its own
-    checkpoint.save(cfg, model, opt, scaler, step, history, place.main)  # first: the merged export changes the model
+    if last_saved != step:  # first: the merged export changes the model (a save at this very step is not repeated)
+        checkpoint.save(cfg, model, opt, scaler, step, history, place.main)
     if step < cfg.max_steps:  # Ctrl-C: stopped between two steps, so the checkpoint is exactly step `step`
         if place.main:
             print(f"interrupted: checkpoint at step {step} written; continue with --resume --out_dir={cfg.out_dir}")
