@@ -21,13 +21,19 @@ def claim_inputs(cfg) -> tuple[str, dict]:
     model_dir = hub.model_dir(cfg.model, only_config=bool(cfg.plan)) if cfg.model else gguf_files.smollm2_dir()
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise FileNotFoundError(f"model: {os.path.join(model_dir, 'config.json')} not found (not a model directory)")
-    files = {key: hub.data_files(getattr(cfg, key)) if getattr(cfg, key) and not cfg.plan else []
-             for key in ("data", "val_data")}  # fmt: skip
+    files = data_files(cfg)
     if cfg.export_gguf:  # what llama.cpp cannot read is refused now, not after the training
         gguf_files.check_gguf_export(model_dir, cfg.export_gguf)
     if not (cfg.preview or cfg.plan):
         claim_out_dir(cfg)
     return model_dir, files
+
+
+def data_files(cfg) -> dict:
+    """{"data": [...], "val_data": [...]}: the files of each (a local path, or a Hub dataset's in the cache); none for
+    "" (the stdlib dataset) or for a plan, which reads no data."""
+    return {key: hub.data_files(getattr(cfg, key)) if getattr(cfg, key) and not cfg.plan else []
+            for key in ("data", "val_data")}  # fmt: skip
 
 
 def claim_out_dir(cfg):

@@ -38,13 +38,13 @@ import numpy as np
 import pytest
 import torch
 import transformers
-from safetensors.torch import save_file
 
 import train
 from benchmarks import common, cpu_train, gpu, gpu_systems, gpu_workloads
-from model import Llama
+from support import run_dir
 from support.flops import flops_per_token
-from support.hf_config import from_hf, read_config, to_hf
+from support.hf import load_model
+from support.hf_config import from_hf, read_config
 from support.tokenizer import Tokenizer
 
 
@@ -59,8 +59,8 @@ def setup(smollm2_dir, tmp_path_factory):
 
 
 def train_batches(cfg, tok, steps):
-    files = {key: [getattr(cfg, key)] if getattr(cfg, key) else [] for key in ("data", "val_data")}  # as claim_inputs
-    trainset, _, _ = train.build_data(cfg, tok, files, 8192, train.Placement(0, 1, torch.device("cpu")))
+    place = train.Placement(0, 1, torch.device("cpu"))
+    trainset, _, _ = train.build_data(cfg, tok, run_dir.data_files(cfg), 8192, place)
     rows = cfg.batch_tokens // trainset.context_length
     return [trainset.step_batch(s, rows) for s in steps]
 
@@ -91,17 +91,10 @@ def test_peer_sees_train_py_tensors(setup, workload):
             assert int((peer["labels"] != -100).sum()) == cpu_train.ROWS * (cpu_train.CONTEXT - 1)
 
 
-def test_hf_batch_gives_our_loss(setup, tmp_path):
-    tok, cache, _, smollm2 = setup
-    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, head_dim=16)
-    cfg = from_hf({**to_hf(smollm2), **small, "num_key_value_heads": 2})  # SmolLM2's vocab, RoPE, ties
-    model = Llama(cfg)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
-    save_file({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}, tmp_path / "model.safetensors")
-    json.dump(to_hf(cfg), open(tmp_path / "config.json", "w"))
-    ref = transformers.LlamaForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).eval()
+def test_hf_batch_gives_our_loss(setup, tiny_dir):
+    tok, cache, _, _ = setup
+    model = load_model(tiny_dir)  # SmolLM2's vocabulary, RoPE and tied head, 2 small layers
+    ref = transformers.LlamaForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
 
     batch = cpu_train.peer_dataset("", tok, False, cache_dir=cache).step_batch(0, cpu_train.ROWS)
     inputs = common.hf_batch(batch)

@@ -18,6 +18,7 @@ import torch
 
 import lora
 import quant
+import train
 from model import LOSS_CHUNK, Llama, LlamaConfig
 from support import memory
 
@@ -29,8 +30,9 @@ def config(**kw):
 
 
 def adapters(r, targets, dropout):
-    """The LoRA settings as train.Config.adapters gives them to memory.estimate."""
-    return dict(targets=targets, r=r, alpha=2.0 * r, dropout=dropout, use_rslora=False)
+    """The LoRA settings train.Config.adapters gives memory.estimate (targets: "all-linear" or a list of names)."""
+    names = targets if isinstance(targets, str) else ",".join(targets)
+    return train.Config(lora_r=r, lora_alpha=2.0 * r, lora_dropout=dropout, lora_targets=names).adapters()
 
 
 def qlora(cfg, targets, dropout, dtype=torch.bfloat16):
