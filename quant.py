@@ -261,15 +261,19 @@ def quantize_(model, targets="all-linear", compute_dtype=torch.bfloat16, device=
     weights: None quantizes the model's own weights; else a function name -> tensor ("<module>.weight",
     "<module>.bias") that supplies them one by one, which is how a meta-device model gets its base straight from a
     checkpoint without ever holding the 16-bit model. It may hand back an NF4Weight (a pre-quantized checkpoint),
-    used as it is. device: where the buffers go (default: the linear's device, or CPU for a meta linear); on CUDA each
-    weight is quantized on the GPU as it arrives.
+    used as it is. A 16-bit or fp32 weight is rounded to compute_dtype before it is quantized, as transformers +
+    bitsandbytes do when they load a checkpoint in that dtype, so the bytes equal theirs whatever the stored dtype.
+    device: where the buffers go (default: the linear's device, or CPU for a meta linear); on CUDA each weight is
+    quantized on the GPU as it arrives.
     """
     for name, linear in find_linears(model, targets).items():
         dev = torch.device(device or ("cpu" if linear.weight.is_meta else linear.weight.device))
         w = linear.weight.detach() if weights is None else weights(f"{name}.weight")
         if isinstance(w, torch.Tensor) and w.is_meta:
             raise ValueError(f"{name}.weight is on the meta device: pass weights= to read it from a checkpoint")
-        w = w.to(dev)  # a 16-bit copy lives on `dev` only until the next weight replaces it
+        # The weight is first rounded to the compute dtype, the 16-bit weight the run would hold (what transformers +
+        # bitsandbytes quantize too); the copy lives on `dev` only until the next weight replaces it.
+        w = w.to(dev) if isinstance(w, NF4Weight) else w.to(dev, compute_dtype)
         q = w if isinstance(w, NF4Weight) else quantize_nf4(w)
         bias = linear.bias if weights is None or linear.bias is None else weights(f"{name}.bias")
         layer = NF4Linear.from_nf4(q, linear.out_features, linear.in_features, bias, compute_dtype)

@@ -63,7 +63,7 @@ def bnb():
 
 @pytest.fixture(scope="module")
 def smollm2_nf4(smollm2_dir):
-    """SmolLM2-135M with NF4 block linears, quantized from its bf16 checkpoint tensor by tensor (a meta model)."""
+    """SmolLM2-135M with NF4 block linears in bf16, quantized from its checkpoint tensor by tensor (a meta model)."""
     return load_model(smollm2_dir, torch.bfloat16, quantize=True)
 
 
@@ -204,6 +204,31 @@ def test_meta_model_from_checkpoint_equals_materialised(tmp_path):
             assert isinstance(b, quant.NF4Linear) and all(map(torch.equal, buffers(a), buffers(b))), name
     ids = torch.randint(0, 128, (1, 9))
     assert torch.equal(model(ids), meta(ids))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_qlora_model_equals_transformers_bitsandbytes_from_an_fp32_checkpoint(bnb, tmp_path, dtype):
+    """A 16-bit QLoRA model loaded from an fp32 checkpoint (as the converted SmolLM2 is stored) holds the NF4 bytes
+    that transformers + bitsandbytes hold for the same checkpoint and dtype (they round each weight to the dtype,
+    then quantize), and its training-mode forward gives their logits bit for bit."""
+    import transformers
+
+    save_dense(tiny_llama(torch.float32), tmp_path)
+    ours = load_model(str(tmp_path), dtype, quantize=True)
+    quantization = transformers.BitsAndBytesConfig(
+        load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype
+    )
+    theirs = transformers.LlamaForCausalLM.from_pretrained(
+        str(tmp_path), dtype=dtype, device_map="cpu", quantization_config=quantization
+    )
+    for name, layer in ours.named_modules():
+        if isinstance(layer, quant.NF4Linear):
+            ref = theirs.get_submodule(name).weight
+            assert torch.equal(layer.weight.view(-1), ref.data.view(-1)), name
+            assert torch.equal(layer.absmax, ref.quant_state.absmax), name
+    ids = torch.randint(0, 128, (2, 16))
+    with torch.no_grad():  # training mode: bitsandbytes dequantizes and calls F.linear, as NF4Linear does
+        assert torch.equal(ours.train()(ids), theirs.train()(ids).logits)
 
 
 def test_smollm2_blocks_take_at_most_4_13_bits_per_parameter(smollm2_nf4):
@@ -356,7 +381,8 @@ def test_recorded_error_equals_bitsandbytes(bnb):
 
 def test_smollm2_quantization_error_is_bounded_by_gaussian_nf4(bnb, smollm2_nf4, smollm2_dir):
     """Every SmolLM2-135M linear loses at most 3 / 2.6 = 1.15x the relative error of NF4 on Gaussian weights, and the
-    worst layer's recorded error equals bitsandbytes' on its bf16 checkpoint weight.
+    worst layer's recorded error equals bitsandbytes' on its checkpoint weight rounded to bf16 (the weight quantize_
+    quantizes in a bf16 run).
 
     Why that bound: NF4 stretches its code book to each block's absolute maximum, so a block's error relative to its
     RMS grows with absmax / RMS (less than proportionally: heavier tails put more values near 0, where codes are
@@ -376,7 +402,7 @@ def test_smollm2_quantization_error_is_bounded_by_gaussian_nf4(bnb, smollm2_nf4,
     )
     assert summary["layers"] == len(errors) == 7 * smollm2_nf4.config.num_hidden_layers
     assert summary["worst"] == max(errors) <= bound
-    w = Checkpoint(smollm2_dir).get(f"{summary['worst_layer']}.weight")
+    w = Checkpoint(smollm2_dir).get(f"{summary['worst_layer']}.weight").bfloat16()
     assert summary["worst"] == bnb_relative_error(bnb, w)
 
 
