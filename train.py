@@ -57,7 +57,7 @@ from support.config import (
     setting,
     within,
 )
-from support.flops import flops_per_token
+from support.flops import batch_flops
 from support.gguf_files import FILE_TYPES
 from support.hf_config import read_config
 from support.outputs import write_outputs
@@ -339,7 +339,7 @@ def train(cfg: Config) -> list[dict]:
     rows = max(1, cfg.batch_tokens // trainset.context_length // place.world)  # this rank's rows per step
     micro_rows = memory.micro_batch_rows(cfg, place, model, trainset, rows, forward_loss)
     context = trainset.context_length
-    estimated, peak = progress.describe_step(cfg, place, model, context, rows, micro_rows, process_bytes)
+    estimated, peak_flops = progress.describe_step(cfg, place, model, context, rows, micro_rows, process_bytes)
     tracker = trackers.open_tracker(cfg) if place.main else None
     if cfg.resume:
         step = checkpoint.load_checkpoint(os.path.join(cfg.out_dir, "checkpoint.pt"), model, opt, scaler, cfg)
@@ -349,7 +349,7 @@ def train(cfg: Config) -> list[dict]:
     # The schedule, like the data and the dropout, is a function of the step: a resumed run takes up its own.
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg), last_epoch=step - 1)
     state = (model, opt, sched, scaler)
-    speed = (estimated, flops_per_token(config, context) / peak)
+    speed = (estimated, peak_flops)
     loop(cfg, place, state, (trainset, valset, tok, prompts), step, history, (rows, micro_rows), speed, tracker)
     adapter = {n: fsdp.full(p.detach()) for n, p in model.named_parameters() if p.requires_grad}  # gathered if sharded
     if place.main:
@@ -377,7 +377,7 @@ def loop(cfg: Config, place: Placement, state, data, step, history, rows, speed,
     """Steps from `step` to max_steps, appending each step's record to `history` on rank 0; once in a while evaluate
     and save. Ctrl-C stops after the step under way, with a checkpoint of exactly that step; twice, at once."""
     (model, opt, sched, scaler), (trainset, valset, tok, prompts), (rows, micro_rows) = state, data, rows
-    estimated, flops_share = speed
+    estimated, peak_flops = speed
     last_saved, everywhere = step if cfg.resume else None, fsdp.is_sharded(model)  # sharded: evaluate on every rank
     memory.reset_peak(place.device)
     bar = tqdm(total=cfg.max_steps, initial=step, disable=not place.main, dynamic_ncols=True)
@@ -393,7 +393,8 @@ def loop(cfg: Config, place: Placement, state, data, step, history, rows, speed,
                 sched.step()
                 step, seconds, tokens = step + 1, time.perf_counter() - start, batch["input_ids"].numel() * place.world
                 record |= {"tokens_per_s": tokens / seconds, "supervised_per_s": record.pop("supervised") / seconds}
-                record["mfu"] = flops_share * tokens / seconds / place.world
+                record["flops"] = batch_flops(model.config, batch["position_ids"])  # this rank's rows, per document
+                record["mfu"] = record["flops"] / seconds / peak_flops  # over this rank's device
                 if place.main:
                     history.append(record)  # before the evaluation, which a second Ctrl-C may break into
                 # once in a while: evaluate (not when stopping: torchrun kills its workers 30 s after Ctrl-C)

@@ -24,10 +24,10 @@ Two workloads, 4 x 512 tokens per optimizer step:
 
 Per run: N steps; the first `--warmup` are dropped. Step time is the median of the rest; token rates are the tokens of
 those steps over their total time, leaving out any step under half the median tokens/s (a hiccup of the shared machine;
-such steps are counted and named). MFU = model FLOPs per token (train.py's formula, support.flops.flops_per_token: 4N
-for a frozen-base LoRA step plus causal attention at 512 tokens) x tokens/s / support.flops.matmul_peak of the precision
-in use (support/flops.py's matmul_peak: square matmuls of the largest size up to 2048 that its time allows, timed for
-1.5 s here). With --repeat=R the whole plan runs R times in
+such steps are counted and named). MFU = the steps' model FLOPs (support.flops.batch_flops, train.py's count: 4N per
+token for a frozen-base LoRA step plus causal attention per document, each row's documents at their own lengths) over
+their time / support.flops.matmul_peak of the precision in use (support/flops.py's matmul_peak: square matmuls of the
+largest size up to 2048 that its time allows, timed for 1.5 s here). With --repeat=R the whole plan runs R times in
 rounds (every configuration once per round), so each ours/peer pair is measured minutes apart in every round; the tables
 pool the repeats' steps, take the highest peak RSS, and give each ratio as the median of the R per-round ratios.
 """
@@ -48,7 +48,7 @@ import pack
 from benchmarks.common import OUT_DIR, REPO, SEED, fmt_gb, hf_batch, machine, median_ratio, print_table, run_child
 from support import atomic, hf_config
 from support.examples import load_examples, stdlib_examples
-from support.flops import flops_per_token, matmul_peak
+from support.flops import batch_flops, flops_per_token, matmul_peak
 from support.token_cache import tokenize_cached
 from support.tokenizer import Tokenizer
 
@@ -91,6 +91,7 @@ def run_peer(data, train_on_prompt, precision, nf4, steps, out):
     from support import gguf_files
 
     model_dir = gguf_files.smollm2_dir()
+    config = hf_config.read_config(model_dir)[0]
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     ds = peer_dataset(data, Tokenizer(model_dir), train_on_prompt)
     kw = {}
@@ -125,7 +126,8 @@ def run_peer(data, train_on_prompt, precision, nf4, steps, out):
         opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - start
         sup = int((batch["labels"] != -100).sum())
-        records.append(dict(time=dt, tokens=batch["input_ids"].numel(), supervised=sup, loss=loss.item()))
+        flops = batch_flops(config, batch["position_ids"])  # its padding run counted as a document: it is computed
+        records.append(dict(time=dt, tokens=batch["input_ids"].numel(), supervised=sup, flops=flops, loss=loss.item()))
         print(f"step {step + 1}: loss {loss.item():.4f}, {dt:.2f}s, {records[-1]['tokens']} tokens, {sup} supervised")
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(f"peak RSS: {rss / 2**30:.2f} GiB")
@@ -227,11 +229,12 @@ def execute(run, steps, work, repeat=0):
         m = json.loads(line)
         if "tokens_per_s" in m:  # rows x context_length tokens per step: every run here fills its rows to 512
             dt = ROWS * CONTEXT / m["tokens_per_s"]
-            records.append(dict(time=dt, tokens=ROWS * CONTEXT, supervised=m["supervised_per_s"] * dt, loss=m["loss"]))
+            sup = m["supervised_per_s"] * dt
+            records.append(dict(time=dt, tokens=ROWS * CONTEXT, supervised=sup, flops=m["flops"], loss=m["loss"]))
     return result | dict(steps=records)
 
 
-def summarize(results, warmup, flops_per_token, peak):
+def summarize(results, warmup, peak):
     """Over the measured steps of one or more runs of a configuration (each run's first `warmup` left out): median
     step time; tokens and supervised tokens per second; MFU. A step whose tokens/s is under half the median is a hiccup
     of the shared machine, not of the system, and is left out (and counted)."""
@@ -244,7 +247,7 @@ def summarize(results, warmup, flops_per_token, peak):
         step_s=statistics.median(s["time"] for s in steps),
         tokens_per_s=tokens / total,
         supervised_per_s=sup / total,
-        mfu=flops_per_token * tokens / total / peak,
+        mfu=sum(s["flops"] for s in kept) / total / peak,
         loss_step1=results[0]["steps"][0]["loss"],
         hiccups=len(steps) - len(kept),
     )
@@ -263,7 +266,7 @@ def merge_repeats(results):
         if not ok:
             by[name] = entry | dict(error=runs[-1]["error"])
             continue
-        args = (results["warmup"], results["flops_per_token"], results["peaks"][entry["precision"]])
+        args = (results["warmup"], results["peaks"][entry["precision"]])
         entry["summary"] = summarize(ok, *args)
         entry["rounds"] = {r.get("repeat", 0): summarize([r], *args) for r in ok}
         entry["peak_rss"] = max(r["peak_rss"] for r in ok)
@@ -392,10 +395,10 @@ def bench_train(steps, warmup, only, repeat=1):
     )
     print(f"matmul peak: fp32 {peaks['fp32'] / 1e9:.0f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:.0f} GFLOP/s")
     flops = flops_per_token(config, CONTEXT)
-    print(f"model FLOPs per token (LoRA step at {CONTEXT} tokens): {flops / 1e9:.3f} GFLOP")
+    print(f"model FLOPs per token of a {CONTEXT}-token document (LoRA step): {flops / 1e9:.3f} GFLOP")
     print(f"padded workload: {n_long} stdlib functions of at least {CONTEXT} tokens; {steps} steps, {warmup} warm-up")
     command = "python bench.py train" + "".join(f" {a}" for a in sys.argv[2:])
-    results = dict(command=command, machine=info, peaks=peaks, flops_per_token=flops, steps=steps, warmup=warmup)
+    results = dict(command=command, machine=info, peaks=peaks, steps=steps, warmup=warmup)
     results |= dict(repeat=repeat, runs=[])
     with tempfile.TemporaryDirectory(dir=OUT_DIR) as work:
         for k in range(repeat):  # rounds: every configuration once per round, so the pairs alternate A, B, A, B
@@ -403,7 +406,7 @@ def bench_train(steps, warmup, only, repeat=1):
                 r = dict(name=run["name"], system=run["system"], precision=run["precision"], label=run.get("label"))
                 r |= dict(repeat=k) | execute(run, steps, work, k)
                 print(
-                    f"[{k * len(runs) + i}/{repeat * len(runs)}] {run['name']}: {progress(r, warmup, flops, peaks)}",
+                    f"[{k * len(runs) + i}/{repeat * len(runs)}] {run['name']}: {progress(r, warmup, peaks)}",
                     flush=True,
                 )
                 results["runs"].append(r)
@@ -412,10 +415,10 @@ def bench_train(steps, warmup, only, repeat=1):
     print(f"\nraw results: {os.path.relpath(os.path.join(OUT_DIR, 'results.json'), REPO)}")
 
 
-def progress(r, warmup, flops, peaks):
+def progress(r, warmup, peaks):
     """One line on a finished run."""
     if "error" in r:
         return f"FAILED ({r['error']}); see {r['log']} (wall {r['wall_s']:.0f} s)"
-    s = summarize([r], warmup, flops, peaks[r["precision"]])
+    s = summarize([r], warmup, peaks[r["precision"]])
     done = f"{s['step_s']:.2f} s/step, {s['tokens_per_s']:.0f} tokens/s, {s['supervised_per_s']:.0f} supervised/s"
     return done + f", peak RSS {fmt_gb(r['peak_rss'])} (wall {r['wall_s']:.0f} s)"

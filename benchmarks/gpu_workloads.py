@@ -12,14 +12,14 @@ are left out.
   kindest padded batching: a fixed batch size would have to fit the longest documents). Only supervised tokens/s
   compares useful work here.
 
-Per system: tokens/s and supervised tokens/s over the measured steps; fill = real (non-padding) tokens over slots;
-MFU = model FLOPs / time / the peak of support.flops.peak_flops (the datasheet bf16 peak of a known GPU, else a
-measured one), with model FLOPs from support.flops.flops_per_token, 4N for a frozen-base LoRA step (no weight
-gradients) plus causal attention, each document (or run of padding) at its own length. Peak memory is each system's
-own, as if it ran alone: the bytes it holds between steps (weights, counted whole even where shared, optimizer state)
-plus the most its steps allocated above what was resident before them (torch.cuda.max_memory_allocated; not measured
-on CPU). Ratios are the median (and range) of per-round ratios: tokens/s on equal work, supervised tokens/s on
-natural batching. A system whose step fails (out of memory) sits out the rest of the workload; the others run on.
+Per system: tokens/s and supervised tokens/s over the measured steps; fill = real (non-padding) tokens over slots; MFU =
+model FLOPs / time / the peak of support.flops.peak_flops (the datasheet bf16 peak of a known GPU, else a measured one),
+with model FLOPs from support.flops.batch_flops (train.py's count), 4N per token for a frozen-base LoRA step (no weight
+gradients) plus causal attention, each document (or run of padding) at its own length. Peak memory is each system's own,
+as if it ran alone: the bytes it holds between steps (weights, counted whole even where shared, optimizer state) plus
+the most its steps allocated above what was resident before them (torch.cuda.max_memory_allocated; not measured on CPU).
+Ratios are the median (and range) of per-round ratios: tokens/s on equal work, supervised tokens/s on natural batching.
+A system whose step fails (out of memory) sits out the rest of the workload; the others run on.
 """
 
 import statistics
@@ -30,9 +30,8 @@ import torch
 
 from benchmarks.common import SEED, median_ratio
 from benchmarks.gpu_systems import FAILURES, PAIRS, free_cache, one_line
-from model import doc_bounds
 from pack import PackedDataset
-from support.flops import flops_per_token
+from support.flops import batch_flops
 
 # Natural batching: document lengths like instruction data (a log-normal, median 400 tokens, a tail to a few
 # thousand), each opening with an unsupervised prompt of 10-60% of it.
@@ -93,13 +92,6 @@ def natural_work(vocab, row, rows, n_docs=DOC_COUNT):
     return ours, peer, budget_batches(peer.lens, order, rows * row)
 
 
-def step_flops(cfg, position_ids):
-    """Model FLOPs of a step over these positions: every span model.doc_bounds finds (a document, or a run of
-    padding) costs its tokens x flops_per_token at its own length."""
-    spans = np.diff(doc_bounds(position_ids).bounds.numpy())
-    return float(sum(int(n) * flops_per_token(cfg, int(n)) for n in spans))
-
-
 def batch_stats(batch):
     ids = batch["input_ids"]
     return dict(
@@ -142,7 +134,7 @@ def timed_step(system, batch, device, cfg):
     if cuda:
         torch.cuda.synchronize(device)
     rec = dict(time=time.perf_counter() - start, loss=value, **batch_stats(batch))
-    rec["flops"] = step_flops(cfg, batch["position_ids"])
+    rec["flops"] = batch_flops(cfg, batch["position_ids"])
     if cuda:
         rec["extra_bytes"] = torch.cuda.max_memory_allocated(device) - before
     return rec

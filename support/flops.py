@@ -11,6 +11,8 @@ import time
 
 import torch
 
+from model import doc_bounds
+
 
 def flops_per_token(c, context):
     """Model FLOPs per token of a frozen-base LoRA training step at `context` tokens per document: 2N forward plus 2N
@@ -21,6 +23,15 @@ def flops_per_token(c, context):
     n = c.num_hidden_layers * (c.hidden_size * (2 * q + 2 * kv) + 3 * c.hidden_size * c.intermediate_size)
     n += c.hidden_size * c.vocab_size  # lm_head
     return 4 * n + 3 * 2 * c.num_hidden_layers * context * q
+
+
+def batch_flops(c, position_ids) -> float:
+    """Model FLOPs of a training step over rows of packed documents, position_ids (B, T): every span model.doc_bounds
+    finds (a document, or a run of padding) costs its tokens x flops_per_token at its own length, so attention is
+    counted per document, as varlen attention computes it. The one count behind every MFU: train.py's and the
+    benchmarks'."""
+    spans = doc_bounds(position_ids).bounds.diff().tolist()
+    return float(sum(n * flops_per_token(c, n) for n in spans))
 
 
 # Dense bf16 (fp16 on pre-Ampere cards) tensor-core peaks in TFLOP/s, no sparsity, by the words of

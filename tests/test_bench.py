@@ -23,7 +23,6 @@ The GPU benchmark (`bench.py gpu`):
   peer's batches, with the same supervised tokens; every peer batch fits the token budget and is as long as it can be;
 - the equal-work batches are full rows, every token supervised, identical for both systems; the peer built by
   build_systems holds our very weight tensors and computes our loss on them;
-- step_flops charges every document (and run of padding) flops_per_token at its own length;
 - the profile sorts kernels as an H200 names them: FlashAttention's (whose names hold "cutlass") as attention, cuBLAS's
   as matmuls, support/nf4_cuda.py's Triton kernel as NF4 dequantization, Inductor's fused kernels as other.
 """
@@ -42,7 +41,6 @@ import transformers
 import train
 from benchmarks import common, cpu_train, gpu, gpu_systems, gpu_workloads
 from support import run_dir
-from support.flops import flops_per_token
 from support.hf import load_model
 from support.hf_config import from_hf, read_config
 from support.tokenizer import Tokenizer
@@ -115,9 +113,9 @@ def train_results(rates, repeat_key=True):
     for k, (peer, ours) in enumerate(rates):
         for system, rate in (("peer", peer), ("ours", ours)):
             run = dict(name=f"padded-fp32/{system}", system=system, precision="fp32", label=None, peak_rss=2**30)
-            run |= dict(steps=[dict(time=1.0, tokens=rate, supervised=rate, loss=2.0)], first_batch="abc")
+            run |= dict(steps=[dict(time=1.0, tokens=rate, supervised=rate, flops=rate, loss=2.0)], first_batch="abc")
             runs.append(run | (dict(repeat=k) if repeat_key else {}))
-    return dict(warmup=0, flops_per_token=1.0, peaks={"fp32": 1e9, "bf16": 1e9}, runs=runs)
+    return dict(warmup=0, peaks={"fp32": 1e9, "bf16": 1e9}, runs=runs)
 
 
 def test_train_tables_take_the_median_of_per_round_ratios(capsys):
@@ -233,15 +231,6 @@ def test_kernel_kinds():
         "triton_poi_fused__unsafe_view_add_mul_native_dropout_silu_10": "other",
     }
     assert {name: gpu.kernel_kind(name) for name in names} == names
-
-
-def test_step_flops():
-    cfg = from_hf(gpu_systems.SHAPES["tiny"][1])
-    batch = gpu_workloads.equal_work(cfg.vocab_size, 64, 2, 1)[0]
-    assert gpu_workloads.step_flops(cfg, batch["position_ids"]) == 2 * 64 * flops_per_token(cfg, 64)
-    pos = torch.cat([torch.arange(5), torch.arange(3), torch.arange(7)])[None]  # documents of 5, 3 and 7 tokens
-    want = sum(n * flops_per_token(cfg, n) for n in (5, 3, 7))
-    assert gpu_workloads.step_flops(cfg, pos) == pytest.approx(want)
 
 
 def test_failing_system_gets_its_row_and_the_others_run(capsys):

@@ -1,4 +1,7 @@
-"""support/flops.py: the peak FLOP/s MFU divides by.
+"""support/flops.py: the model FLOPs of a batch and the peak FLOP/s MFU divides by.
+
+A batch of packed rows costs each document (and each run of padding) flops_per_token at its own length, a row that is
+one whole document costs flops_per_token at the row's length.
 
 On simulated GPUs the peak comes from the datasheet for a known name matched word by word (L40 is not L4, A10G not
 A10) and from a measured matmul for any other, half the 16-bit peak for fp32 (TF32); on this CPU it is measured, never
@@ -8,8 +11,9 @@ zero, in fp32 and in bf16 (also where bf16 is emulated: the matmul size adapts t
 import pytest
 import torch
 
+from model import LlamaConfig
 from support import flops
-from support.flops import fmt_flops
+from support.flops import batch_flops, flops_per_token, fmt_flops
 
 
 @pytest.mark.parametrize(
@@ -40,3 +44,14 @@ def test_cpu_peak_is_measured(dtype):
     peak, source = flops.peak_flops(torch.device("cpu"), dtype)
     assert source == "measured" and peak > 0  # MFU divides by it
     assert fmt_flops(1.24e9) == "1.24 GFLOP/s" and fmt_flops(989e12) == "989 TFLOP/s"
+
+
+def test_batch_flops_counts_attention_per_document():
+    """Two full rows of one 64-token document each cost 2 x 64 tokens at 64; a row of documents of 5, 3 and 7 tokens
+    costs each at its own length, not at the row's 15."""
+    cfg = LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=8)  # fmt: skip
+    assert batch_flops(cfg, torch.arange(64).repeat(2, 1)) == 2 * 64 * flops_per_token(cfg, 64)
+    pos = torch.cat([torch.arange(5), torch.arange(3), torch.arange(7)])[None]
+    assert batch_flops(cfg, pos) == pytest.approx(sum(n * flops_per_token(cfg, n) for n in (5, 3, 7)))
+    assert batch_flops(cfg, pos) < 15 * flops_per_token(cfg, 15)

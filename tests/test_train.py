@@ -39,10 +39,10 @@ from safetensors.torch import load_file
 import quant
 import train
 from pack import PackedDataset, build_dataset
-from support import atomic, checkpoint, memory, optional, precision, run_dir
+from support import atomic, checkpoint, memory, optional, precision, progress, run_dir
 from support.config import load_config
 from support.examples import stdlib_examples
-from support.flops import fmt_flops, matmul_rates
+from support.flops import flops_per_token, fmt_flops, matmul_rates
 from support.hf import load_model
 from support.hf_config import read_config
 from support.tokenizer import Tokenizer
@@ -140,6 +140,30 @@ def test_a_resumed_run_takes_up_its_own_schedule(tiny_dir, tmp_path):
     fresh = run(args(tiny_dir, tmp_path / "b", "--max_steps=6", "--eval_every=0"))
     lrs = lambda history: [(r["step"], r["lr"]) for r in history if "lr" in r and r["step"] > 2]  # noqa: E731
     assert lrs(resumed) == lrs(fresh) and len(lrs(fresh)) == 4
+
+
+def test_mfu_counts_attention_per_document(tiny_dir, tmp_path, monkeypatch):
+    """Each step's record holds the model FLOPs of the rows it trained on, attention counted per packed document (a
+    document of n tokens: n x flops_per_token at n; found here by walking the position ids), and its MFU is those
+    FLOPs over the step's time over the peak: the count the benchmarks use, not one at context_length per row."""
+    batches, real_step_batch = [], PackedDataset.step_batch
+    monkeypatch.setattr(PackedDataset, "step_batch", lambda *a: batches.append(real_step_batch(*a)) or batches[-1])
+    monkeypatch.setattr(progress, "peak_flops", lambda device, dtype: (1e9, "measured"))
+    history = run(args(tiny_dir, tmp_path, "--max_steps=2", "--eval_every=0", "--save_every=0"))
+    config = read_config(tiny_dir)[0]
+    steps = [r for r in history if "mfu" in r]
+    assert len(steps) == len(batches) == 2
+    for record, batch in zip(steps, batches, strict=True):
+        lengths = []
+        for row in batch["position_ids"].tolist():
+            for t, p in enumerate(row):
+                lengths += [1] if p == 0 or t == 0 else []
+                lengths[-1] += 0 if p == 0 or t == 0 else 1
+        assert len(lengths) > len(batch["position_ids"])  # rows hold several documents
+        expected = sum(n * flops_per_token(config, n) for n in lengths)
+        seconds = batch["input_ids"].numel() / record["tokens_per_s"]
+        assert math.isclose(record["mfu"], expected / seconds / 1e9, rel_tol=1e-9)
+        assert math.isclose(record["flops"], expected, rel_tol=1e-12)
 
 
 def test_ctrl_c_twice_stops_at_once_and_saves_nothing(tiny_dir, tmp_path, monkeypatch, capsys):
