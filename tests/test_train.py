@@ -752,8 +752,12 @@ def test_probe_fits_under_a_capped_memory_fraction(smollm2_dir, tmp_path):
 def test_cuda_end_to_end_on_a_1b_shape(smollm2_dir, tmp_path, monkeypatch):
     """train.py end to end on the GPU: a random-initialised Llama of Llama-3.2-1B's shape (with SmolLM2's vocabulary
     and tokenizer) fine-tuned with QLoRA for 30 steps on the stdlib data, auto micro-batch and all. The validation
-    loss falls; a run interrupted at step 12 and resumed gives the uninterrupted run's losses (1% for the kernels'
-    nondeterministic sums); the adapter loads in PEFT and the merged export in transformers, and in fp32 their logits
+    loss falls. A run interrupted at step 12 and resumed is as close to the uninterrupted run as a second
+    uninterrupted run is: GPU kernels sum in an order that varies from run to run (atomics in attention's backward,
+    split-K matmuls), so no fixed tolerance is the right one; the spread of two plain runs is measured and the resumed
+    run must stay within 4x of it (equal where the kernels are deterministic), where a resume that lost or mis-keyed
+    its optimizer state or schedule moves the losses by far more. The adapter loads in PEFT and the merged export in
+    transformers, and in fp32 their logits
     agree within 2% (the merged weights are rounded to bf16: about 2e-3 on a tiny model) and within a tenth of how far
     training moved them from the base's."""
     import peft
@@ -769,8 +773,12 @@ def test_cuda_end_to_end_on_a_1b_shape(smollm2_dir, tmp_path, monkeypatch):
     assert len(vals) == 4 and vals[-1] < vals[0] - 0.05, vals
     run_interrupted([*common, f"--out_dir={tmp_path / 'resumed'}"], 12, monkeypatch)
     resumed = run([*common, f"--out_dir={tmp_path / 'resumed'}", "--resume"])
-    losses = lambda h: [r["loss"] for r in h if "loss" in r]  # noqa: E731
-    assert losses(resumed) == pytest.approx(losses(full), rel=1e-2)
+    again = run([*common, f"--out_dir={tmp_path / 'again'}"])
+    losses = lambda h: torch.tensor([r["loss"] for r in h if "loss" in r], dtype=torch.float64)  # noqa: E731
+    spread = float(((losses(again) - losses(full)) / losses(full)).abs().max())
+    drift = float(((losses(resumed) - losses(full)) / losses(full)).abs().max())
+    print(f"\nresumed vs uninterrupted: {drift:.2e} relative; two uninterrupted runs: {spread:.2e}")
+    assert len(losses(resumed)) == len(losses(full)) == 30 and drift <= 4 * spread + 1e-7
 
     tok = Tokenizer(base)
     ids = torch.tensor([tok.encode("def add(a, b):\n    return a + b\n", bos=False)], device="cuda")
