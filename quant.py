@@ -114,25 +114,35 @@ def _tables(device):
     return {k: v.to(device) for k, v in tables.items()}
 
 
+def blockwise_absmax(x, block):
+    """x (n,) fp32 cut into blocks of `block` values -> (each block divided by its absolute maximum, in [-1, 1]
+    (nb, block); the absolute maxima (nb,)). The last block is zero-padded, which leaves its maximum unchanged; an
+    all-zero block stays zero."""
+    blocks = F.pad(x, (0, -x.numel() % block)).view(-1, block)
+    absmax = blocks.abs().amax(dim=1)
+    return (blocks * (1.0 / absmax.clamp(min=1e-38))[:, None]).clamp_(-1, 1), absmax
+
+
 @torch.no_grad()
 def quantize_nf4(w):
     """Any float tensor (n values) -> NF4Weight(packed uint8 ((n+1)//2, 1), absmax uint8 (B,), nested_absmax fp32
     (B2,), offset fp32 ()), computed on w's device."""
-    t = _tables(w.device)
+    tables = _tables(w.device)
     flat = w.reshape(-1).float()
     n = flat.numel()
-    blocks = F.pad(flat, (0, -n % BLOCK)).view(-1, BLOCK)  # zero padding leaves each absmax unchanged
-    absmax = blocks.abs().amax(dim=1)  # (B,)
-    scaled = (blocks * (1.0 / absmax.clamp(min=1e-38))[:, None]).clamp_(-1, 1)  # an all-zero block stays zero
-    codes = torch.bucketize(scaled.view(-1)[: n + n % 2], t["nf4_mid"], out_int32=True).to(torch.uint8)
-    packed = (codes[0::2] << 4 | codes[1::2]).view(-1, 1)
+    # 1. Blocks of 64 weights, each scaled by its absolute maximum into [-1, 1]: scaled (B, 64), absmax (B,).
+    scaled, absmax = blockwise_absmax(flat, BLOCK)
+    # 2. The nearest NF4 value's index for each weight (the padding of an odd n is one zero more), two to a byte.
+    codes = torch.bucketize(scaled.view(-1)[: n + n % 2], tables["nf4_mid"], out_int32=True).to(torch.uint8)
+    packed = (codes[0::2] << 4 | codes[1::2]).view(-1, 1)  # element 2i in the high nibble
+    # 3. Double quantization: the absmax, centred on their mean, in blocks of 256 scaled into [-1, 1]: (B2, 256).
     offset = absmax.mean()
-    centred = F.pad(absmax - offset, (0, -absmax.numel() % NESTED_BLOCK)).view(-1, NESTED_BLOCK)
-    nested_absmax = centred.abs().amax(dim=1)  # (B2,)
-    normed = (centred * (1.0 / nested_absmax.clamp(min=1e-38))[:, None]).clamp_(-1, 1)
-    point = ((normed + 1) * 0.5 * (GRID - 1) + 0.5).int()  # nearest of the 65536 grid points
-    qabsmax = torch.where(nested_absmax[:, None] > 0, t["grid_code"][point], 0)  # code 0 for an all-equal block
-    return NF4Weight(packed, qabsmax.view(-1)[: absmax.numel()], nested_absmax, offset)
+    normed, nested_absmax = blockwise_absmax(absmax - offset, NESTED_BLOCK)
+    # 4. The nearest dynamic-map code of each, found as bitsandbytes does on CPU: round to the nearest of 65,536 evenly
+    #    spaced points of [-1, 1], whose nearest code is tabulated. A block of equal absmax (all zero) gets code 0.
+    point = ((normed + 1) * 0.5 * (GRID - 1) + 0.5).int()
+    nested_codes = torch.where(nested_absmax[:, None] > 0, tables["grid_code"][point], 0)
+    return NF4Weight(packed, nested_codes.view(-1)[: absmax.numel()], nested_absmax, offset)
 
 
 def dequantize_absmax(absmax, nested_absmax, offset):
