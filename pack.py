@@ -42,7 +42,6 @@ Tokenizing happens once per dataset; support/token_cache.py keeps the arrays on 
 """
 
 import bisect
-import itertools
 import sys
 
 import numpy as np
@@ -58,49 +57,64 @@ def _label(ex, i):
     return ex.get("source") or ex.get("name") or f"example {i}"
 
 
-def encode_pieces(examples, tokenizer, template, first=0, skip_bad_rows=False):
-    """([(label, parts)], [skipped]): per example, its parts in order as (token ids, text, supervised): BOS (text None)
-    where prepended, the pieces of tokenizer.segments tokenized one by one, and EOS (text None) after each response
-    where the template has none. An example the template rejects stops the run, or is skipped with skip_bad_rows."""
-    docs, bad = [], []
+def document(segmented, piece_ids, tokenizer, train_on_prompt=False):
+    """One example's document from its pieces: (token ids, mask) as lists, mask True where a token is supervised.
+
+    segmented: tokenizer.segments' (pieces [(text, supervised)], prepend BOS?, append EOS after each response?);
+    piece_ids: the token ids of each piece's text, tokenized on its own."""
+    pieces, add_bos, add_eos = segmented
+    ids, mask = [], []
+    if add_bos:
+        ids.append(tokenizer.bos_id)
+        mask.append(train_on_prompt)
+    for (_, supervised), piece in zip(pieces, piece_ids, strict=True):
+        ids += piece
+        mask += [supervised or train_on_prompt] * len(piece)
+        if supervised and add_eos:  # the model learns to stop: the EOS after a response is supervised too
+            ids.append(tokenizer.eos_id)
+            mask.append(True)
+    return ids, mask
+
+
+def segment(examples, tokenizer, template, first=0, skip_bad_rows=False):
+    """([(label, segmented)], skipped): tokenizer.segments of each example with its label (file:line, stdlib function
+    or position), and "label: why" of each example the template rejects, which stops the run unless skip_bad_rows.
+    first: the index of examples[0]."""
+    segmented, skipped = [], []
     for i, ex in enumerate(examples, first):
-        label = _label(ex, i)
         try:
-            docs.append((label, segments(ex, tokenizer, template)))
+            segmented.append((_label(ex, i), segments(ex, tokenizer, template)))
         except (ValueError, TemplateError) as e:
             if not skip_bad_rows:
-                raise ValueError(f"{label}: {e}") from None
-            bad.append(f"{label}: {e}")
-    ids = iter(tokenizer.encode_batch([text for _, (pieces, _, _) in docs for text, _ in pieces]))
-    bos, eos, out = ([tokenizer.bos_id], None, False), ([tokenizer.eos_id], None, True), []
-    for label, (pieces, add_bos, add_eos) in docs:
-        parts = [bos] if add_bos else []
-        for text, supervised in pieces:
-            parts += [(next(ids), text, supervised)] + ([eos] if supervised and add_eos else [])
-        out.append((label, parts))
-    return out, bad
+                raise ValueError(f"{_label(ex, i)}: {e}") from None
+            skipped.append(f"{_label(ex, i)}: {e}")
+    return segmented, skipped
 
 
 def renders(ex, tokenizer, template=None):
     """Whether the template renders example `ex` (what skip_bad_rows keeps)."""
-    return bool(encode_pieces([ex], tokenizer, template, skip_bad_rows=True)[0])
+    return bool(segment([ex], tokenizer, template, skip_bad_rows=True)[0])
 
 
 def tokenize_examples(examples, tokenizer, template=None, train_on_prompt=False, chunk=4096, skip_bad_rows=False):
     """Flat token stream (tokens uint32 (N,), mask uint8 (N,), offsets int64 (docs + 1,)): document i is
-    tokens[offsets[i]:offsets[i + 1]], its pieces tokenized one by one, mask 1 where a token is supervised."""
+    tokens[offsets[i]:offsets[i + 1]] (see `document`), mask 1 where a token is supervised."""
     if tokenizer.eos_id is None:
         raise ValueError(f"{tokenizer.path}: the tokenizer has no eos token, which ends every response")
     tokens, mask, lengths, bad = [], [], [], []
-    # chunks bound the peak of Python int lists (tens of bytes per token) to a few thousand examples
+    # A chunk of examples at a time: its pieces go to the tokenizer in one batched call (its threads use every core),
+    # and the Python lists (tens of bytes per token) never hold more than a chunk.
     for first in range(0, len(examples), chunk):
-        docs, skipped = encode_pieces(examples[first : first + chunk], tokenizer, template, first, skip_bad_rows)
-        parts, bad = [p for _, parts in docs for p in parts], bad + skipped
-        sizes = np.array([len(ids) for ids, _, _ in parts], dtype=np.int64)
-        ids = itertools.chain.from_iterable(ids for ids, _, _ in parts)
-        tokens.append(np.fromiter(ids, dtype=np.uint32, count=int(sizes.sum())))
-        mask.append(np.repeat(np.array([s or train_on_prompt for _, _, s in parts], dtype=np.uint8), sizes))
-        lengths += [sum(len(ids) for ids, _, _ in parts) for _, parts in docs]
+        segmented, skipped = segment(examples[first : first + chunk], tokenizer, template, first, skip_bad_rows)
+        bad += skipped
+        texts = [text for _, (pieces, _, _) in segmented for text, _ in pieces]
+        encoded, start = tokenizer.encode_batch(texts), 0
+        for _, seg in segmented:
+            ids, supervised = document(seg, encoded[start : start + len(seg[0])], tokenizer, train_on_prompt)
+            start += len(seg[0])
+            tokens.append(np.array(ids, dtype=np.uint32))
+            mask.append(np.array(supervised, dtype=np.uint8))
+            lengths.append(len(ids))
     if bad:
         print(f"skipped {len(bad)} examples the template cannot render (first: {bad[0]})", file=sys.stderr)
     if not lengths:
@@ -212,9 +226,3 @@ def build_dataset(data, tokenizer, context_length="auto", *, pack=True, truncate
     elif not isinstance(context_length, int) or context_length <= 0:
         raise ValueError(f"context_length must be a positive int or 'auto', got {context_length!r}")
     return PackedDataset(tokens, mask, offsets, context_length, pack, truncate, pad_to_max, seed, tokenizer.pad_id)
-
-
-if __name__ == "__main__":  # python pack.py DATA --tokenizer DIR [--preview N]: the packing report and the preview
-    from support import preview
-
-    preview.main()

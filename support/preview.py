@@ -2,13 +2,13 @@
 
 `packing_report` prints the length histogram of a dataset, the tokens kept, truncated and dropped, and how much of a
 batch is real tokens when packed, against padding to the longest of a batch or to context_length. `preview` (train.py
---preview, or `python pack.py DATA --tokenizer DIR --preview N`) prints the first N documents decoded, BOS and EOS
-visible, the supervised text marked, and one warning line for each example without a supervised token, with a double
-BOS, with a response not ended by EOS or holding one before its end (an answer quoting the end-of-turn text, which
-tokenizes as the token itself), or with tokens that merge across a cut between pieces (pack.py tokenizes a document's
-pieces one by one, so a cut through what the tokenizer would merge makes the tokens there differ from the joined
-text's); `check_examples` runs the same checks over a whole dataset. Messages name an example by its "file:line" (its
-stdlib function for the default data).
+--preview, or `python -m support.preview DATA --tokenizer DIR --preview N`) prints the first N documents decoded, BOS
+and EOS visible, the supervised text marked, and one warning line for each example without a supervised token, with a
+double BOS, with a response not ended by EOS or holding one before its end (an answer quoting the end-of-turn text,
+which tokenizes as the token itself), or with tokens that merge across a cut between pieces (pack.py tokenizes a
+document's pieces one by one, so a cut through what the tokenizer would merge makes the tokens there differ from the
+joined text's); `check_examples` runs the same checks over a whole dataset. Messages name an example by its "file:line"
+(its stdlib function for the default data).
 """
 
 import argparse
@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 
-from pack import build_dataset, encode_pieces, pack_bfd
+from pack import build_dataset, pack_bfd, segment
 from support.examples import load_examples, stdlib_examples
 from support.tokenizer import Tokenizer
 
@@ -45,6 +45,23 @@ def packing_report(self, rows_per_batch=8):
         f"/ slots): packed {eff[0]}, padded to the longest of {rows_per_batch} {eff[1]}, padded to {C} {eff[2]}"
     )
     return "\n".join(out)
+
+
+def documents(examples, tokenizer, template=None, first=0, skip_bad_rows=False):
+    """[(label, parts)] of the examples the template renders: each document's parts in order as (token ids, text,
+    supervised), BOS and EOS (text None) where pack.document adds them, each text piece tokenized on its own."""
+    segmented, _ = segment(examples, tokenizer, template, first, skip_bad_rows)
+    encoded = tokenizer.encode_batch([text for _, (pieces, _, _) in segmented for text, _ in pieces])
+    bos, eos = ([tokenizer.bos_id], None, False), ([tokenizer.eos_id], None, True)
+    out, start = [], 0
+    for label, (pieces, add_bos, add_eos) in segmented:
+        parts = [bos] if add_bos else []
+        for (text, supervised), ids in zip(pieces, encoded[start : start + len(pieces)], strict=True):
+            parts.append((ids, text, supervised))
+            parts += [eos] if supervised and add_eos else []
+        start += len(pieces)
+        out.append((label, parts))
+    return out
 
 
 def _merges(docs, tok):
@@ -85,7 +102,7 @@ def _warnings(docs, tok, train_on_prompt):
 def check_examples(examples, tokenizer, template=None, train_on_prompt=False, chunk=4096, skip_bad_rows=False):
     """The warnings of `preview` over all examples."""
     chunks = range(0, len(examples), chunk)
-    docs = [encode_pieces(examples[f : f + chunk], tokenizer, template, f, skip_bad_rows)[0] for f in chunks]
+    docs = [documents(examples[f : f + chunk], tokenizer, template, f, skip_bad_rows) for f in chunks]
     return [w for d in docs for w in _warnings(d, tokenizer, train_on_prompt)]
 
 
@@ -93,7 +110,7 @@ def preview(examples, tokenizer, template=None, train_on_prompt=False, n=3, colo
     """The first n examples as training sees them: decoded with BOS/EOS visible, supervised text marked (green on a
     terminal, in ⟦ ⟧ otherwise; color=None asks sys.stdout.isatty()), then one warning line per problem in them."""
     on, off = ("\x1b[32m", "\x1b[0m") if (sys.stdout.isatty() if color is None else color) else ("⟦", "⟧")
-    docs, tok = encode_pieces(examples[:n], tokenizer, template, skip_bad_rows=skip_bad_rows)[0], tokenizer
+    docs, tok = documents(examples[:n], tokenizer, template, skip_bad_rows=skip_bad_rows), tokenizer
     name = lambda i: "none" if i is None else f"{tok.decode([i])!r} ({i})"
     out = [f"BOS {name(tok.bos_id)}, EOS {name(tok.eos_id)}, pad {name(tok.pad_id)}; supervised: {on}text{off}"]
     for label, parts in docs:
@@ -145,3 +162,7 @@ def main():
             print(preview(examples, tok, a.template, a.train_on_prompt, a.preview))
     except (ValueError, OSError) as e:  # bad data or tokenizer: one line, as train.py says it
         raise SystemExit(f"error: {e}") from None
+
+
+if __name__ == "__main__":  # python -m support.preview DATA --tokenizer DIR [--preview N]
+    main()

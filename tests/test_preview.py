@@ -2,8 +2,8 @@
 
 The default data (stdlib + SmolLM2) shows its answers marked and raises no warning over all of it; a double BOS
 (Llama-2 text passed through with a BOS-adding tokenizer), missing EOS (a base tokenizer under ChatML, also through
-`python pack.py --preview`), merges across a cut (exactly where transformers' tokenizations of the joined and the
-separate texts differ) and an example with nothing supervised are each flagged.
+`python -m support.preview --preview`), merges across a cut (exactly where transformers' tokenizations of the joined
+and the separate texts differ) and an example with nothing supervised are each flagged.
 """
 
 import re
@@ -61,11 +61,12 @@ def test_preview_flags_missing_eos(tmp_path, family_dirs):
     text = preview(examples, Tokenizer(base), n=len(examples))
     lines = re.findall(r"warning: .*chat\.jsonl:\d: response \d ends with '.*', not EOS '<\|endoftext\|>': .*", text)
     assert len(lines) == turns and len(text.split("warning:")) == turns + 1
-    cli = [sys.executable, "pack.py", str(DATA / "chat.jsonl"), "--tokenizer", str(base), "--preview", "3"]
-    out = subprocess.run([*cli, "--cache-dir", str(tmp_path / "cache")], capture_output=True, text=True, cwd=ROOT)
+    cli = [sys.executable, "-m", "support.preview", str(DATA / "chat.jsonl"), "--tokenizer", str(base)]
+    cli += ["--preview", "3", "--cache-dir", str(tmp_path / "cache")]
+    out = subprocess.run(cli, capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0 and re.findall(r"warning: .*", out.stdout) == lines, out.stderr
     (bad := tmp_path / "bad.json").write_text('\n\n[{"problem": 1, "solution": "b"}]')  # the CLI's errors: one line
-    out = subprocess.run([*cli[:2], str(bad), *cli[3:5]], capture_output=True, text=True, cwd=ROOT)
+    out = subprocess.run([*cli[:3], str(bad), *cli[4:6]], capture_output=True, text=True, cwd=ROOT)
     assert (out.returncode, out.stderr) == (1, f"error: {bad}:3: field 'problem' must be a string, got int\n")
     instruct = preview(examples, Tokenizer(family_dirs["qwen2.5"]), n=len(examples))
     assert instruct.endswith("no warnings in the 3 examples shown")
