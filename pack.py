@@ -101,7 +101,8 @@ def tokenize_examples(examples, tokenizer, template=None, train_on_prompt=False,
     tokens[offsets[i]:offsets[i + 1]] (see `document`), mask 1 where a token is supervised."""
     if tokenizer.eos_id is None:
         raise ValueError(f"{tokenizer.path}: the tokenizer has no eos token, which ends every response")
-    tokens, mask, lengths, bad = [], [], [], []
+    tokens, mask, lengths = [], [], []  # per document: its ids, its mask, its length
+    bad = []  # the skipped examples
     # A chunk of examples at a time: its pieces go to the tokenizer in one batched call (its threads use every core),
     # and the Python lists (tens of bytes per token) never hold more than a chunk.
     for first in range(0, len(examples), chunk):
@@ -124,7 +125,9 @@ def tokenize_examples(examples, tokenizer, template=None, train_on_prompt=False,
 
 def pack_bfd(lengths, capacity):
     """Best-fit-decreasing: lists of document indices whose lengths sum to at most `capacity` each."""
-    rows, buckets, free_sizes = [], {}, []  # buckets[f]: rows with f free slots; free_sizes: sorted keys of buckets
+    rows = []  # lists of document indices
+    buckets = {}  # free space f -> the rows with f free slots
+    free_sizes = []  # the keys of buckets, sorted
     for i in np.argsort(-np.asarray(lengths), kind="stable").tolist():
         n = int(lengths[i])
         k = bisect.bisect_left(free_sizes, n)
@@ -151,20 +154,38 @@ class PackedDataset:
     def __init__(
         self, tokens, mask, offsets, context_length, pack=True, truncate=True, pad_to_max=False, seed=0, pad_id=0
     ):
-        C, starts, doc_lens = context_length, np.asarray(offsets[:-1]), np.diff(offsets)
-        lens = np.minimum(doc_lens, C)
-        # supervised targets of a doc are its tokens 1..len-1 (token 0 has no predecessor in the doc)
+        C = context_length
+        starts = np.asarray(offsets[:-1])  # (docs,) where each document begins in the token stream
+        doc_lens = np.diff(offsets)  # (docs,)
+        lens = np.minimum(doc_lens, C)  # what a row keeps of each: a longer document is truncated to C
+        # Supervised targets per document: a document's token 0 has no predecessor in it, so it is nobody's target.
+        # np.add.reduceat sums mask[starts[i]:starts[i + 1]], each document's supervised tokens, in one pass.
         supervised = np.add.reduceat(mask, starts, dtype=np.int64) - mask[starts]
-        for i in np.flatnonzero(doc_lens > C):
+        for i in np.flatnonzero(doc_lens > C):  # a truncated document keeps the targets of its first C tokens
             supervised[i] = int(mask[starts[i] + 1 : starts[i] + C].sum())
-        keep = (doc_lens <= C) | (truncate & (supervised > 0))
-        cut, drop = (doc_lens > C) & keep, ~keep
-        self.stats = dict(examples=len(doc_lens), lengths=doc_lens, truncated=int(cut.sum()), dropped=int(drop.sum()))
-        self.stats |= dict(truncated_tokens=int((doc_lens - lens)[cut].sum()), dropped_tokens=int(doc_lens[drop].sum()))
-        self.tokens, self.mask, self.starts, self.lens = tokens, mask, starts[keep], lens[keep]
-        self.num_tokens, self.num_supervised = int(self.lens.sum()), int(supervised[keep].sum())
-        self.context_length, self.pack, self.pad_to_max, self.seed, self.pad_id = C, pack, pad_to_max, seed, pad_id
-        self.rows = pack_bfd(self.lens, C) if pack else [[i] for i in range(len(self.lens))]
+        keep = (doc_lens <= C) | (truncate & (supervised > 0))  # truncated, unless nothing supervised is left
+        cut = (doc_lens > C) & keep
+        drop = ~keep
+        self.stats = dict(
+            examples=len(doc_lens),
+            lengths=doc_lens,
+            truncated=int(cut.sum()),
+            dropped=int(drop.sum()),
+            truncated_tokens=int((doc_lens - lens)[cut].sum()),
+            dropped_tokens=int(doc_lens[drop].sum()),
+        )
+        self.tokens = tokens  # the whole stream (a memory map from the token cache): rows index into it
+        self.mask = mask
+        self.starts = starts[keep]
+        self.lens = lens[keep]
+        self.num_tokens = int(self.lens.sum())
+        self.num_supervised = int(supervised[keep].sum())
+        self.context_length = C
+        self.pack = pack
+        self.pad_to_max = pad_to_max
+        self.seed = seed
+        self.pad_id = pad_id
+        self.rows = pack_bfd(self.lens, C) if pack else [[i] for i in range(len(self.lens))]  # document indices
         if not self.rows:
             raise ValueError(f"no examples left: all {len(doc_lens)} are longer than context_length {C}")
 
@@ -194,7 +215,9 @@ class PackedDataset:
         if not self.pack and not self.pad_to_max:
             width = max(int(self.lens[r[0]]) for r in rows)
         inp = np.full((len(rows), width), self.pad_id, dtype=np.int64)
-        sup, pos, ar = np.zeros(inp.shape, dtype=bool), np.zeros_like(inp), np.arange(width)
+        sup = np.zeros(inp.shape, dtype=bool)  # (rows, width) supervised tokens
+        pos = np.zeros_like(inp)  # (rows, width) position ids, restarting at every document
+        ar = np.arange(width)
         for b, docs in enumerate(rows):
             t = 0
             for d in docs:
