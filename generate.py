@@ -16,7 +16,7 @@ import os
 import torch
 
 from model import generate
-from support import atomic, gguf_files, hf
+from support import atomic, gguf_read, hf
 from support.tokenizer import Tokenizer
 
 
@@ -30,9 +30,9 @@ def model_dir_for(model, adapter):
     """The base model's directory: --model; else the adapter's own base (its base_model_name_or_path, when that is a
     model directory here); else the converted SmolLM2."""
     if model or not adapter:
-        return model or gguf_files.smollm2_dir()
+        return model or gguf_read.smollm2_dir()
     base = atomic.read_json(os.path.join(adapter, "adapter_config.json")).get("base_model_name_or_path") or ""
-    return base if base and os.path.isfile(os.path.join(base, "config.json")) else gguf_files.smollm2_dir()
+    return base if base and os.path.isfile(os.path.join(base, "config.json")) else gguf_read.smollm2_dir()
 
 
 def main():

@@ -58,7 +58,7 @@ from support.config import (
     within,
 )
 from support.flops import batch_flops
-from support.gguf_files import FILE_TYPES
+from support.gguf_write import FILE_TYPES
 from support.hf_config import read_config
 from support.outputs import write_outputs
 from support.precision import agreed, pick_precision

@@ -88,9 +88,9 @@ def run_peer(data, train_on_prompt, precision, nf4, steps, out):
     import peft
     import transformers
 
-    from support import gguf_files
+    from support import gguf_read
 
-    model_dir = gguf_files.smollm2_dir()
+    model_dir = gguf_read.smollm2_dir()
     config = hf_config.read_config(model_dir)[0]
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     ds = peer_dataset(data, Tokenizer(model_dir), train_on_prompt)
@@ -167,9 +167,9 @@ LADDER = [  # cumulative train.py overrides on the stdlib dataset; each rung add
 
 def plan(padded_path):
     """Every run: name, group, system, precision, and the peer's arguments or train.py's --key=value overrides."""
-    from support import gguf_files
+    from support import gguf_read
 
-    model_dir = gguf_files.smollm2_dir()
+    model_dir = gguf_read.smollm2_dir()
     common = dict(
         model=model_dir,
         context_length=CONTEXT,
@@ -377,10 +377,10 @@ def select_runs(runs, only):
 
 
 def bench_train(steps, warmup, only, repeat=1):
-    from support import gguf_files
+    from support import gguf_read
 
     os.makedirs(os.path.join(OUT_DIR, "logs"), exist_ok=True)
-    model_dir = gguf_files.smollm2_dir()
+    model_dir = gguf_read.smollm2_dir()
     config, _ = hf_config.read_config(model_dir)
     padded = os.path.join(OUT_DIR, "padded512.jsonl")
     n_long = write_padded_jsonl(padded, Tokenizer(model_dir))

@@ -23,7 +23,7 @@ from support.tokenizer import Tokenizer
 def bench_pack(n=75_000, context=2048):
     """A Magicoder-OSS-Instruct-sized JSONL (problem -> solution pairs cut from stdlib code and docstrings), tokenized
     and packed with the SmolLM2 chat template, then built a second time from the token cache."""
-    from support import gguf_files
+    from support import gguf_read
 
     path = os.path.join(OUT_DIR, f"magicoder{n // 1000}k.jsonl")
     if not os.path.exists(path):
@@ -35,7 +35,7 @@ def bench_pack(n=75_000, context=2048):
             row = {"problem": f"{i}: " + a["instruction"], "solution": a["response"] + b["response"]}
             lines.append(json.dumps(row) + "\n")
         atomic.atomic_write(path, lambda tmp: Path(tmp).write_text("".join(lines)))
-    tok = Tokenizer(gguf_files.smollm2_dir())
+    tok = Tokenizer(gguf_read.smollm2_dir())
     with tempfile.TemporaryDirectory(dir=OUT_DIR) as cache:
         for label in ("first run (tokenize + pack)", "second run (cache hit)"):
             t = time.perf_counter()

@@ -48,12 +48,12 @@ def bench_quant(size=4096, repeat=5, smollm2=False):
 def bench_smollm2_load(repeat):
     """SmolLM2-135M into a QLoRA-ready model: quantize its 16-bit checkpoint tensor by tensor vs load our pre-quantized
     (bnb-4bit) checkpoint; both through hf.load_model."""
-    from support import gguf_files
+    from support import gguf_read
 
     load = lambda path: hf.load_model(path, torch.bfloat16, quantize=True)  # noqa: E731
     with tempfile.TemporaryDirectory() as tmp:
         dense, prequantized = os.path.join(tmp, "bf16"), os.path.join(tmp, "nf4")
-        gguf_files.convert_gguf(gguf_files.smollm2_gguf_path(), dense, dtype=torch.bfloat16)
+        gguf_read.convert_gguf(gguf_read.smollm2_gguf_path(), dense, dtype=torch.bfloat16)
         model = load(dense)
         hf.save_quantized(model, prequantized)
         rows = []

@@ -11,7 +11,7 @@ similarity to it.
 import difflib
 import os
 
-from support import gguf_files, hf
+from support import gguf_write, hf, modelfile
 from support.atomic import atomic_write
 from support.checkpoint import save_metrics
 from support.merge_check import merge_and_check_
@@ -62,8 +62,8 @@ def export(cfg, model, history, model_dir, prompt_ids, tracker=None):
     print(f"merged model written to {merged_dir} (merged into {report['merged_into']} weights)")
     if cfg.export_gguf:
         gguf = os.path.join(cfg.out_dir, f"model-{cfg.export_gguf}.gguf")
-        path = gguf_files.export_gguf(merged_dir, gguf, cfg.export_gguf)
-        print(f"GGUF written to {path} (Ollama: ollama create NAME -f {gguf_files.modelfile_path(path)})")
+        path = gguf_write.export_gguf(merged_dir, gguf, cfg.export_gguf)
+        print(f"GGUF written to {path} (Ollama: ollama create NAME -f {modelfile.modelfile_path(path)})")
 
 
 def plot_losses(history, path):

@@ -9,7 +9,7 @@ so), so running the default twice keeps both runs.
 
 import os
 
-from support import gguf_files, hub
+from support import gguf_read, gguf_write, hub
 from support.atomic import atomic_write
 
 
@@ -18,12 +18,12 @@ def claim_inputs(cfg) -> tuple[str, dict]:
     missing; returns the model directory (the embedded SmolLM2 when cfg.model is "", converted on first use) and the
     data files {"data": [...], "val_data": [...]} (empty lists for "", the stdlib dataset), Hub ids resolved into the
     Hugging Face cache. A preview writes nothing, so it claims no out_dir; a plan reads no data."""
-    model_dir = hub.model_dir(cfg.model, only_config=bool(cfg.plan)) if cfg.model else gguf_files.smollm2_dir()
+    model_dir = hub.model_dir(cfg.model, only_config=bool(cfg.plan)) if cfg.model else gguf_read.smollm2_dir()
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise FileNotFoundError(f"model: {os.path.join(model_dir, 'config.json')} not found (not a model directory)")
     files = data_files(cfg)
     if cfg.export_gguf:  # what llama.cpp cannot read is refused now, not after the training
-        gguf_files.check_gguf_export(model_dir, cfg.export_gguf)
+        gguf_write.check_gguf_export(model_dir, cfg.export_gguf)
     if not (cfg.preview or cfg.plan):
         claim_out_dir(cfg)
     return model_dir, files

@@ -39,9 +39,9 @@ def _seed():
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """The embedded default model (SmolLM2-135M-Instruct) as a HF-format directory, converted once from GGUF."""
-    from support import gguf_files
+    from support import gguf_read
 
-    return gguf_files.smollm2_dir()
+    return gguf_read.smollm2_dir()
 
 
 CHATML = """{%- set ns = namespace(system=false) -%}

@@ -10,7 +10,7 @@ import torch
 
 import generate
 from model import generate as model_generate
-from support import gguf_files
+from support import gguf_read
 from support.hf import load_model
 from support.tokenizer import Tokenizer
 
@@ -34,8 +34,8 @@ def test_an_adapter_runs_on_the_base_it_names(tmp_path):
     (base := tmp_path / "base").mkdir()
     (base / "config.json").write_text("{}")
     (adapter := tmp_path / "adapter").mkdir()
-    for named, want in [(str(base), str(base)), (str(tmp_path / "gone"), gguf_files.smollm2_dir()), (None, None)]:
+    for named, want in [(str(base), str(base)), (str(tmp_path / "gone"), gguf_read.smollm2_dir()), (None, None)]:
         (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": named}))
-        assert generate.model_dir_for("", str(adapter)) == (want or gguf_files.smollm2_dir())
+        assert generate.model_dir_for("", str(adapter)) == (want or gguf_read.smollm2_dir())
     assert generate.model_dir_for("mine", str(adapter)) == "mine"
-    assert generate.model_dir_for("", "") == gguf_files.smollm2_dir()
+    assert generate.model_dir_for("", "") == gguf_read.smollm2_dir()

