@@ -1,13 +1,14 @@
 """Where do the model and the data come from? A local path, or a Hugging Face Hub id.
 
 `model` and `data` take a local path or a Hub id: `model = "meta-llama/Llama-3.1-8B"`, `data =
-"ise-uiuc/Magicoder-OSS-Instruct-75K"` (a dataset repo: its training files, JSONL, JSON or Parquet), or a named file
-in a dataset repo, `data = "owner/name/path/in/repo.jsonl"`. An id is resolved through huggingface_hub, into its cache
-(under HF_HOME, ~/.cache/huggingface by default), fetching only what training reads: config.json, the safetensors
-weights and the tokenizer files of a model; the data files of a dataset. Large files show huggingface_hub's progress
-bars. HF_HUB_OFFLINE=1 resolves from the cache alone. A local path of the same name wins over the Hub, and the
-start-up output says which was used. A gated repo, a missing one, no network with nothing cached, or a model without
-safetensors weights is one line saying what to do.
+"ise-uiuc/Magicoder-OSS-Instruct-75K"` (a dataset repo: its training files, JSONL, JSON or Parquet), or a named file in
+a dataset repo, `data = "owner/name/path/in/repo.jsonl"`. An id is resolved through huggingface_hub, into its cache
+(under HF_HOME, ~/.cache/huggingface by default), fetching only what training reads: config.json, the tokenizer files
+and the weights of a model (model.safetensors.index.json first, then the shards it names, or else model.safetensors:
+other weight files a repo may carry, .bin copies or Mistral's consolidated.safetensors, are never fetched); the data
+files of a dataset. Large files show huggingface_hub's progress bars. HF_HUB_OFFLINE=1 resolves from the cache alone. A
+local path of the same name wins over the Hub, and the start-up output says which was used. A gated repo, a missing one,
+no network with nothing cached, or a model without safetensors weights is one line saying what to do.
 """
 
 import fnmatch
@@ -15,8 +16,11 @@ import glob
 import os
 import re
 
-MODEL_FILES = ["config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer*", "special_tokens_map.json"]
-MODEL_FILES += ["chat_template.jinja", "generation_config.json"]
+from support.atomic import read_json
+
+SHARD_INDEX = "model.safetensors.index.json"
+MODEL_FILES = ["config.json", SHARD_INDEX, "tokenizer*", "special_tokens_map.json", "chat_template.jinja"]
+MODEL_FILES += ["generation_config.json"]  # then the weights: weight_files()
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
 DATA_FILES = ["*.jsonl", "*.json", "*.parquet"]  # fnmatch's * spans folders too, as huggingface_hub matches them
 TRAIN_FILES = ["*train*.jsonl", "*train*.json", "*train*.parquet"]
@@ -33,13 +37,25 @@ def model_dir(spec, only_config=False) -> str:
     if not looks_like_hub_id(spec) or spec.count("/") != 1:
         raise FileNotFoundError(f"model: {spec}: no such directory (expected a model directory or a Hub id)")
     path = download("model", spec, ["config.json"] if only_config else MODEL_FILES)
-    if not only_config and not glob.glob(os.path.join(path, "*.safetensors")):
+    if not only_config and (weights := weight_files(path)):
+        path = download("model", spec, weights)
+    if not only_config and not any(os.path.isfile(os.path.join(path, f)) for f in ("model.safetensors", SHARD_INDEX)):
         raise FileNotFoundError(
-            f"model: {spec} has no safetensors weights on the Hub (only .bin or .pth ones, which this project does "
-            "not read); convert them, or give a local directory"
+            f"model: {spec} has no safetensors weights on the Hub (no model.safetensors or {SHARD_INDEX}: .bin, .pth "
+            "and other weight files are not read here); convert them, or give a local directory"
         )
     print(f"model: {spec} from the Hugging Face cache ({path})")
     return path
+
+
+def weight_files(path) -> list[str]:
+    """The weight files support/hf.py's Checkpoint reads from a snapshot holding (or not) a shard index: the shards
+    the index names, else model.safetensors. An index without a weight_map names none (Checkpoint then says so)."""
+    if not os.path.isfile(index := os.path.join(path, SHARD_INDEX)):
+        return ["model.safetensors"]
+    contents = read_json(index)
+    weight_map = contents.get("weight_map") if isinstance(contents, dict) else None
+    return sorted(set(weight_map.values())) if isinstance(weight_map, dict) else []
 
 
 def data_files(spec) -> list[str]:
