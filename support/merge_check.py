@@ -49,14 +49,17 @@ def adapters_off(model):
 
 @contextmanager
 def in_fp32(model):
-    """Inside, every floating parameter and buffer is fp32; on leaving, each tensor goes back to the dtype its name had
-    on entry (a weight that fold_ replaced inside is rounded once to its predecessor's dtype)."""
+    """Inside, every floating parameter and buffer is fp32 and CUDA's fp32 matmuls are too (not TF32, whatever the
+    tf32 setting); on leaving, each tensor goes back to the dtype its name had on entry (a weight that fold_ replaced
+    inside is rounded once to its predecessor's dtype), and the matmul precision to what it was."""
     tensors = lambda: chain(model.named_parameters(remove_duplicate=False), model.named_buffers())  # noqa: E731
-    dtypes = {key: t.dtype for key, t in tensors()}
+    dtypes, matmul = {key: t.dtype for key, t in tensors()}, torch.backends.cuda.matmul.fp32_precision
     model.float()
+    torch.backends.cuda.matmul.fp32_precision = "ieee"
     try:
         yield model
     finally:
+        torch.backends.cuda.matmul.fp32_precision = matmul
         for key, t in tensors():
             t.data = t.data.to(dtypes.get(key, t.dtype))
 

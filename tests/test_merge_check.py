@@ -4,7 +4,8 @@
   dense base, for NF4 merged into its dequantized copy and for NF4 merged into the original weights;
 - there the 4-bit gap (the adapter on NF4 against the adapter on the original weights) is reported apart, beside the
   untrained base's own, both far above the merge error; the printed line says what the report holds;
-- a merge that drops one layer's delta fails the check in one line;
+- a merge that drops one layer's delta fails the check in one line; with TF32 asked for, the check's matmuls are
+  still full fp32;
 - on SmolLM2 in bf16, fp16 and fp32, with adapters that move the logits about as far as two default steps do: the
   correct merge passes, a merge that folds no delta and one that drops a single layer's delta each fail in one line.
 """
@@ -19,6 +20,7 @@ from test_lora import ours, randomize_B
 
 import lora
 import quant
+from support import merge_check
 from support.hf import Checkpoint, load_model
 from support.merge_check import merge_and_check_, merge_summary
 from support.tokenizer import Tokenizer
@@ -77,6 +79,21 @@ def test_a_merge_that_drops_one_delta_fails_the_check(base_dir, base, monkeypatc
         r"\(allowed \S+, rounding\): the merge is wrong",
         str(e.value),
     )
+
+
+def test_the_check_runs_in_full_fp32_where_tf32_is_on(base_dir, monkeypatch):
+    """With TF32 asked for (--tf32=True), CUDA's fp32 matmuls inside the check are full fp32 ("ieee", as the fold sees
+    it), and TF32 is back on after it."""
+    model = ours(base_dir)
+    lora.add_lora_(model, "all-linear", r=4, alpha=8, dropout=0.0)
+    randomize_B(model)
+    torch.backends.cuda.matmul.fp32_precision = "tf32"  # conftest's autouse fixture restores it
+    seen = []
+    monkeypatch.setattr(
+        merge_check, "fold_", lambda m: seen.append(torch.backends.cuda.matmul.fp32_precision) or lora.fold_(m)
+    )
+    merge_and_check_(model, [[1, 2, 3, 4]])
+    assert seen == ["ieee"] and torch.backends.cuda.matmul.fp32_precision == "tf32"
 
 
 # B ~ N(0, 0.015): the adapter then moves SmolLM2's logits by about 2 (the largest |difference| from the base, in
