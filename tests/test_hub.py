@@ -8,7 +8,8 @@ localhost, tests/fake_hub.py, at HF_ENDPOINT).
   local path (its first folder is here, or a data file's name) and a name the Hub cannot hold are one line each, never
   sent to the Hub;
 - one line each, naming the repo and what to do: a repo absent from the cache offline, a gated repo (401 as the Hub
-  answers one whose licence is not accepted), a missing repo (404), a model without safetensors weights;
+  answers one whose licence is not accepted), a missing repo (404), a model without safetensors weights; offline
+  after --plan (which fetched config.json alone), that the weights were never downloaded;
 - a local directory named like a Hub id wins over the Hub, and the output says so;
 - a sharded model fetches its index first, then the shards it names, and no other weights (a consolidated.safetensors
   beside them, as Mistral's repos hold one, is never fetched).
@@ -91,6 +92,30 @@ def test_ids_download_once_then_train_offline(fake_hub, tmp_path):
     train_py([*argv, f"--out_dir={tmp_path / 'b'}", f"--cache_dir={tmp_path / 'cache'}"], offline)
     losses = [[json.loads(x)["loss"] for x in open(tmp_path / d / "metrics.jsonl") if '"loss"' in x] for d in "ab"]
     assert losses[0] == losses[1] and len(losses[0]) == 4
+
+
+@pytest.mark.parametrize("listing", ["kept", "lost"])
+def test_offline_after_plan_the_weights_were_never_downloaded(fake_hub, tmp_path, listing):
+    """--plan fetches config.json alone; an offline run after it says, in one line, that the weights were never
+    downloaded and how to get them, whether huggingface_hub kept the repo's file listing in its cache (it then knows
+    what is missing) or has none (older releases keep none)."""
+    home, repo = tmp_path / "hf", tmp_path / "hf" / "hub" / "models--acme--tiny"
+    online = {**os.environ, "HF_HOME": str(home), "HF_ENDPOINT": fake_hub.url}
+    argv = [sys.executable, "train.py", "configs/tiny.py", "--model=acme/tiny", "--device=cpu"]
+    plan = subprocess.run([*argv, "--plan=24GB"], cwd=ROOT, env=online, capture_output=True, text=True)
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    assert sorted(os.listdir(next((repo / "snapshots").iterdir()))) == ["config.json"]
+    if listing == "lost":
+        shutil.rmtree(repo / "trees", ignore_errors=True)
+    offline = {**online, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}  # nothing listens there
+    proc = subprocess.run(
+        [*argv, f"--out_dir={tmp_path / 'out'}"], cwd=ROOT, env=offline, capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and proc.stderr.splitlines()[-1:] == [
+        "error: model: acme/tiny: its weights were never downloaded (the Hugging Face cache holds only config.json of "
+        "it) and the Hub cannot be reached (HF_HUB_OFFLINE is set); run `hf download acme/tiny` where there is a "
+        "network, or give a local path"
+    ], proc.stderr[-3000:]
 
 
 @pytest.fixture
