@@ -1,5 +1,5 @@
 """GGUF, llama.cpp's file format, in both directions: a GGUF file into a Hugging Face model directory, and a merged
-Hugging Face directory out to GGUF (plus an Ollama Modelfile) for llama.cpp, Ollama and LM Studio.
+Hugging Face directory out to GGUF (plus an Ollama Modelfile), in the layout llama.cpp's own converter writes.
 
 Reading
 -------
