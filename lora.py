@@ -27,7 +27,7 @@ the 4-bit rounding error into a 16-bit model; merging into the original 16-bit w
 and differs from what was trained by exactly the quantization error. merge_lora_ uses the original weights whenever
 it is given them and reports, per module, which weights it started from.
 
-Adapters are saved and loaded in PEFT's format by support/hf.py, so transformers + PEFT and serving engines read them.
+Adapters are saved and loaded in PEFT's format by support/hf.py, so transformers + PEFT read them.
 """
 
 import math

@@ -102,6 +102,7 @@ class Config:
     optimizer: str = setting("adamw", ("adamw", "adamw8bit", "paged_adamw8bit"), resume=True)  # 8-bit: bitsandbytes
     grad_clip: float = setting(1.0, at_least(0, " (0 = off)"))  # max global gradient norm (0 = off)
     precision: str = setting("auto", ("auto", "bf16", "fp16", "fp32"))  # auto: bf16 (fp16 on old GPUs; CPU: faster)
+    tf32: bool = setting(False)  # CUDA rounds fp32 matmul inputs to TF32 (10-bit mantissa, faster); False: fp32 is fp32
     compile: bool = setting(False)  # torch.compile the blocks' training forward/backward (slow to start; best on CUDA)
     activation_checkpointing: bool = setting(False)  # recompute each block in backward to save memory
     chunked_loss: bool = setting(True)  # lm_head + cross-entropy in chunks; False = full-vocabulary fp32 logits
@@ -152,13 +153,14 @@ class Placement:
 
 def setup(cfg: Config) -> Placement:
     """Device and process group. torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; plain python runs one process. The dtype is
-    chosen once the model's shapes are known (pick_precision)."""
+    chosen once the model's shapes are known (pick_precision). On CUDA, fp32 matmuls use TF32 only when cfg.tf32 asks
+    (under bf16 autocast few matmuls are fp32; with precision fp32 all are)."""
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cuda.matmul.fp32_precision = "tf32" if cfg.tf32 else "ieee"
     if world > 1 or cfg.parallel == "fsdp":  # FSDP needs a process group, one process or many
         store = dist.HashStore() if "RANK" not in os.environ else None  # plain python: a group of one, no rendezvous
         dist.init_process_group(backend="nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=world)

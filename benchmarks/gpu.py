@@ -155,7 +155,8 @@ def gpu_device(name):
     if device.type == "cuda":
         device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
         torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True  # as train.setup
+        # TF32 on, for both sides of every comparison: as docs/performance.md's GPU figures were measured
+        torch.backends.cuda.matmul.fp32_precision = "tf32"
     return device
 
 

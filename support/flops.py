@@ -2,8 +2,9 @@
 
 MFU (model FLOPs utilisation, PaLM, https://arxiv.org/abs/2204.02311) is the model FLOPs a step needs over its time,
 divided by the machine's peak. The numerator counts only what the model must compute (flops_per_token); the
-denominator is a GPU's datasheet dense 16-bit tensor-core peak when its name is known (half of it for TF32), else a
-measured matmul rate in the dtype the run computes in, which on a CPU is the only honest peak there is.
+denominator is a GPU's datasheet dense 16-bit tensor-core peak when its name is known (half of it for fp32 with TF32
+on), else a measured matmul rate in the dtype the run computes in (fp32 without TF32 runs on no tensor core), which on
+a CPU is the only honest peak there is.
 """
 
 import re
@@ -90,6 +91,7 @@ def peak_flops(device, dtype) -> tuple[float, str]:
     if device.type == "cuda":
         words = set(re.findall(r"[A-Z0-9]+", torch.cuda.get_device_name(device).upper()))
         tflops = next((v for k, v in PEAK_TFLOPS.items() if words.issuperset(k)), None)
-        if tflops is not None:
+        tf32 = torch.backends.cuda.matmul.fp32_precision == "tf32"
+        if tflops is not None and (dtype != torch.float32 or tf32):
             return tflops * 1e12 * (0.5 if dtype == torch.float32 else 1.0), "datasheet"  # TF32: half the 16-bit rate
     return matmul_peak(device, dtype), "measured"

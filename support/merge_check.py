@@ -8,15 +8,29 @@ the adapter was trained against, which can be tens of logits and is no fault of 
 logits there, folds (lora.fold_) and compares: that is the merge error. The 4-bit gap is reported apart, beside the
 same gap of the untrained base (NF4 base against the 16-bit one), so a user sees the adapter's gap is about what the
 base already had.
+
+The check computes in fp32, whatever the run's dtype. In 16 bits the merged model and the adapter round differently
+(W + scale B A rounded once, against W and the branch rounded apart, and every activation after them), and that
+rounding moves the logits about as far as a short run's adapter does: a bf16 check cannot tell a merge that folded
+every delta from one that folded none, whatever its tolerance. Judging the merge against the adapter's own effect
+instead (a tenth of it, say) would catch a merge that folds nothing, but not one that drops one delta of hundreds,
+which moves the logits by a few hundredths of that effect. In fp32 a right merge is off by rounding alone, about 1e-6
+of the largest logit, and one dropped delta by thousands of times that. So the rebased model is brought to fp32
+(twice its 16-bit memory, for the length of the check), the adapters are folded there, the check compares, and the
+merged weights are then rounded once to the run's dtype. That last rounding is no error of the merge, but the model
+written carries it: the report gives it (the rounded model against the adapter, in fp32) beside the adapter's own
+effect (the adapter against its base alone), so a user sees how much of the adapter a 16-bit merged model keeps.
 """
 
 from contextlib import contextmanager
+from itertools import chain
 
 import torch
 import torch.nn as nn
 
 import quant
 from lora import fold_, lora_modules, rebase_
+from support.precision import name
 
 
 @contextmanager
@@ -33,22 +47,40 @@ def adapters_off(model):
             m.scaling = s
 
 
-# The merge error allowed, as a share of the largest logit. The merged weights are W + scale * B A rounded once to the
-# compute dtype; the unmerged model rounds W and the branch apart; the two differ by that dtype's rounding carried
-# through every layer. Measured on SmolLM2, of the largest logit: 2e-6 in fp32, 2.9e-2 in bf16, whose 8 significant bits
-# hold a small trained delta only coarsely, so in 16 bits the check tells a grossly wrong merge from rounding, no more.
-MERGE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-1, torch.float16: 2e-2}
+@contextmanager
+def in_fp32(model):
+    """Inside, every floating parameter and buffer is fp32 and CUDA's fp32 matmuls are too (not TF32, whatever the
+    tf32 setting); on leaving, each tensor goes back to the dtype its name had on entry (a weight that fold_ replaced
+    inside is rounded once to its predecessor's dtype), and the matmul precision to what it was."""
+    tensors = lambda: chain(model.named_parameters(remove_duplicate=False), model.named_buffers())  # noqa: E731
+    dtypes, matmul = {key: t.dtype for key, t in tensors()}, torch.backends.cuda.matmul.fp32_precision
+    model.float()
+    torch.backends.cuda.matmul.fp32_precision = "ieee"
+    try:
+        yield model
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = matmul
+        for key, t in tensors():
+            t.data = t.data.to(dtypes.get(key, t.dtype))
+
+
+# The merge error allowed, as a share of the largest logit: fp32 rounding carried through every layer. Measured on
+# SmolLM2 (bf16, fp16 or fp32 weights): 1e-6 to 3e-6 of the largest logit for a right merge, 3e-3 with one layer's
+# delta of 210 left out.
+MERGE_TOLERANCE = 1e-4
 
 
 @torch.no_grad()
 def merge_and_check_(model, prompts, original=None):
-    """merge_lora_, checked on `prompts` (a few lists of token ids); returns (sources, report), every number in the
-    report a largest |logit difference| over the prompts.
+    """merge_lora_, checked in fp32 on `prompts` (a few lists of token ids); returns (sources, report), every number in
+    the report a largest |logit difference| over the prompts.
 
     merge_error: the merged model against the adapter on the very weights the merge started from (original 16-bit,
-    dequantized or dense): rounding, or a wrong merge when above `tolerance` (MERGE_TOLERANCE of the largest logit; a
-    ValueError, before anything is written). gap_4bit, when an NF4-trained adapter goes into the original weights: the
-    adapter on the NF4 base against the adapter on the original weights, beside gap_4bit_base, the same gap of the
+    dequantized or dense), both in fp32: rounding, or a wrong merge when above `tolerance` (MERGE_TOLERANCE of the
+    largest logit; a ValueError, before anything is written). adapter_effect: the adapter against the base alone, in
+    fp32. rounding, for a 16-bit model: the merged weights as rounded to that dtype (what is written) against the
+    adapter, in fp32. gap_4bit, when an NF4-trained adapter goes into the original weights: the adapter on the NF4 base
+    against the adapter on the original weights, in the run's dtype, beside gap_4bit_base, the same gap of the
     untrained base. That gap is what the adapter was trained against, not an error of the merge.
     """
     device, was_training = next(model.parameters()).device, model.training
@@ -68,30 +100,41 @@ def merge_and_check_(model, prompts, original=None):
         with adapters_off(model):
             trained_base = logits()
     sources = rebase_(model, original)
-    reference = logits()
     report = dict(merged_into="/".join(sorted(set(sources.values()))))
     if to_original:
         with adapters_off(model):
-            report |= dict(gap_4bit=gap(trained, reference), gap_4bit_base=gap(trained_base, logits()))
-    fold_(model)
+            report["gap_4bit_base"] = gap(trained_base, logits())
+        report["gap_4bit"] = gap(trained, logits())
     dtype = next(m.weight.dtype for m in model.modules() if isinstance(m, nn.Linear))
-    report |= dict(merge_error=gap(logits(), reference), tolerance=MERGE_TOLERANCE[dtype] * gap(reference, 0))
-    model.train(was_training)
+    with in_fp32(model):
+        reference = logits()
+        with adapters_off(model):
+            report["adapter_effect"] = gap(reference, logits())
+        fold_(model)
+        report |= dict(merge_error=gap(logits(), reference), tolerance=MERGE_TOLERANCE * gap(reference, 0))
     if report["merge_error"] > report["tolerance"]:
         raise ValueError(
             f"merge check: the merged model's logits are up to {report['merge_error']:.2e} away from the adapter on "
-            f"the same base weights (allowed {report['tolerance']:.1e}, rounding): the merge is wrong"
+            f"the same base weights, in fp32 (allowed {report['tolerance']:.1e}, rounding): the merge is wrong"
         )
+    if dtype != torch.float32:  # the merged weights as written, rounded to the run's dtype, against the adapter
+        with in_fp32(model):
+            report |= dict(rounding=gap(logits(), reference), dtype=name(dtype))
+    model.train(was_training)
     print(merge_summary(report, len(prompts)))
     return sources, report
 
 
 def merge_summary(report, prompts=1):
-    """The merge check in words, one line: the merge error, then the 4-bit gap beside the base's own."""
+    """The merge check in words, one line: the merge error beside the adapter's effect, the 16-bit rounding of the
+    written model, then the 4-bit gap beside the base's own."""
     line = (
-        f"merge check on {prompts} prompt(s): merge error {report['merge_error']:.1e} (largest |logit difference|; "
-        f"rounding allows {report['tolerance']:.1e}): the merge is exact"
+        f"merge check on {prompts} prompt(s), in fp32: merge error {report['merge_error']:.1e} (largest |logit "
+        f"difference|; rounding allows {report['tolerance']:.1e}) on an adapter that moves the logits by "
+        f"{report['adapter_effect']:.2f}: the merge is exact"
     )
+    if "rounding" in report:
+        line += f"; rounded to {report['dtype']} as written, {report['rounding']:.2f} from the adapter"
     if "gap_4bit" in report:
         line += (
             f"; 4-bit gap (the adapter on NF4 vs on the original weights) {report['gap_4bit']:.2f}, the untrained "

@@ -1,6 +1,6 @@
 """What does a finished run leave behind?
 
-In out_dir: adapter/ (PEFT's format, which transformers + PEFT and vLLM load), loss.png (training and validation loss
+In out_dir: adapter/ (PEFT's format, which transformers + PEFT load), loss.png (training and validation loss
 over the steps), and on request merged/ (the adapters folded into the base, a plain Hugging Face model) and
 model-<type>.gguf with its Ollama Modelfile. The merge is checked before anything of it is written
 (support/merge_check.py) and its report joins metrics.jsonl. On the terminal: the validation loss before and after,

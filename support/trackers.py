@@ -6,8 +6,8 @@ record's step, and the held-out answers of each evaluation as text. TensorBoard'
 out_dir/tensorboard/<start time> (`tensorboard --logdir out`), one run per launch, so that a resumed run (which repeats
 the steps after its checkpoint) or an overwritten one shows as a run of its own; its scalars are in double precision, to
 hold metrics.jsonl's values exactly. W&B runs offline unless an API key is set (WANDB_API_KEY, or `wandb login`), into
-out_dir/wandb, with the Config as the run's config; `wandb sync` uploads an offline run later. Both packages are
-optional installs.
+out_dir/wandb and the project nanoqlora unless WANDB_DIR and WANDB_PROJECT say otherwise, with the Config as the run's
+config; `wandb sync` uploads an offline run later. Both packages are optional installs.
 """
 
 import dataclasses
@@ -72,7 +72,9 @@ class WandB:
 
         mode = os.environ.get("WANDB_MODE") or ("online" if has_api_key() else "offline")
         self.wandb, self.samples = wandb, []
-        self.run = wandb.init(project="nanoqlora", dir=cfg.out_dir, config=dataclasses.asdict(cfg), mode=mode)
+        # W&B's own environment wins where set: wandb.init's arguments would override WANDB_PROJECT and WANDB_DIR
+        project, folder = os.environ.get("WANDB_PROJECT") or "nanoqlora", os.environ.get("WANDB_DIR") or cfg.out_dir
+        self.run = wandb.init(project=project, dir=folder, config=dataclasses.asdict(cfg), mode=mode)
 
     def log(self, record):
         data = numbers(record)

@@ -30,11 +30,13 @@ TEMPLATES = DATA / "templates"
 
 @pytest.fixture(autouse=True)
 def _seed():
-    """Every test starts from seed 0 and leaves the TF32 switches as it found them (train.setup turns them on)."""
+    """Every test starts from seed 0 and leaves CUDA's fp32 matmul precision (TF32 or full fp32) as it found it
+    (train.setup sets it from the tf32 setting). torch's current switch only: reading the deprecated allow_tf32 after
+    the new one was set is an error."""
     torch.manual_seed(0)
-    tf32 = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    fp32_precision = torch.backends.cuda.matmul.fp32_precision
     yield
-    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+    torch.backends.cuda.matmul.fp32_precision = fp32_precision
 
 
 @pytest.fixture(scope="session")

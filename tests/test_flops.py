@@ -4,8 +4,9 @@ A batch of packed rows costs each document (and each run of padding) flops_per_t
 one whole document costs flops_per_token at the row's length.
 
 On simulated GPUs the peak comes from the datasheet for a known name matched word by word (L40 is not L4, A10G not
-A10) and from a measured matmul for any other, half the 16-bit peak for fp32 (TF32); on this CPU it is measured, never
-zero, in fp32 and in bf16 (also where bf16 is emulated: the matmul size adapts to the time a call takes).
+A10) and from a measured matmul for any other; for fp32 half the 16-bit peak with TF32 on, measured with it off (no
+tensor core runs full fp32); on this CPU it is measured, never zero, in fp32 and in bf16 (also where bf16 is emulated:
+the matmul size adapts to the time a call takes).
 """
 
 import pytest
@@ -30,12 +31,17 @@ from support.flops import batch_flops, flops_per_token, fmt_flops
     ],
 )
 def test_peak_flops_of_simulated_gpus(monkeypatch, name, source, tflops):
+    """A known name's datasheet 16-bit peak, a measured one for any other; in fp32, half the 16-bit peak with TF32 on
+    and the measured rate with it off."""
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
     measured = []
     monkeypatch.setattr(flops, "matmul_peak", lambda device, dtype: measured.append(device) or 42e12)
     peak, got = flops.peak_flops(torch.device("cuda"), torch.bfloat16)
     assert (got, peak) == (source, tflops * 1e12) and len(measured) == (source == "measured")
+    torch.backends.cuda.matmul.fp32_precision = "tf32"  # conftest's autouse fixture restores it
     assert flops.peak_flops(torch.device("cuda"), torch.float32)[0] == (peak / 2 if source == "datasheet" else 42e12)
+    torch.backends.cuda.matmul.fp32_precision = "ieee"
+    assert flops.peak_flops(torch.device("cuda"), torch.float32) == (42e12, "measured")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -8,8 +8,11 @@ localhost, tests/fake_hub.py, at HF_ENDPOINT).
   local path (its first folder is here, or a data file's name) and a name the Hub cannot hold are one line each, never
   sent to the Hub;
 - one line each, naming the repo and what to do: a repo absent from the cache offline, a gated repo (401 as the Hub
-  answers one whose licence is not accepted), a missing repo (404), a model without safetensors weights;
-- a local directory named like a Hub id wins over the Hub, and the output says so.
+  answers one whose licence is not accepted), a missing repo (404), a model without safetensors weights; offline
+  after --plan (which fetched config.json alone), that the weights were never downloaded;
+- a local directory named like a Hub id wins over the Hub, and the output says so;
+- a sharded model fetches its index first, then the shards it names, and no other weights (a consolidated.safetensors
+  beside them, as Mistral's repos hold one, is never fetched).
 """
 
 import json
@@ -22,16 +25,31 @@ import huggingface_hub
 import pytest
 from conftest import ROOT, instruction_jsonl
 from fake_hub import FakeHub
+from safetensors.torch import load, save
 from test_train import args, one_line_error
 
 from support import hub
 from support.examples import stdlib_examples
+from support.hf import Checkpoint
+
+
+def sharded(files):
+    """The files of a model directory with its model.safetensors split into two shards and their index, plus a
+    consolidated.safetensors holding every tensor again (as Mistral's repos ship one, for another loader)."""
+    state = load(files["model.safetensors"])
+    names = sorted(state)
+    shards = {f"model-0000{i + 1}-of-00002.safetensors": names[i::2] for i in range(2)}
+    index = {"metadata": {}, "weight_map": {n: shard for shard, ns in shards.items() for n in ns}}
+    out = {k: v for k, v in files.items() if k != "model.safetensors"} | {"consolidated.safetensors": save(state)}
+    out |= {shard: save({n: state[n] for n in ns}) for shard, ns in shards.items()}
+    return out | {"model.safetensors.index.json": json.dumps(index).encode()}
 
 
 @pytest.fixture(scope="module")
 def fake_hub(tiny_dir):
-    """A model repo (the files of a tiny Llama, plus a README and a .bin copy that training never reads), a dataset
-    repo with one JSONL file, one with train and test files, a gated model and a model with only .bin weights."""
+    """A model repo (the files of a tiny Llama, plus a README and a .bin copy that training never reads), the same
+    model in two shards beside a consolidated.safetensors, a dataset repo with one JSONL file, one with train and test
+    files, a gated model and a model with only .bin weights."""
     files = {f: open(os.path.join(tiny_dir, f), "rb").read() for f in os.listdir(tiny_dir)}
     extras = {"README.md": b"# tiny", "pytorch_model.bin": files["model.safetensors"]}
     code = instruction_jsonl(stdlib_examples("train")[:64]).encode()
@@ -39,6 +57,7 @@ def fake_hub(tiny_dir):
     no_safetensors = {k: v for k, v in (files | extras).items() if k != "model.safetensors"}
     server = FakeHub({
         ("model", "acme/tiny"): {"files": files | extras, "gated": False},
+        ("model", "acme/sharded"): {"files": sharded(files), "gated": False},
         ("dataset", "acme/code"): {"files": {"code.jsonl": code, "README.md": b"#"}, "gated": False},
         ("dataset", "acme/split"): {"files": split, "gated": False},
         ("dataset", "acme/words"): {"files": {"unconstrained.jsonl": code, "main.jsonl": code}, "gated": False},
@@ -73,6 +92,30 @@ def test_ids_download_once_then_train_offline(fake_hub, tmp_path):
     train_py([*argv, f"--out_dir={tmp_path / 'b'}", f"--cache_dir={tmp_path / 'cache'}"], offline)
     losses = [[json.loads(x)["loss"] for x in open(tmp_path / d / "metrics.jsonl") if '"loss"' in x] for d in "ab"]
     assert losses[0] == losses[1] and len(losses[0]) == 4
+
+
+@pytest.mark.parametrize("listing", ["kept", "lost"])
+def test_offline_after_plan_the_weights_were_never_downloaded(fake_hub, tmp_path, listing):
+    """--plan fetches config.json alone; an offline run after it says, in one line, that the weights were never
+    downloaded and how to get them, whether huggingface_hub kept the repo's file listing in its cache (it then knows
+    what is missing) or has none (older releases keep none)."""
+    home, repo = tmp_path / "hf", tmp_path / "hf" / "hub" / "models--acme--tiny"
+    online = {**os.environ, "HF_HOME": str(home), "HF_ENDPOINT": fake_hub.url}
+    argv = [sys.executable, "train.py", "configs/tiny.py", "--model=acme/tiny", "--device=cpu"]
+    plan = subprocess.run([*argv, "--plan=24GB"], cwd=ROOT, env=online, capture_output=True, text=True)
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    assert sorted(os.listdir(next((repo / "snapshots").iterdir()))) == ["config.json"]
+    if listing == "lost":
+        shutil.rmtree(repo / "trees", ignore_errors=True)
+    offline = {**online, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}  # nothing listens there
+    proc = subprocess.run(
+        [*argv, f"--out_dir={tmp_path / 'out'}"], cwd=ROOT, env=offline, capture_output=True, text=True
+    )
+    assert proc.returncode == 2 and proc.stderr.splitlines()[-1:] == [
+        "error: model: acme/tiny: its weights were never downloaded (the Hugging Face cache holds only config.json of "
+        "it) and the Hub cannot be reached (HF_HUB_OFFLINE is set); run `hf download acme/tiny` where there is a "
+        "network, or give a local path"
+    ], proc.stderr[-3000:]
 
 
 @pytest.fixture
@@ -129,6 +172,17 @@ def test_a_missing_local_path_is_never_sent_to_the_hub(hub_here, fake_hub, tiny_
     err = one_line_error(args(tiny_dir, tmp_path, "--model=acme/b--c"), capsys)
     assert err.startswith("error: model: acme/b--c is neither a local path nor a valid Hub id (")
     assert len(fake_hub.fetched) == asked
+
+
+def test_a_sharded_model_fetches_its_index_then_the_shards_it_names(hub_here, fake_hub, tiny_dir):
+    """A repo with an index, two shards and a consolidated.safetensors: its weights fetched are the index and the two
+    shards, and they hold every tensor of the model."""
+    asked = len(fake_hub.fetched)
+    path = hub.model_dir("acme/sharded")
+    weights = sorted(f for f in fake_hub.fetched[asked:] if "safetensors" in f)
+    shards = [f"acme/sharded/model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    assert weights == [*shards, "acme/sharded/model.safetensors.index.json"]
+    assert set(Checkpoint(path).keys()) == set(Checkpoint(tiny_dir).keys())
 
 
 def test_a_local_directory_named_like_an_id_wins(tiny_dir, tmp_path, capsys, monkeypatch):

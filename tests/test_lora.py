@@ -5,8 +5,9 @@ What this file proves:
 - with B = 0 the adapted model's logits equal the base's bit for bit (dense and NF4, dropout active), base tensors are
   shared and keep their names, and the parameter counts (NF4 counted as in*out) add up;
 - an optimizer step moves only LoRA parameters: dense weights and NF4 buffers are bit-identical afterwards;
-- our adapter files have PEFT's tensor names/shapes and config values, and PeftModel.from_pretrained on the transformers
-  base gives our logits (1e-5, fp32), with rsLoRA, dropout > 0 in eval mode and a subset of targets;
+- our adapter files have PEFT's tensor names/shapes and config values (every field vLLM's adapter loader reads among
+  them; vLLM itself cannot be installed here), and PeftModel.from_pretrained on the transformers base gives our logits
+  (1e-5, fp32), with rsLoRA, dropout > 0 in eval mode and a subset of targets;
 - adapters saved by PEFT (random non-zero B), also with `.default` key names and a stripped config, load into ours with
   PEFT's logits, either applying add_lora_ themselves or into a model that already has it;
 - the merged export is a directory transformers loads (sharded, tokenizer files copied) with our adapter-on-base logits
@@ -166,6 +167,9 @@ def test_our_adapter_loads_in_peft(base_dir, tmp_path, targets, use_rslora, drop
     ours_c, peft_c = (json.loads((tmp_path / d / "adapter_config.json").read_text()) for d in ("ours", "peft"))
     for key in ("r", "lora_alpha", "lora_dropout", "use_rslora", "bias", "task_type", "peft_type", "use_dora"):
         assert ours_c[key] == peft_c[key], key
+    # vLLM's adapter loader (its PEFTHelper) reads r, lora_alpha, bias, use_rslora, use_dora (above), target_modules
+    # (below: PEFT reads ours as the very modules adapted) and modules_to_save, which it refuses unless None.
+    assert ours_c["modules_to_save"] is None and peft_c["modules_to_save"] is None
 
     hf = LlamaForCausalLM.from_pretrained(base_dir)
     base = hf_logits(hf)

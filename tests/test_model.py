@@ -325,7 +325,7 @@ def test_compiled_training_step_has_no_breaks_and_no_recompiles(device, dtype):
     evaluation and generation never reach the compiler."""
     torch._dynamo.reset()
     counters.clear()
-    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference; conftest's autouse fixture restores it
+    torch.backends.cuda.matmul.fp32_precision = "ieee"  # the fp32 reference; conftest's autouse fixture restores it
     eager, compiled = qlora_tiny(dtype=dtype).to(device), qlora_tiny(dtype=dtype).to(device)
     models = [eager, compiled]
     if dtype != torch.float32:  # the same weights and NF4 codes, every matmul in fp32

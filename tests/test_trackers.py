@@ -5,6 +5,8 @@
   text.
 - W&B, offline (no API key): the run file, read back with wandb's own reader (`wandb leet inspect --json`), holds the
   same numbers at the same steps, the Config as the run's config, and the answers in a table.
+- W&B's own environment holds where it is set: WANDB_PROJECT names the run's project and WANDB_DIR takes its files;
+  unset, they are nanoqlora and out_dir.
 - Asking for a tracker whose package is not installed is one line saying what to pip install.
 """
 
@@ -15,6 +17,7 @@ import os
 import subprocess
 from collections import defaultdict
 
+import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tensorboard.util.tensor_util import make_ndarray
 from test_train import args, one_line_error, run
@@ -22,7 +25,7 @@ from test_train import args, one_line_error, run
 import train
 from support import optional
 from support.config import load_config
-from support.trackers import numbers, sample_text
+from support.trackers import WandB, numbers, sample_text
 
 FLAGS = ["--max_steps=3", "--eval_every=2", "--eval_samples=1", "--sample_tokens=6"]
 
@@ -57,17 +60,27 @@ def test_tensorboard_holds_the_metrics(tiny_dir, tmp_path):
     assert {"loss", "lr", "grad_norm", "tokens_per_s", "supervised_per_s", "mfu", "adapters/mean"} <= set(values[2])
 
 
-def test_wandb_holds_the_metrics_and_the_config(tiny_dir, tmp_path, monkeypatch):
+def offline_wandb(tmp_path, monkeypatch):
+    """W&B offline, with its cache, data and config folders in tmp_path and neither WANDB_PROJECT nor WANDB_DIR set."""
     for name in ("WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_CONFIG_DIR"):  # nothing outside tmp_path
         monkeypatch.setenv(name, str(tmp_path / name.lower()))
     monkeypatch.setenv("WANDB_SILENT", "true")
-    monkeypatch.delenv("WANDB_API_KEY", raising=False)
-    monkeypatch.delenv("WANDB_MODE", raising=False)
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_PROJECT", "WANDB_DIR"):
+        monkeypatch.delenv(name, raising=False)
+
+
+def run_records(path):
+    """The records of a W&B run file, read back with wandb's own reader."""
+    inspect = subprocess.run(["wandb", "leet", "inspect", "--json", path], capture_output=True, text=True, check=True)
+    return [json.loads(line) for line in inspect.stdout.splitlines() if line.startswith("{")]
+
+
+def test_wandb_holds_the_metrics_and_the_config(tiny_dir, tmp_path, monkeypatch):
+    offline_wandb(tmp_path, monkeypatch)
     argv = args(tiny_dir, tmp_path, *FLAGS, "--log=wandb")
     run(argv)
     (path,) = glob.glob(str(tmp_path / "out" / "wandb" / "offline-run-*" / "run-*.wandb"))
-    inspect = subprocess.run(["wandb", "leet", "inspect", "--json", path], capture_output=True, text=True, check=True)
-    records = [json.loads(line) for line in inspect.stdout.splitlines() if line.startswith("{")]
+    records = run_records(path)
     rows = defaultdict(dict)
     for r in records:
         if r["type"] == "history":
@@ -83,6 +96,25 @@ def test_wandb_holds_the_metrics_and_the_config(tiny_dir, tmp_path, monkeypatch)
     cfg = load_config(train.Config, argv)
     want = json.loads(json.dumps(dataclasses.asdict(cfg)))
     assert {k: config[k] for k in want} == want | {"out_dir": str(tmp_path / "out")}
+
+
+@pytest.mark.parametrize("environment", [False, True])
+def test_wandb_keeps_the_project_and_folder_the_environment_sets(tmp_path, monkeypatch, environment):
+    """With WANDB_PROJECT and WANDB_DIR set, the run goes to that project and its files under that folder; without
+    them, to the project nanoqlora and under out_dir."""
+    offline_wandb(tmp_path, monkeypatch)
+    if environment:
+        monkeypatch.setenv("WANDB_PROJECT", "their-project")
+        monkeypatch.setenv("WANDB_DIR", str(tmp_path / "their-folder"))
+        (tmp_path / "their-folder").mkdir()
+    tracker = WandB(load_config(train.Config, [f"--out_dir={tmp_path / 'out'}", "--log=wandb"]))
+    tracker.log({"step": 1, "loss": 2.5})
+    tracker.close()
+    folder = tmp_path / ("their-folder" if environment else "out")
+    (path,) = glob.glob(str(tmp_path / "*" / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert path.startswith(str(folder / "wandb"))
+    (project,) = [r["run"]["project"] for r in run_records(path) if r["type"] == "run"]
+    assert project == ("their-project" if environment else "nanoqlora")
 
 
 def test_a_tracker_that_is_not_installed_is_one_line(tiny_dir, tmp_path, monkeypatch, capsys):

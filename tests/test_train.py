@@ -7,6 +7,7 @@
   bytes as an uninterrupted run, with LoRA dropout on (its randomness is a function of the step, so nothing random
   needs saving); a second Ctrl-C stops at once and writes nothing;
 - torchrun with 2 CPU processes (gloo) gives the same losses as one process with the same global batch;
+- on a GPU (simulated) setup leaves fp32 matmuls in fp32 unless tf32 asks for TF32;
 - a config typo, a value out of range, a missing data file, an unwritable out_dir, a corrupted checkpoint, a resume
   with changed optimizer or data settings, a NaN loss, a non-finite gradient (never applied), an 8-bit optimizer
   without bitsandbytes and a wrong merge each end with a one-line error and leave the existing checkpoint untouched;
@@ -565,6 +566,19 @@ def test_default_run_memory_estimate_within_15_percent(smollm2_dir, tmp_path, co
     assert re.search(r"memory estimate [\d.]+ [GM]iB: weights .*, activations .*, heap .*, process ", printed)
 
 
+@pytest.mark.parametrize("tf32", [None, False, True])
+def test_tf32_only_where_asked(monkeypatch, tf32):
+    """On a GPU (simulated: setup only asks torch.cuda whether there is one and selects it) train.setup leaves fp32
+    matmuls in full fp32 ("ieee") by default and with --tf32=False, whatever they were before, and lets them round to
+    TF32 only with --tf32=True; conftest's autouse fixture restores the switch."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    torch.backends.cuda.matmul.fp32_precision = "ieee" if tf32 else "tf32"  # the opposite of what is asked
+    place = train.setup(load_config(train.Config, [] if tf32 is None else [f"--tf32={tf32}"]))
+    assert place.device.type == "cuda"
+    assert torch.backends.cuda.matmul.fp32_precision == ("tf32" if tf32 else "ieee")
+
+
 def test_plan_and_preview_load_no_model_and_write_nothing(tiny_dir, tmp_path, monkeypatch, capsys):
     """--plan prints memory.report's table and choice for the model's config.json; --preview prints the data report and
     the marked examples; neither builds a model nor creates out_dir."""
@@ -670,7 +684,7 @@ def test_bf16_step_equals_the_fp32_step(tiny_dir, device):
     """One bf16 QLoRA step (bf16 autocast over a bf16 base with NF4 blocks, fp32 adapters) against the same step in
     fp32 (TF32 off) on the same adapters and packed batch: the loss within 2e-3 nats and every LoRA gradient within
     5% (the norm of the difference over the norm; bf16 keeps 8 significant bits). On CPU: 1e-4 nats and 1.1%."""
-    torch.backends.cuda.matmul.allow_tf32 = False  # conftest's autouse fixture restores it
+    torch.backends.cuda.matmul.fp32_precision = "ieee"  # conftest's autouse fixture restores it
     loss32, grads32, adapters = qlora_step(tiny_dir, device, "fp32")
     loss16, grads16, _ = qlora_step(tiny_dir, device, "bf16", adapters)
     errors = {k: float((grads16[k] - g).norm() / g.norm()) for k, g in grads32.items()}
@@ -783,7 +797,6 @@ def test_cuda_end_to_end_on_a_1b_shape(smollm2_dir, tmp_path, monkeypatch):
     tok = Tokenizer(base)
     ids = torch.tensor([tok.encode("def add(a, b):\n    return a + b\n", bos=False)], device="cuda")
     load = lambda d: transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32).cuda().eval()  # noqa: E731
-    torch.backends.cuda.matmul.allow_tf32 = False  # train.setup turned TF32 on; conftest's fixture restores it
     with torch.no_grad():
         merged = load(tmp_path / "full" / "merged")(ids).logits
         untrained = load(base)(ids).logits
