@@ -42,6 +42,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import lora
 import pack
 from model import generate
 from support import checkpoint, examples, fsdp, hf, memory, preview, progress, stops, trackers
@@ -246,20 +247,24 @@ def forward_loss(model, batch, place: Placement):
         return model(ids, pos, labels=labels)
 
 
-def train_step(model, opt, scaler, batch, micro_rows, cfg: Config, place: Placement) -> dict:
-    """One optimizer step over `batch` (this rank's rows): forward/backward per micro-batch, the loss normalised by
+def train_step(model, opt, scaler, batch, micro_rows, step, cfg: Config, place: Placement) -> dict:
+    """Optimizer step `step` over `batch` (this rank's rows): forward/backward per micro-batch, the loss normalised by
     the global supervised-token count, gradients summed over ranks, clipping and the update (never applied when the
     loss or the gradient is not finite). Returns the step's record."""
     params = [p for group in opt.param_groups for p in group["params"]]
-    micro = [{k: v[i : i + micro_rows] for k, v in batch.items()} for i in range(0, len(batch["labels"]), micro_rows)]
-    n_sup = torch.tensor(float(sum(int((b["labels"] != -100).sum()) for b in micro)), device=place.device)
+    rows = len(batch["labels"])
+    n_sup = (batch["labels"] != -100).sum().to(place.device, torch.float32)
     if place.world > 1:
         dist.all_reduce(n_sup)  # on `device`: NCCL reduces only CUDA tensors
     clock, loss_sum = progress.PhaseClock(place.device), torch.zeros((), dtype=torch.float64, device=place.device)
-    for b in micro:
-        loss, _ = forward_loss(model, b, place)
-        clock.mark("fwd_s")
-        scaler.scale(loss / n_sup.clamp(min=1)).backward()
+    for i in range(0, rows, micro_rows):
+        b = {k: v[i : i + micro_rows] for k, v in batch.items()}
+        first = place.rank * rows + i  # its first row's index in the step's global batch (pack's step_batch)
+        keys = lora.row_keys(cfg.seed, step, range(first, first + len(b["labels"])), place.device)
+        with lora.dropout_rows(model, keys):  # dropout: a function of (seed, step, global row), however split
+            loss, _ = forward_loss(model, b, place)
+            clock.mark("fwd_s")
+            scaler.scale(loss / n_sup.clamp(min=1)).backward()
         clock.mark("bwd_s")
         loss_sum += loss.detach().double()
     if place.world > 1 and not fsdp.is_sharded(model):  # a sharded model's gradients are reduce-scattered already
@@ -384,10 +389,9 @@ def loop(cfg: Config, place: Placement, state, data, step, history, rows, speed,
     try:
         with stops.stop_requests() as stop_asked:
             while step < cfg.max_steps and not stops.any_rank(stop_asked, place.world, place.device):
-                torch.manual_seed(hash((cfg.seed, step, place.rank)) % 2**63)  # dropout: a function of the step
                 start, batch = time.perf_counter(), trainset.step_batch(step, rows, place.rank, place.world)
                 record = {"step": step + 1, "lr": sched.get_last_lr()[0]}
-                record |= train_step(model, opt, scaler, batch, micro_rows, cfg, place)
+                record |= train_step(model, opt, scaler, batch, micro_rows, step, cfg, place)
                 if not stops.finite(record, scaler):
                     stops.stop_not_finite(cfg, history + [record], last_saved, place.main)
                 sched.step()

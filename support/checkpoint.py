@@ -1,13 +1,14 @@
 """What does a checkpoint hold, and when may a run resume from it?
 
-checkpoint.pt holds the adapter weights, the optimizer state, fp16's loss scale and the settings, every tensor whole and
-named by its parameter, so a run sharded over N ranks resumes on M ranks or on one process. No RNG state, no schedule
-and no data position: every step reseeds its dropout from (seed, step, rank) and takes the rows pack.py gives that step,
-and the learning rate is the schedule's at that step, so the step number is all a resumed run needs, on any number of
-ranks. A resumed run must share the settings declared with resume=True in train.Config: they shape the adapters, the
-optimizer (whose saved state carries lr, betas and weight decay: a new value would be silently ignored) or the data and
-its order. max_steps, warmup_steps and min_lr_ratio may change: the schedule is recomputed from them. metrics.jsonl is
-rewritten whole with each checkpoint, so the two always agree.
+checkpoint.pt holds the adapter weights, the optimizer state, fp16's loss scale and the settings, every tensor whole
+and named by its parameter, so a run sharded over N ranks resumes on M ranks or on one process. No RNG state, no
+schedule and no data position: dropout is a function of (seed, step, a row's place in the step's global batch), every
+step takes the rows pack.py gives it, and the learning rate is the schedule's at that step, so the step number is all a
+resumed run needs, on any number of ranks and any micro-batch. A resumed run must share the settings declared with
+resume=True in train.Config: they shape the adapters, the optimizer (whose saved state carries lr, betas and weight
+decay: a new value would be silently ignored) or the data and its order. max_steps, warmup_steps and min_lr_ratio may
+change: the schedule is recomputed from them. metrics.jsonl is rewritten whole with each checkpoint, so the two always
+agree.
 """
 
 import dataclasses
@@ -24,8 +25,8 @@ from support.fsdp import full, like
 
 def save_checkpoint(path, model, opt, scaler, step, cfg, main=True):
     """Adapter weights, optimizer and fp16's loss scale, every tensor whole and keyed by its parameter's name (a sharded
-    model's shards are gathered: every rank calls this, rank 0 writes). No RNG state and no schedule: every step
-    reseeds from (seed, step, rank), and the learning rate is a function of the step."""
+    model's shards are gathered: every rank calls this, rank 0 writes). No RNG state and no schedule: dropout is a
+    function of (seed, step, row), and the learning rate of the step."""
     lora_state = {n: full(p.detach()).clone() for n, p in model.named_parameters() if p.requires_grad}
     optimizer = optimizer_state(model, opt)
     if not main:
