@@ -28,7 +28,7 @@ with FSDP: the first calls the blocks past FSDP's hooks, the second needs the wh
 import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
 import lora
 import quant
@@ -118,10 +118,3 @@ def is_sharded(model) -> bool:
 def full(t):
     """The whole tensor of a parameter or optimizer state on every rank (a collective for a DTensor)."""
     return t.full_tensor() if isinstance(t, DTensor) else t
-
-
-def like(value, param):
-    """`value` (a whole tensor) laid out as `param` is: this rank's shard for a DTensor, else as it is."""
-    if isinstance(param, DTensor) and value.shape == param.shape:
-        return distribute_tensor(value.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
-    return value
