@@ -261,6 +261,7 @@ def train_step(model, opt, scaler, batch, micro_rows, step, cfg: Config, place: 
         b = {k: v[i : i + micro_rows] for k, v in batch.items()}
         first = place.rank * rows + i  # its first row's index in the step's global batch (pack's step_batch)
         keys = lora.row_keys(cfg.seed, step, range(first, first + len(b["labels"])), place.device)
+        fsdp.sync_gradients(model, i + micro_rows >= rows)  # sharded: gradients reduce-scattered after the last only
         with lora.dropout_rows(model, keys):  # dropout: a function of (seed, step, global row), however split
             loss, _ = forward_loss(model, b, place)
             clock.mark("fwd_s")

@@ -17,12 +17,14 @@ Loading (`load_sharded`): the model is built on the meta device, then block by b
 quantized one at a time, its adapters are added (in the same order, so from the same random draws, as one process
 adds them) and the block is sharded at once, which frees the rank's copy of what other ranks keep. No rank ever holds
 more than its shards plus one block. The loss: each rank divides its summed loss by the global number of supervised
-tokens, so the gradients must be summed over ranks, not averaged: the divide factor is 1.
+tokens, so the gradients must be summed over ranks, not averaged: the divide factor is 1. With several micro-batches a
+step, gradients are reduce-scattered after the last one only (`sync_gradients`).
 
 What needs every rank: a sharded model computes only when all ranks run the same forward, so evaluation, samples and
-adapter health run on every rank (rank 0 keeps the results); checkpoints gather full tensors (`full_state`) so that a
-run resumes on any number of ranks, or on one process. torch.compile of the blocks and merged exports are not offered
-with FSDP: the first calls the blocks past FSDP's hooks, the second needs the whole model in one place.
+adapter health run on every rank (rank 0 keeps the results); checkpoints gather full tensors so that a run resumes on
+any number of ranks, or on one process. torch.compile compiles each block's computation, which runs inside the
+block's own call (model.Block.forward), so FSDP's hooks gather and free its weights around the graph. A merged export
+is not offered with FSDP: it needs the whole model in one place.
 """
 
 import torch.nn as nn
@@ -113,6 +115,13 @@ def resident_bytes(model) -> tuple[int, int]:
 
 def is_sharded(model) -> bool:
     return isinstance(model, FSDPModule)
+
+
+def sync_gradients(model, last: bool):
+    """Gradients of a sharded model are reduce-scattered once a step: after the backward of its `last` micro-batch;
+    before, each rank sums its micro-batches' gradients unsharded (the adapters' only: the base has none)."""
+    if is_sharded(model):
+        model.set_requires_gradient_sync(last)
 
 
 def full(t):

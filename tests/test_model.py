@@ -317,13 +317,14 @@ def qlora_tiny(seed=0, dtype=torch.float32, dropout=0.0):
 )
 def test_compiled_training_step_has_no_breaks_and_no_recompiles(device, dtype):
     """compile_blocks on packed QLoRA training steps with LoRA dropout live (inductor; also in bf16 autocast, on CUDA
-    with the attention kernel varlen_attention picks for the GPU): no graph break anywhere in a block (NF4
-    dequantization and the per-document attention are opaque ops), the graphs of the first step serve every later batch
-    whatever its document count and lengths, and loss and LoRA gradients equal eager, the same dropout masks included
-    (Inductor once drew other masks from a dtype view beside a matmul): within 1e-4 in fp32; in bf16, where the compiled
-    kernels round differently, each is no farther from the same step in fp32 than twice eager's distance plus 1e-4
-    (gradients: 1.5x at most on CPU; the loss differs by about 1e-4 either way, so the 1e-4 bounds it); evaluation and
-    generation never reach the compiler."""
+    with the attention kernel varlen_attention picks for the GPU): the compiled blocks run inside each block's call,
+    so hooks on a block (FSDP's gathering) run around them; no graph break anywhere in a block (NF4 dequantization and
+    the per-document attention are opaque ops), the graphs of the first step serve every later batch whatever its
+    document count and lengths, and loss and LoRA gradients equal eager, the same dropout masks included (Inductor
+    once drew other masks from a dtype view beside a matmul): within 1e-4 in fp32; in bf16, where the
+    compiled kernels round differently, each is no farther from the same step in fp32 than twice eager's distance
+    plus 1e-4 (gradients: 1.5x at most on CPU; the loss differs by about 1e-4 either way, so the 1e-4 bounds it);
+    evaluation and generation never reach the compiler."""
     torch._dynamo.reset()
     counters.clear()
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 reference; conftest's autouse fixture restores it
@@ -339,6 +340,9 @@ def test_compiled_training_step_has_no_breaks_and_no_recompiles(device, dtype):
         for block in model.model.layers:
             block.self_attn.varlen = A.varlen_attention(device, kind(model), model.config.head_dim)
     compiled.compile_blocks()
+    calls = []
+    for block in compiled.model.layers:
+        block.register_forward_pre_hook(lambda *_: calls.append(1))
     graphs = None
     for step, lens in enumerate(([5, 3, 8], [4, 4, 4, 4], [16], [2, 2, 2, 2, 2, 6], [7, 9, 11, 3])):
         pos = torch.cat([torch.arange(n) for n in lens])[None].to(device)
@@ -359,6 +363,7 @@ def test_compiled_training_step_has_no_breaks_and_no_recompiles(device, dtype):
         graphs = graphs or counters["stats"]["unique_graphs"]
         assert counters["stats"]["unique_graphs"] == graphs  # no recompilation after the first step
     assert graphs <= 2 and not counters["graph_break"], dict(counters["graph_break"])  # x needs grad after layer 0
+    assert len(calls) == 5 * len(compiled.model.layers)  # every compiled block ran inside its module's call
     frames = counters["frames"]["total"]
     with torch.no_grad():
         compiled(ids, pos)
