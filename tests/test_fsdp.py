@@ -12,8 +12,11 @@
   percents and the adapters by 1e-4.
 - Each rank holds 1/N of the parameter bytes between steps (the ranks' shards add up to the whole, each within 1% of
   1/N: tensors are cut into whole rows), and while a block computes, that block and the root's weights (embeddings,
-  norm, lm_head) in full; while loading, of the blocks never more than its shards and the one block being sharded:
-  measured from the tensors.
+  norm, lm_head) in full; while loading, of the blocks never more than its shards and the one block being sharded, and
+  the checkpoint is read once across the ranks (rank 0 reads it and sends each rank its shards): measured from the
+  tensors and the bytes read.
+- NF4 bytes survive sharding and gathering bit for bit on 2 and 4 ranks, every byte value and every 16-bit pattern
+  (bf16 and fp16 NaNs among them) included.
 - A run sharded over 2 ranks, resumed in one process, then resumed sharded over 4 ranks reaches the losses and the
   adapter of one uninterrupted process (the checkpoint holds whole tensors named by parameter).
 - Two "nodes" on localhost (two torchrun launches, --nnodes=2, c10d rendezvous) give one process's losses.
@@ -95,13 +98,21 @@ def test_compiled_blocks_under_fsdp_equal_one_process(models, steps, one_process
         assert losses(tmp_path, key) == pytest.approx(losses(one_process, key)[:2], rel=1e-6, abs=0)
 
 
-def test_each_rank_holds_a_shard_and_gathers_one_block(smollm2_dir, tmp_path):
-    layers = 8  # enough blocks that "its shards and one whole block" is well below all of them
-    deep = random_model_dir(tmp_path / "deep", smollm2_dir, **(TINY | dict(num_hidden_layers=layers)), head_dim=16)
-    out = tmp_path / "bytes.jsonl"
-    torchrun(4, [deep, str(out)], script="tests/fsdp_worker.py")
-    ranks = [json.loads(line) for line in open(out)]
-    assert sorted(r["rank"] for r in ranks) == [0, 1, 2, 3]
+LAYERS = 8  # enough blocks that "its shards and one whole block" is well below all of them
+
+
+@pytest.fixture(scope="module")
+def four_ranks(smollm2_dir, tmp_path_factory):
+    """(model directory, fsdp_worker.py's line of each rank) for an 8-block tiny Llama over 4 ranks."""
+    tmp = tmp_path_factory.mktemp("four-ranks")
+    deep = random_model_dir(tmp / "deep", smollm2_dir, **(TINY | dict(num_hidden_layers=LAYERS)), head_dim=16)
+    torchrun(4, [str(tmp / "ranks.jsonl"), deep], script="tests/fsdp_worker.py")
+    return deep, sorted((json.loads(line) for line in open(tmp / "ranks.jsonl")), key=lambda r: r["rank"])
+
+
+def test_each_rank_holds_a_shard_and_gathers_one_block(four_ranks):
+    layers, (_, ranks) = LAYERS, four_ranks
+    assert [r["rank"] for r in ranks] == [0, 1, 2, 3]
     whole, block = ranks[0]["whole"], ranks[0]["block"]
     root = whole - layers * block  # the rest is the embeddings (tied to lm_head) and the final norm
     assert sum(r["between"] for r in ranks) == whole  # every byte held by exactly one rank
@@ -116,6 +127,24 @@ def test_each_rank_holds_a_shard_and_gathers_one_block(smollm2_dir, tmp_path):
         f"\nper rank: {ranks[0]['between']:,} of {whole:,} bytes between steps; {ranks[0]['during']:,} at most; "
         f"while loading the blocks ({layers * block:,} bytes) at most {max(r['loading_blocks'] for r in ranks):,}"
     )
+
+
+def test_the_checkpoint_is_read_once_across_the_ranks(four_ranks):
+    """Rank 0 reads every tensor of the checkpoint once and the other ranks read none (they used to read it all,
+    each, and quantize every block): their shards come from rank 0 (and equal one process's: the sharded runs)."""
+    deep, ranks = four_ranks
+    stored = sum(t.nbytes for t in load_file(os.path.join(deep, "model.safetensors")).values())
+    assert [r["read"] for r in ranks] == [stored, 0, 0, 0], (stored, [r["read"] for r in ranks])
+    print(f"\nbytes read per rank: {[r['read'] for r in ranks]} of a {stored:,}-byte checkpoint")
+
+
+def test_nf4_bytes_survive_sharding_bit_for_bit(four_ranks, tmp_path):
+    """fsdp_worker.py's NF4 weight, every byte value and every 16-bit pattern among its codes, sharded over 2 and over
+    4 ranks and gathered, is every rank's single-process bytes (NF4 stays uint8: a bf16 copy of such codes loses NaN
+    patterns when cast, 253 of the 65,536 in a round trip through fp32)."""
+    torchrun(2, [str(tmp_path / "two.jsonl")], script="tests/fsdp_worker.py")
+    two = [json.loads(line) for line in open(tmp_path / "two.jsonl")]
+    assert len(two) == 2 and all(r["nf4_bytes_survive"] for r in two + four_ranks[1])
 
 
 def test_resume_across_rank_counts(models, steps, one_process, tmp_path):
