@@ -7,7 +7,7 @@
   bytes as an uninterrupted run, with LoRA dropout on (its randomness is a function of the step, so nothing random
   needs saving); a second Ctrl-C stops at once and writes nothing;
 - torchrun with 2 CPU processes (gloo) gives the same losses and gradient norms as one process with the same global
-  batch, dropout on;
+  batch, dropout on; a global batch the ranks cannot share equally is refused in one line;
 - a config typo, a value out of range, a missing data file, an unwritable out_dir, a corrupted checkpoint, a resume
   with changed optimizer or data settings, a NaN loss, a non-finite gradient (never applied), an 8-bit optimizer
   without bitsandbytes and a wrong merge each end with a one-line error and leave the existing checkpoint untouched;
@@ -164,6 +164,21 @@ def test_torchrun_two_processes_match_one(tiny_dir, steps, one_process, tmp_path
     for key in ("loss", "grad_norm"):
         single, ddp = read(one_process, key), read(tmp_path / "ddp", key)
         assert len(single) == len(ddp) == 4 and ddp == pytest.approx(single, rel=1e-6, abs=0), (key, single, ddp)
+
+
+def test_a_global_batch_the_ranks_cannot_share_is_refused(tiny_dir, tmp_path, monkeypatch, capsys):
+    """4 rows a step on 3 ranks are refused in one line that names the nearest batches they can share, before any
+    model is loaded (the rows used to be cut to 3, a silently smaller batch)."""
+    monkeypatch.setattr(train, "setup", lambda cfg: train.Placement(0, 3, torch.device("cpu")))  # rank 0 of 3
+    monkeypatch.setattr(train, "build_model", lambda *a: pytest.fail("a model was built"))
+    assert one_line_error(args(tiny_dir, tmp_path, "--batch_tokens=512"), capsys) == (
+        "error: batch_tokens: 512 makes 4 row(s) of 128 tokens, which 3 ranks cannot share equally; use "
+        "--batch_tokens=384 (3 rows) or --batch_tokens=768 (6 rows)"
+    )
+    assert one_line_error(args(tiny_dir, tmp_path, "--batch_tokens=300"), capsys) == (
+        "error: batch_tokens: 300 makes 2 row(s) of 128 tokens, which 3 ranks cannot share equally; use "
+        "--batch_tokens=384 (3 rows)"
+    )
 
 
 def refused(argv, capsys) -> list[str]:
