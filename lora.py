@@ -56,14 +56,16 @@ def _signed(c):  # a 64-bit constant as the int64 torch holds it
 GOLDEN, MIX1, MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
 
 
-def mix64(z):
-    """SplitMix64's finalizer (Steele et al. 2014) on an int64 tensor: every output bit depends on every input bit.
-    int64 products wrap as uint64's do; `>>` is arithmetic on int64, so the masks make each shift logical."""
-    z = z ^ ((z >> 30) & (2**34 - 1))
-    z = z * MIX1
-    z = z ^ ((z >> 27) & (2**37 - 1))
-    z = z * MIX2
-    return z ^ ((z >> 31) & (2**33 - 1))
+def mix64_(z):
+    """SplitMix64's finalizer (Steele et al. 2014), in place on an int64 tensor: every output bit depends on every
+    input bit. int64 products wrap as uint64's do; `>>` is arithmetic on int64, so the masks make each shift logical.
+    In place, because fresh int64 tensors of a quarter of the input's elements cost more than the arithmetic."""
+    z ^= (z >> 30) & (2**34 - 1)
+    z *= MIX1
+    z ^= (z >> 27) & (2**37 - 1)
+    z *= MIX2
+    z ^= (z >> 31) & (2**33 - 1)
+    return z
 
 
 def keyed_dropout(x, p, keys):
@@ -75,9 +77,9 @@ def keyed_dropout(x, p, keys):
     if keys.shape != x.shape[:1]:
         raise ValueError(f"keyed_dropout: {tuple(keys.shape)} keys for an input of {x.shape[0]} rows")
     k, n = round(p * 65536), x[0].numel()
-    counters = torch.arange(-(-n // 4), device=x.device) * GOLDEN  # (ceil(n / 4),): the hashes of one row
-    bits = mix64(keys.to(x.device)[:, None] + counters)  # (rows, ceil(n / 4)) int64
-    draws = [(bits >> shift) & 0xFFFF >= k for shift in (0, 16, 32, 48)]  # 4 x (rows, ceil(n / 4)): P = 1 - k / 65536
+    counters = torch.arange(-(-n // 4), device=x.device).mul_(GOLDEN)  # (ceil(n / 4),): the hashes of one row
+    bits = mix64_(keys.to(x.device)[:, None] + counters)  # (rows, ceil(n / 4)) int64
+    draws = [(bits >> shift).bitwise_and_(0xFFFF) >= k for shift in (0, 16, 32, 48)]  # 4 x P(keep) = 1 - k / 65536
     keep = torch.stack(draws, -1).flatten(1)[:, :n].view(x.shape)
     return x * keep * (65536 / (65536 - k))
 
@@ -86,7 +88,7 @@ def row_keys(seed, step, rows, device=None):
     """(len(rows),) int64 keys of the rows `rows` (indices in optimizer step `step`'s global batch) for a run seeded
     `seed`: the dropout of a row is a function of these three numbers only."""
     rows = torch.as_tensor(rows, dtype=torch.int64, device=device)
-    return mix64(mix64(mix64(torch.full_like(rows, seed)) ^ step) ^ rows)
+    return mix64_(mix64_(mix64_(torch.full_like(rows, seed)) ^ step) ^ rows)
 
 
 @contextmanager
@@ -96,7 +98,7 @@ def dropout_rows(model, keys):
     checkpointing's recomputation) must run inside. Outside, dropout keys each row from torch's generator."""
     modules = list(lora_modules(model).values())
     for i, m in enumerate(modules):
-        m.dropout_keys = mix64(keys ^ _signed((i + 1) * GOLDEN % 2**64))
+        m.dropout_keys = mix64_(keys ^ _signed((i + 1) * GOLDEN % 2**64))
     try:
         yield
     finally:
