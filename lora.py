@@ -11,7 +11,10 @@ adapted model *is* the base model and training starts from its behaviour rather 
 non-zero (it sees A x) while A only starts moving once B has. `scale = alpha / r` keeps the update's size roughly
 independent of r for a fixed learning rate; rsLoRA (Kalajdzievski 2023, https://arxiv.org/abs/2312.03732) shows that
 this makes large ranks learn no better than small ones and that `alpha / sqrt(r)` is the rank-stable choice. Dropout
-acts on the LoRA branch's input only.
+acts on the LoRA branch's input only. Its mask is a hash of each row's key and each element's place in the row, not a
+draw from torch's generator: train.py keys a row by (seed, step, its index in the step's global batch) through
+`dropout_rows`, so a row drops the same features whichever rank and micro-batch it falls in, and again when activation
+checkpointing recomputes the forward. A run on 4 ranks, on 1, or resumed on another number of ranks trains the same.
 
 QLoRA (Dettmers et al. 2023, https://arxiv.org/abs/2305.14314) keeps the frozen W in 4-bit NF4 (quant.py) and trains
 the same A, B on top: y = x dequant(W_nf4)^T + scale * B A x. The LoRA linears here are thin subclasses of the base
@@ -31,6 +34,7 @@ Adapters are saved and loaded in PEFT's format by support/hf.py, so transformers
 """
 
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -45,14 +49,61 @@ def lora_scale(r, alpha, use_rslora=False):
     return alpha / math.sqrt(r) if use_rslora else alpha / r
 
 
-def cheap_dropout(x, p):
-    """Dropout for CPU, where drawing a Bernoulli mask per element costs more than the small matmul it guards: the mask
-    comes from 16-bit random integers, four per 64-bit draw (p rounded to a multiple of 1/65536; int16 is uniform on
-    +-32768)."""
-    k = round(p * 65536)
-    bits = torch.randint(-(2**63), 2**63 - 1, (-(-x.numel() // 4),), dtype=torch.int64, device=x.device)
-    keep = bits.view(torch.int16)[: x.numel()].view(x.shape) >= k - 32768  # P(keep) = 1 - k / 65536
+def _signed(c):  # a 64-bit constant as the int64 torch holds it
+    return c - 2**64 if c >= 2**63 else c
+
+
+GOLDEN, MIX1, MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
+
+
+def mix64_(z):
+    """SplitMix64's finalizer (Steele et al. 2014), in place on an int64 tensor: every output bit depends on every
+    input bit. int64 products wrap as uint64's do; `>>` is arithmetic on int64, so the masks make each shift logical.
+    In place, because fresh int64 tensors of a quarter of the input's elements cost more than the arithmetic."""
+    z ^= (z >> 30) & (2**34 - 1)
+    z *= MIX1
+    z ^= (z >> 27) & (2**37 - 1)
+    z *= MIX2
+    z ^= (z >> 31) & (2**33 - 1)
+    return z
+
+
+def keyed_dropout(x, p, keys):
+    """Dropout of x (rows, ...) whose mask is a function of each row's key (keys: (rows,) int64) and of each element's
+    place in its row, nothing else. Each 64-bit hash of (key, counter) gives four 16-bit draws, so the cost is that of
+    drawing a quarter of x's elements as random int64 (a Bernoulli per element costs more than the small matmul it
+    guards on CPU); p is rounded to a multiple of 1/65536. The draws are cut out by shifts, not by viewing the int64
+    hashes as int16: Inductor miscompiles such a view next to a matmul when shapes are dynamic."""
+    if keys.shape != x.shape[:1]:
+        raise ValueError(f"keyed_dropout: {tuple(keys.shape)} keys for an input of {x.shape[0]} rows")
+    k, n = round(p * 65536), x[0].numel()
+    counters = torch.arange(-(-n // 4), device=x.device).mul_(GOLDEN)  # (ceil(n / 4),): the hashes of one row
+    bits = mix64_(keys.to(x.device)[:, None] + counters)  # (rows, ceil(n / 4)) int64
+    draws = [(bits >> shift).bitwise_and_(0xFFFF) >= k for shift in (0, 16, 32, 48)]  # 4 x P(keep) = 1 - k / 65536
+    keep = torch.stack(draws, -1).flatten(1)[:, :n].view(x.shape)
     return x * keep * (65536 / (65536 - k))
+
+
+def row_keys(seed, step, rows, device=None):
+    """(len(rows),) int64 keys of the rows `rows` (indices in optimizer step `step`'s global batch) for a run seeded
+    `seed`: the dropout of a row is a function of these three numbers only."""
+    rows = torch.as_tensor(rows, dtype=torch.int64, device=device)
+    return mix64_(mix64_(mix64_(torch.full_like(rows, seed)) ^ step) ^ rows)
+
+
+@contextmanager
+def dropout_rows(model, keys):
+    """Within the block, every adapted linear of `model` drops features by the row keys `keys` (row_keys: one per row
+    of the micro-batch in flight), each module hashing them with its own index; forward and backward (and activation
+    checkpointing's recomputation) must run inside. Outside, dropout keys each row from torch's generator."""
+    modules = list(lora_modules(model).values())
+    for i, m in enumerate(modules):
+        m.dropout_keys = mix64_(keys ^ _signed((i + 1) * GOLDEN % 2**64))
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.dropout_keys = None
 
 
 class LoRA:
@@ -62,17 +113,19 @@ class LoRA:
         self.r, self.lora_alpha, self.use_rslora = r, alpha, use_rslora
         self.scaling = lora_scale(r, alpha, use_rslora)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.dropout_keys = None  # (rows,) int64 while dropout_rows is in effect
         self.lora_A = nn.Linear(self.in_features, r, bias=False, device=device, dtype=dtype)  # weight (r, in)
         self.lora_B = nn.Linear(r, self.out_features, bias=False, device=device, dtype=dtype)  # weight (out, r)
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B.weight)  # B = 0: the adapted model starts as the base model
 
-    def lora(self, x):  # x (..., in) -> (..., out), in x's dtype (fp32 masters are cast down under bf16)
+    def lora(self, x):  # x (rows, ..., in) -> (rows, ..., out), in x's dtype (fp32 masters are cast down under bf16)
         a, b = self.lora_A.weight.to(x.dtype), self.lora_B.weight.to(x.dtype)
-        if self.training and isinstance(self.lora_dropout, nn.Dropout) and not x.is_cuda:
-            x = cheap_dropout(x, self.lora_dropout.p)
-        else:
-            x = self.lora_dropout(x)
+        if self.training and isinstance(self.lora_dropout, nn.Dropout):  # nn.Dropout holds p (PEFT's layout)
+            keys = self.dropout_keys
+            if keys is None:  # outside dropout_rows: a key per row from torch's generator
+                keys = torch.randint(-(2**63), 2**63 - 1, x.shape[:1], dtype=torch.int64, device=x.device)
+            x = keyed_dropout(x, self.lora_dropout.p, keys)
         return F.linear(F.linear(x, a), b) * self.scaling
 
     def delta_weight(self):  # scale * B @ A: (out, r) @ (r, in) -> (out, in), in fp32

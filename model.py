@@ -252,8 +252,15 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg, layer_idx, varlen)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.compiled = None  # torch.compile of Block.compute, one for all blocks (Llama.compile_blocks)
 
     def forward(self, x, cos, sin, docs=None, cache=None):
+        # Training runs the compiled graph (evaluation and generation stay eager); either way it runs inside the
+        # module's call, so hooks on the block (FSDP's gathering of its weights) run around it.
+        compute = self.compiled if self.compiled is not None and torch.is_grad_enabled() else Block.compute
+        return compute(self, x, cos, sin, docs, cache)
+
+    def compute(self, x, cos, sin, docs=None, cache=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, docs, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -272,7 +279,6 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-        self.compiled_block = None  # set by compile_blocks
 
     def compile_blocks(self):
         """torch.compile the blocks' training forward (and so their backward). One graph serves every block; the
@@ -282,7 +288,9 @@ class Llama(nn.Module):
             block.self_attn.varlen = compilable(block.self_attn.varlen)
         # No shape padding: on CUDA, Inductor's choice whether to pad a half-precision matmul with an unaligned side
         # (a LoRA rank such as 2 or 12) guards on the row width, which then recompiles for every new width.
-        self.compiled_block = torch.compile(Block.forward, dynamic=True, options={"shape_padding": False})
+        compiled = torch.compile(Block.compute, dynamic=True, options={"shape_padding": False})
+        for block in self.model.layers:
+            block.compiled = compiled
 
     def forward(self, input_ids, position_ids=None, labels=None, cache=None):
         """input_ids (B, T) -> logits (B, T, vocab), or (loss_sum, n_tokens) when labels (B, T) are given.
@@ -299,13 +307,11 @@ class Llama(nn.Module):
         angles = position_ids[..., None].float() * rope_inv_freq(self.config, input_ids.device)  # (B, T, D/2)
         angles = torch.cat((angles, angles), dim=-1)[:, :, None]  # (B, T, 1, D): broadcast over heads
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-        training = torch.is_grad_enabled()
-        block = self.compiled_block if self.compiled_block is not None and training else Block.__call__
         for layer in self.model.layers:
-            if self.activation_checkpointing and training:
-                x = checkpoint(block, layer, x, cos, sin, docs, use_reentrant=False)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                x = checkpoint(layer, x, cos, sin, docs, use_reentrant=False)
             else:
-                x = block(layer, x, cos, sin, docs, cache)
+                x = layer(x, cos, sin, docs, cache)
         if cache is not None:
             cache.length += T
         x = self.model.norm(x)

@@ -80,6 +80,9 @@ NF4 = [
 # fmt: on
 
 
+BUFFERS = ("weight", "absmax", "nested_absmax", "offset")  # NF4Linear's names for an NF4Weight's four tensors
+
+
 class NF4Weight(NamedTuple):
     """The four buffers of one quantized weight (see the layout above)."""
 
@@ -162,6 +165,17 @@ def dequantize_nf4(weight, absmax, nested_absmax, offset, shape, dtype):
     return values.view(nb, BLOCK).mul_(scale[:, None]).view(-1)[:n].to(dtype).view(shape)
 
 
+def zeros_nf4(n, device=None):
+    """An NF4Weight of n values, all its buffers zero: the shapes quantize_nf4 gives (to be filled)."""
+    nb = -(-n // BLOCK)
+    return NF4Weight(
+        torch.zeros((n + 1) // 2, 1, dtype=torch.uint8, device=device),
+        torch.zeros(nb, dtype=torch.uint8, device=device),
+        torch.zeros(-(-nb // NESTED_BLOCK), device=device),
+        torch.zeros((), device=device),
+    )
+
+
 # ----------------------------------------------------------------------------- the op and the linear
 @torch.library.custom_op("nanoqlora::dequantize_nf4", mutates_args=())
 def dequantize(
@@ -211,12 +225,8 @@ class NF4Linear(nn.Module):
         super().__init__()
         self.in_features, self.out_features, self.compute_dtype = in_features, out_features, compute_dtype
         self.rel_error = None
-        n = in_features * out_features
-        nb = -(-n // BLOCK)
-        self.register_buffer("weight", torch.zeros((n + 1) // 2, 1, dtype=torch.uint8, device=device))
-        self.register_buffer("absmax", torch.zeros(nb, dtype=torch.uint8, device=device))
-        self.register_buffer("nested_absmax", torch.zeros(-(-nb // NESTED_BLOCK), device=device))
-        self.register_buffer("offset", torch.zeros((), device=device))
+        for name, t in zip(BUFFERS, zeros_nf4(in_features * out_features, device), strict=True):
+            self.register_buffer(name, t)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=compute_dtype, device=device)) if bias else None
 
     @classmethod

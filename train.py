@@ -42,9 +42,10 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import lora
 import pack
 from model import generate
-from support import checkpoint, examples, fsdp, hf, memory, preview, progress, stops, trackers
+from support import checkpoint, examples, fsdp, hf, memory, preview, progress, ranks, stops, trackers
 from support.config import (
     TARGETS,
     TEMPLATE,
@@ -125,6 +126,7 @@ class Config:
     device: str = setting("auto", ("auto", "cpu", "cuda"))
     parallel: str = setting("ddp", ("ddp", "fsdp"))  # under torchrun: replicate the model, or shard it (FSDP2)
     cpu_offload: bool = setting(False)  # with fsdp: keep the sharded parameters in CPU memory between uses
+    rank_timeout: float = setting(30.0, above(0))  # minutes a rank waits for the others in one collective (stuck rank)
 
     def adapters(self) -> dict:
         """The LoRA settings, as lora.add_lora_ and memory.estimate take them."""
@@ -162,8 +164,7 @@ def setup(cfg: Config) -> Placement:
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.fp32_precision = "tf32" if cfg.tf32 else "ieee"
     if world > 1 or cfg.parallel == "fsdp":  # FSDP needs a process group, one process or many
-        store = dist.HashStore() if "RANK" not in os.environ else None  # plain python: a group of one, no rendezvous
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=world)
+        ranks.init_process_group("nccl" if use_cuda else "gloo", rank, world, cfg.rank_timeout)
     return Placement(rank, world, device)
 
 
@@ -183,12 +184,6 @@ def build_data(cfg: Config, tok, files, max_positions: int, place: Placement):
                   max_context=max_positions, skip_bad_rows=cfg.skip_bad_rows)
     # fmt: on
     trainset = pack.build_dataset(train_examples, tok, cfg.context_length, **common)
-    if cfg.batch_tokens < trainset.context_length * place.world:
-        per_rank = f" per rank on {place.world} ranks" if place.world > 1 else ""
-        raise ValueError(
-            f"batch_tokens: {cfg.batch_tokens} is less than one row of {trainset.context_length} tokens{per_rank}; "
-            "raise it or lower context_length"
-        )
     valset = pack.build_dataset(val_examples, tok, trainset.context_length, **common)
     if place.main:
         print(preview.packing_report(trainset))
@@ -196,6 +191,23 @@ def build_data(cfg: Config, tok, files, max_positions: int, place: Placement):
             preview.show(train_examples, tok, cfg.template or None, cfg.train_on_prompt, cfg.skip_bad_rows)
     renders = (ex for ex in val_examples if pack.renders(ex, tok, cfg.template or None))
     return trainset, valset, list(itertools.islice(renders, cfg.eval_samples))
+
+
+def rows_per_rank(batch_tokens, context, world) -> int:
+    """This rank's rows per step: the global batch, batch_tokens // context rows, shared equally by the ranks (a
+    remainder would be dropped: it is refused, naming the nearest batches the ranks can share)."""
+    rows = batch_tokens // context
+    if rows % world == 0 and rows:
+        return rows // world
+    if world == 1:
+        raise ValueError(f"batch_tokens: {batch_tokens} is less than one row of {context} tokens; raise it or lower "
+                         "context_length")  # fmt: skip
+    fits = [r for r in (rows // world * world, (rows // world + 1) * world) if r]  # rows the ranks can share
+    use = " or ".join(f"--batch_tokens={r * context} ({r} rows)" for r in fits)
+    raise ValueError(
+        f"batch_tokens: {batch_tokens} makes {rows} row(s) of {context} tokens, which {world} ranks cannot share "
+        f"equally; use {use}"
+    )
 
 
 # ----------------------------------------------------------------------------- model
@@ -248,20 +260,25 @@ def forward_loss(model, batch, place: Placement):
         return model(ids, pos, labels=labels)
 
 
-def train_step(model, opt, scaler, batch, micro_rows, cfg: Config, place: Placement) -> dict:
-    """One optimizer step over `batch` (this rank's rows): forward/backward per micro-batch, the loss normalised by
+def train_step(model, opt, scaler, batch, micro_rows, step, cfg: Config, place: Placement) -> dict:
+    """Optimizer step `step` over `batch` (this rank's rows): forward/backward per micro-batch, the loss normalised by
     the global supervised-token count, gradients summed over ranks, clipping and the update (never applied when the
     loss or the gradient is not finite). Returns the step's record."""
     params = [p for group in opt.param_groups for p in group["params"]]
-    micro = [{k: v[i : i + micro_rows] for k, v in batch.items()} for i in range(0, len(batch["labels"]), micro_rows)]
-    n_sup = torch.tensor(float(sum(int((b["labels"] != -100).sum()) for b in micro)), device=place.device)
+    rows = len(batch["labels"])
+    n_sup = (batch["labels"] != -100).sum().to(place.device, torch.float32)
     if place.world > 1:
         dist.all_reduce(n_sup)  # on `device`: NCCL reduces only CUDA tensors
     clock, loss_sum = progress.PhaseClock(place.device), torch.zeros((), dtype=torch.float64, device=place.device)
-    for b in micro:
-        loss, _ = forward_loss(model, b, place)
-        clock.mark("fwd_s")
-        scaler.scale(loss / n_sup.clamp(min=1)).backward()
+    for i in range(0, rows, micro_rows):
+        b = {k: v[i : i + micro_rows] for k, v in batch.items()}
+        first = place.rank * rows + i  # its first row's index in the step's global batch (pack's step_batch)
+        keys = lora.row_keys(cfg.seed, step, range(first, first + len(b["labels"])), place.device)
+        fsdp.sync_gradients(model, i + micro_rows >= rows)  # sharded: gradients reduce-scattered after the last only
+        with lora.dropout_rows(model, keys):  # dropout: a function of (seed, step, global row), however split
+            loss, _ = forward_loss(model, b, place)
+            clock.mark("fwd_s")
+            scaler.scale(loss / n_sup.clamp(min=1)).backward()
         clock.mark("bwd_s")
         loss_sum += loss.detach().double()
     if place.world > 1 and not fsdp.is_sharded(model):  # a sharded model's gradients are reduce-scattered already
@@ -330,6 +347,7 @@ def train(cfg: Config) -> list[dict]:
     place = setup(cfg)
     tok = Tokenizer(model_dir)
     trainset, valset, prompts = build_data(cfg, tok, files, config.max_position_embeddings, place)
+    rows = rows_per_rank(cfg.batch_tokens, trainset.context_length, place.world)
     if cfg.preview:
         return []
     place.dtype = agreed(pick_precision(cfg.precision, place.device, config, place.main), place.world, place.device)
@@ -338,8 +356,8 @@ def train(cfg: Config) -> list[dict]:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(cfg, params, place.device)
     scaler = torch.amp.GradScaler("cuda", enabled=place.dtype == torch.float16)
-    rows = max(1, cfg.batch_tokens // trainset.context_length // place.world)  # this rank's rows per step
     micro_rows = memory.micro_batch_rows(cfg, place, model, trainset, rows, forward_loss)
+    micro_rows = ranks.agreed_min(micro_rows, place.world, place.device)  # what each rank's memory allows: the least
     context = trainset.context_length
     estimated, peak_flops = progress.describe_step(cfg, place, model, context, rows, micro_rows, process_bytes)
     tracker = trackers.open_tracker(cfg) if place.main else None
@@ -386,10 +404,9 @@ def loop(cfg: Config, place: Placement, state, data, step, history, rows, speed,
     try:
         with stops.stop_requests() as stop_asked:
             while step < cfg.max_steps and not stops.any_rank(stop_asked, place.world, place.device):
-                torch.manual_seed(hash((cfg.seed, step, place.rank)) % 2**63)  # dropout: a function of the step
                 start, batch = time.perf_counter(), trainset.step_batch(step, rows, place.rank, place.world)
                 record = {"step": step + 1, "lr": sched.get_last_lr()[0]}
-                record |= train_step(model, opt, scaler, batch, micro_rows, cfg, place)
+                record |= train_step(model, opt, scaler, batch, micro_rows, step, cfg, place)
                 if not stops.finite(record, scaler):
                     stops.stop_not_finite(cfg, history + [record], last_saved, place.main)
                 sched.step()
@@ -411,6 +428,10 @@ def loop(cfg: Config, place: Placement, state, data, step, history, rows, speed,
     except KeyboardInterrupt:  # a second Ctrl-C, in the middle of a step: nothing of it is saved
         print(f"\nstopped at once: {checkpoint.last_checkpoint(cfg, last_saved)}", file=sys.stderr)
         raise SystemExit(130) from None
+    except Exception as e:  # another rank is gone: its step cannot finish (support/ranks.py)
+        if not ranks.lost(e):
+            raise
+        raise ranks.RankLost(ranks.lost_during(e, step + 1, checkpoint.last_checkpoint(cfg, last_saved))) from None
     finally:
         bar.close()  # so that an error message starts on a line of its own
     if last_saved != step:  # first: the merged export changes the model (a save at this very step is not repeated)
@@ -422,12 +443,21 @@ def loop(cfg: Config, place: Placement, state, data, step, history, rows, speed,
 
 
 def main(argv=None):
-    try:
-        train(load_config(Config, sys.argv[1:] if argv is None else argv))
-    except (ValueError, OSError, ImportError, FloatingPointError) as e:  # ImportError: a missing optional package
-        for line in str(e).splitlines():  # several mistakes in a config: one line each
+    with ranks.sigterm_ends_this_rank() as ending:
+        try:
+            train(load_config(Config, sys.argv[1:] if argv is None else argv))
+            return
+        except (ValueError, OSError, ImportError, FloatingPointError) as e:  # ImportError: a missing optional package
+            ending()
+            lines = ranks.tell_the_others(str(e).splitlines())  # several mistakes in a config: one line each
+        except Exception as e:  # another rank failed: its line, or that it was lost
+            ending()
+            if not ranks.lost(e):
+                raise
+            lines = ranks.why_lost(e)
+        for line in lines:
             print(f"error: {line}", file=sys.stderr)
-        raise SystemExit(2) from None
+    raise SystemExit(2)
 
 
 if __name__ == "__main__":

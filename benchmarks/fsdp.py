@@ -3,13 +3,13 @@
     python bench.py fsdp                 SmolLM2-135M QLoRA, 2 gloo ranks, DDP vs FSDP (--rounds=2, --steps=6)
 
 Each configuration is a fresh `torchrun --nproc_per_node=2 train.py ...` of the default model with the same settings
-but --parallel (2 x 256 tokens per rank per step, fp32, no evaluation), run in rounds (DDP, FSDP, DDP, FSDP ...) so
-that a shared machine's drift stays out of their ratio. Step time is the median over the measured steps (the first
---warmup left out, from metrics.jsonl); the ratio is the median of the per-round ratios. Peak RSS is each rank's own
-(its VmHWM, read from /proc while it runs), so the table shows what sharding saves per rank: on CPU the weights are
-a small part of the process (Python, torch, the tokenizer and the activations weigh more); on GPUs with a large model
-the weights dominate. One machine's two ranks share its cores, so the times say what FSDP's extra all-gathers cost in
-work, not what a network between GPUs costs.
+but --parallel (2 micro-batches of 256 tokens per rank per step, fp32, no evaluation), run in rounds (DDP, FSDP,
+DDP, FSDP ...) so that a shared machine's drift stays out of their ratio. Step time is the median over the measured
+steps (the first --warmup left out, from metrics.jsonl); the ratio is the median of the per-round ratios. Peak RSS
+is each rank's own (its VmHWM, read from /proc while it runs), so the table shows what sharding saves per rank: on
+CPU the weights are a small part of the process (Python, torch, the tokenizer and the activations weigh more); on
+GPUs with a large model the weights dominate. One machine's two ranks share its cores, so the times say what FSDP's
+extra all-gathers cost in work, not what a network between GPUs costs.
 """
 
 import json
@@ -21,11 +21,12 @@ import tempfile
 
 from benchmarks.common import OUT_DIR, REPO, cpu_name, fmt_gb, median_ratio, peaks_while_running, print_table
 
-BATCH_TOKENS = 1024  # 2 ranks x 2 rows of 256 tokens
+BATCH_TOKENS = 1024  # 2 ranks x 2 micro-batches of 1 row of 256 tokens (FSDP reduce-scatters once a step)
 SETTINGS = [
     "--precision=fp32",
     "--context_length=256",
     f"--batch_tokens={BATCH_TOKENS}",
+    "--micro_batch_tokens=256",
     "--eval_every=0",
     "--eval_samples=0",
 ]

@@ -168,7 +168,6 @@ def fsdp_conflicts(cfg) -> list[tuple[str, str]]:
         return []
     cpu = not cfg.plan and (cfg.device == "cpu" or not torch.cuda.is_available())  # a plan is for another machine
     out = [("cpu_offload", "on a CPU the shards are in CPU memory already")] if cfg.cpu_offload and cpu else []
-    out += [("compile", "compiled blocks would run past FSDP's gathering hooks")] if cfg.compile else []
     if "8bit" in cfg.optimizer:
         out.append(("optimizer", "bitsandbytes' 8-bit AdamW does not take sharded parameters; use adamw"))
     if cfg.export_merged or cfg.export_gguf:

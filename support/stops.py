@@ -1,11 +1,11 @@
 """How does a run stop early without losing or corrupting anything?
 
-Ctrl-C asks the loop to stop after the step under way, so the checkpoint it writes sits exactly between two steps (and
-the step's record is kept); a second Ctrl-C stops at once, writing nothing. Under torchrun every rank must leave the
-loop at the same step, or the others would wait in their next all-reduce forever: one scalar all-reduce per step
-agrees on it. torchrun kills its workers 30 s after passing Ctrl-C on (--shutdown_timeout sets it from torch 2.13), so
-an evaluation due at the stop step is skipped. A NaN or inf loss or gradient is never applied: the run stops before
-the update, writes the metrics up to it and says which checkpoint is intact.
+Ctrl-C (or SIGTERM) asks the loop to stop after the step under way, so the checkpoint it writes sits exactly between
+two steps (and the step's record is kept); a second Ctrl-C stops at once, writing nothing. Under torchrun every rank
+must leave the loop at the same step, or the others would wait in their next all-reduce forever: one scalar
+all-reduce per step agrees on it. torchrun kills its workers 30 s after passing Ctrl-C on (--shutdown_timeout sets
+it from torch 2.13), so an evaluation due at the stop step is skipped. A NaN or inf loss or gradient is never
+applied: the run stops before the update, writes the metrics up to it and says which checkpoint is intact.
 """
 
 import math
@@ -22,25 +22,27 @@ from support.checkpoint import last_checkpoint, save_metrics
 
 @contextmanager
 def stop_requests():
-    """Ctrl-C while training asks the loop to stop after the step under way, so that the checkpoint it writes sits
-    exactly between two steps (and the step's record is kept); a second Ctrl-C stops at once, saving nothing. Yields a
-    list that is non-empty once a stop was asked for. Outside the main thread signals cannot be caught: no-op."""
+    """Ctrl-C (SIGINT) or SIGTERM (a cluster's scheduler, or torchrun passing either on) while training asks the loop
+    to stop after the step under way, so that the checkpoint it writes sits exactly between two steps (and the step's
+    record is kept); a second one stops at once, saving nothing. Yields a list that is non-empty once a stop was asked
+    for. Outside the main thread signals cannot be caught: no-op."""
     asked: list = []
 
-    def on_sigint(signum, frame):
+    def on_signal(signum, frame):
         if asked:
             raise KeyboardInterrupt
         asked.append(signum)
+        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
         # os.write, not print: a handler that prints while the loop is inside a print fails ("reentrant call")
-        os.write(2, b"\nCtrl-C: stopping after this step (press it again to stop at once, without a checkpoint)\n")
+        os.write(2, f"\n{name}: stopping after this step (again: stop at once, without a checkpoint)\n".encode())
 
     main = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, on_sigint) if main else None
+    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
     try:
         yield asked
-    finally:
-        if main:  # None: a handler set outside Python, which cannot be put back; the default takes its place
-            signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)
+    finally:  # None: a handler set outside Python, which cannot be put back; the default takes its place
+        for s, handler in previous.items():
+            signal.signal(s, signal.SIG_DFL if handler is None else handler)
 
 
 def any_rank(asked, world, device) -> bool:

@@ -10,6 +10,7 @@ import io
 import json
 import os
 import shutil
+import socket
 import sys
 import sysconfig
 from pathlib import Path
@@ -300,3 +301,32 @@ def instruction_jsonl(examples) -> str:
 def tiny_dir(smollm2_dir, tmp_path_factory):
     """A 2-layer random Llama with SmolLM2's vocabulary, tokenizer files and chat template."""
     return random_model_dir(tmp_path_factory.mktemp("tiny-llama"), smollm2_dir, **TINY, head_dim=16)
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on now, for a torchrun rendezvous."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def steps(tmp_path_factory):
+    """train.py settings (beside configs/tiny.py) of the runs on many ranks and their one-process reference: 80 stdlib
+    examples in a JSONL file written once (each rank would otherwise parse the stdlib itself), no evaluation, LoRA
+    dropout on, and a learning rate that does not depend on max_steps."""
+    from support.examples import stdlib_examples
+
+    data = tmp_path_factory.mktemp("stdlib-data") / "stdlib.jsonl"
+    data.write_text(instruction_jsonl(stdlib_examples()[:80]))
+    return ["--eval_every=0", "--micro_batch_tokens=256", "--min_lr_ratio=1.0", "--lora_dropout=0.05", f"--data={data}"]
+
+
+@pytest.fixture(scope="session")
+def one_process(tiny_dir, steps, tmp_path_factory):
+    """The tiny Llama's run of `steps` in one process, 4 steps: what the runs on many ranks are compared with."""
+    from test_train import args, run
+
+    root = tmp_path_factory.mktemp("one-process")
+    run(args(tiny_dir, root, *steps))
+    return root

@@ -1,7 +1,10 @@
-"""Run under torchrun by test_fsdp.py: a tiny model sharded over the ranks; writes, per rank, as JSON lines to argv[2]:
-the parameter bytes it holds between steps, the most it holds while a block computes (its hooks run inside the block's
-forward, once FSDP has gathered it), and the most it held while loading: all the model's tensors it held at each
-`fully_shard` of a block, and at the root's."""
+"""Run under torchrun by test_fsdp.py: `fsdp_worker.py OUT [MODEL_DIR]` writes, per rank, a JSON line to OUT: whether
+an NF4 weight whose bytes take every value (every 16-bit pattern as a pair of bytes, NaNs of bf16 and fp16 among them,
+and fp32 NaNs in its float tensors) comes back bit for bit when sharded and gathered, and, with MODEL_DIR, that tiny
+model sharded over the ranks: the parameter bytes a rank holds between steps, the most it holds while a block computes
+(its hooks run inside the block's forward, once FSDP has gathered it), the most it held while loading (all the
+model's tensors it held at each `fully_shard` of a block, and at the root's) and the bytes it read from the
+checkpoint's files."""
 
 import json
 import os
@@ -13,8 +16,9 @@ import torch.distributed as dist
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+import quant  # noqa: E402
 import train  # noqa: E402
-from support import fsdp  # noqa: E402
+from support import fsdp, hf  # noqa: E402
 
 
 def tensor_bytes(module):
@@ -23,9 +27,41 @@ def tensor_bytes(module):
     return sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in tensors if not t.is_meta)
 
 
-def main(model_dir, out):
-    cfg = train.Config(model=model_dir, device="cpu", precision="fp32", parallel="fsdp", lora_r=4, lora_alpha=8.0)
+def every_byte_survives(place) -> bool:
+    """An NF4Linear of a (512, 512) weight: its packed codes are every 16-bit pattern once (as byte pairs), its absmax
+    bytes 0..255 over and over, its nested absmax and offset fp32 bit patterns with NaNs; sharded over the ranks and
+    gathered (what FSDP does before each forward), every tensor's bytes are the ones it started with."""
+    patterns = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.uint8)  # 131,072 bytes
+    floats = torch.tensor([0x7FC00001, -1, 0x7F800000, -(2**31), 1, 0x3F800000] * 3, dtype=torch.int32)[:16]
+    w = quant.NF4Weight(patterns.view(-1, 1), torch.arange(4096).to(torch.uint8), floats.view(torch.float32),
+                        torch.tensor(0x7FA00BAD, dtype=torch.int32).view(torch.float32))  # fmt: skip
+    layer = quant.NF4Linear.from_nf4(w, 512, 512, compute_dtype=torch.bfloat16)
+    before = {name: bytes_of(t) for name, t in zip(quant.BUFFERS, w, strict=True)}
+    fsdp.params_from_nf4(layer)
+    fsdp.fully_shard(layer, mesh=fsdp.init_device_mesh("cpu", (place.world,)))
+    layer.unshard()
+    gathered = {name: bytes_of(getattr(layer, name)) for name in quant.BUFFERS}
+    layer.reshard()
+    return gathered == before
+
+
+def bytes_of(t):
+    return bytes(t.detach().reshape(-1).view(torch.uint8).tolist())
+
+
+def main(out, model_dir=None):
+    cfg = train.Config(model=model_dir or "", device="cpu", precision="fp32", parallel="fsdp", lora_r=4, lora_alpha=8.0)
     place = train.setup(cfg)
+    line = dict(rank=place.rank, world=place.world, nf4_bytes_survive=every_byte_survives(place))
+    if model_dir:
+        line |= load_and_step(cfg, place, model_dir)
+    with open(out, "a") as f:
+        f.write(json.dumps(line) + "\n")
+    dist.destroy_process_group()
+
+
+def load_and_step(cfg, place, model_dir) -> dict:
+    """The tiny model's bytes held and read, as the file docstring says."""
     built, loading, fully_shard, open_model = [], {"blocks": 0, "root": 0}, fsdp.fully_shard, fsdp.open_model
 
     def open_and_keep(*args):  # the loader's model, so that every byte it holds can be counted
@@ -39,7 +75,14 @@ def main(model_dir, out):
         loading[key] = max(loading[key], held)
         return fully_shard(module, **kw)
 
-    fsdp.open_model, fsdp.fully_shard = open_and_keep, shard_and_count
+    read, get = [0], hf.Checkpoint.get
+
+    def get_and_count(ckpt, name, shape=None):  # every tensor read from the checkpoint's files
+        t = get(ckpt, name, shape)
+        read[0] += t.nbytes
+        return t
+
+    fsdp.open_model, fsdp.fully_shard, hf.Checkpoint.get = open_and_keep, shard_and_count, get_and_count
     model = train.build_model(cfg, place, model_dir)
     between, whole = fsdp.resident_bytes(model)
     during = []
@@ -50,12 +93,9 @@ def main(model_dir, out):
     ids = torch.randint(0, 1000, pos.shape, generator=torch.Generator().manual_seed(0))
     loss, _ = model(ids, pos, labels=ids)
     loss.backward()
-    line = dict(rank=place.rank, world=place.world, between=between, whole=whole, during=max(during), block=block_bytes)
-    line |= {f"loading_{k}": v for k, v in loading.items()}
-    with open(out, "a") as f:
-        f.write(json.dumps(line) + "\n")
-    dist.destroy_process_group()
+    line = dict(between=between, whole=whole, during=max(during), block=block_bytes, read=read[0])
+    return line | {f"loading_{k}": v for k, v in loading.items()}
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(*sys.argv[1:])

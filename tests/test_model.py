@@ -294,11 +294,11 @@ def rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
-def qlora_tiny(seed=0, dtype=torch.float32):
+def qlora_tiny(seed=0, dtype=torch.float32, dropout=0.0):
     """A tiny QLoRA model as load_model builds it: the base in `dtype`, NF4 block linears, fp32 adapters, B random."""
     torch.manual_seed(seed)
     model = quant.quantize_(Llama(tiny_config()).to(dtype), compute_dtype=dtype)
-    lora.add_lora_(model, "all-linear", r=2, alpha=4, dropout=0.0, lora_dtype=torch.float32)
+    lora.add_lora_(model, "all-linear", r=2, alpha=4, dropout=dropout, lora_dtype=torch.float32)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:
@@ -316,17 +316,19 @@ def qlora_tiny(seed=0, dtype=torch.float32):
     ],
 )
 def test_compiled_training_step_has_no_breaks_and_no_recompiles(device, dtype):
-    """compile_blocks on packed QLoRA training steps (inductor; also in bf16 autocast, on CUDA with the attention
-    kernel varlen_attention picks for the GPU): no graph break anywhere in a block (NF4 dequantization and the
-    per-document attention are opaque ops), the graphs of the first step serve every later batch whatever its
-    document count and lengths, and loss and LoRA gradients equal eager: within 1e-4 in fp32; in bf16, where the
+    """compile_blocks on packed QLoRA training steps with LoRA dropout live (inductor; also in bf16 autocast, on CUDA
+    with the attention kernel varlen_attention picks for the GPU): the compiled blocks run inside each block's call,
+    so hooks on a block (FSDP's gathering) run around them; no graph break anywhere in a block (NF4 dequantization and
+    the per-document attention are opaque ops), the graphs of the first step serve every later batch whatever its
+    document count and lengths, and loss and LoRA gradients equal eager, the same dropout masks included (Inductor
+    once drew other masks from a dtype view beside a matmul): within 1e-4 in fp32; in bf16, where the
     compiled kernels round differently, each is no farther from the same step in fp32 than twice eager's distance
     plus 1e-4 (gradients: 1.5x at most on CPU; the loss differs by about 1e-4 either way, so the 1e-4 bounds it);
     evaluation and generation never reach the compiler."""
     torch._dynamo.reset()
     counters.clear()
     torch.backends.cuda.matmul.fp32_precision = "ieee"  # the fp32 reference; conftest's autouse fixture restores it
-    eager, compiled = qlora_tiny(dtype=dtype).to(device), qlora_tiny(dtype=dtype).to(device)
+    eager, compiled = (qlora_tiny(dtype=dtype, dropout=0.25).to(device) for _ in range(2))
     models = [eager, compiled]
     if dtype != torch.float32:  # the same weights and NF4 codes, every matmul in fp32
         models.append(copy.deepcopy(eager).float())
@@ -338,16 +340,20 @@ def test_compiled_training_step_has_no_breaks_and_no_recompiles(device, dtype):
         for block in model.model.layers:
             block.self_attn.varlen = A.varlen_attention(device, kind(model), model.config.head_dim)
     compiled.compile_blocks()
+    calls = []
+    for block in compiled.model.layers:
+        block.register_forward_pre_hook(lambda *_: calls.append(1))
     graphs = None
-    for lens in ([5, 3, 8], [4, 4, 4, 4], [16], [2, 2, 2, 2, 2, 6], [7, 9, 11, 3]):
+    for step, lens in enumerate(([5, 3, 8], [4, 4, 4, 4], [16], [2, 2, 2, 2, 2, 6], [7, 9, 11, 3])):
         pos = torch.cat([torch.arange(n) for n in lens])[None].to(device)
         ids, labels = torch.randint(0, 97, pos.shape, device=device), torch.randint(0, 97, pos.shape, device=device)
         results = []
         for model in models:
             model.zero_grad()
-            with torch.autocast(device, dtype=dtype, enabled=kind(model) != torch.float32):
+            autocast = torch.autocast(device, dtype=dtype, enabled=kind(model) != torch.float32)
+            with autocast, lora.dropout_rows(model, lora.row_keys(0, step, [0], device)):
                 loss, _ = model(ids, pos, labels=labels)
-            loss.backward()
+                loss.backward()
             results.append([loss.detach()] + [p.grad for p in model.parameters() if p.requires_grad])
         if dtype == torch.float32:
             assert all(torch.allclose(c, e, rtol=1e-4, atol=1e-6) for c, e in zip(results[1], results[0], strict=True))
@@ -357,6 +363,7 @@ def test_compiled_training_step_has_no_breaks_and_no_recompiles(device, dtype):
         graphs = graphs or counters["stats"]["unique_graphs"]
         assert counters["stats"]["unique_graphs"] == graphs  # no recompilation after the first step
     assert graphs <= 2 and not counters["graph_break"], dict(counters["graph_break"])  # x needs grad after layer 0
+    assert len(calls) == 5 * len(compiled.model.layers)  # every compiled block ran inside its module's call
     frames = counters["frames"]["total"]
     with torch.no_grad():
         compiled(ids, pos)

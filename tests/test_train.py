@@ -6,7 +6,8 @@
 - a run interrupted at step 2 (Ctrl-C lets the step finish) and resumed reaches the same losses and the same adapter
   bytes as an uninterrupted run, with LoRA dropout on (its randomness is a function of the step, so nothing random
   needs saving); a second Ctrl-C stops at once and writes nothing;
-- torchrun with 2 CPU processes (gloo) gives the same losses as one process with the same global batch;
+- torchrun with 2 CPU processes (gloo) gives the same losses and gradient norms as one process with the same global
+  batch, dropout on; a global batch the ranks cannot share equally is refused in one line;
 - on a GPU (simulated) setup leaves fp32 matmuls in fp32 unless tf32 asks for TF32;
 - a config typo, a value out of range, a missing data file, an unwritable out_dir, a corrupted checkpoint, a resume
   with changed optimizer or data settings, a NaN loss, a non-finite gradient (never applied), an 8-bit optimizer
@@ -34,7 +35,7 @@ import sys
 
 import pytest
 import torch
-from conftest import random_model_dir
+from conftest import free_port, random_model_dir
 from safetensors.torch import load_file
 
 import quant
@@ -91,7 +92,7 @@ def test_accumulation_equals_one_batch(tiny_dir):
         model = load_model(tiny_dir, torch.float64, quantize=True, add_lora=lora)
         params = [p for p in model.parameters() if p.requires_grad]
         opt, scaler = train.make_optimizer(cfg, params, place.device), torch.amp.GradScaler("cuda", enabled=False)
-        train.train_step(model, opt, scaler, batch, micro_rows, cfg, place)
+        train.train_step(model, opt, scaler, batch, micro_rows, 0, cfg, place)
         adapters.append([p.detach().clone() for p in params])
     for a, b in zip(*adapters, strict=True):
         torch.testing.assert_close(a, b, atol=1e-11, rtol=0)
@@ -175,25 +176,34 @@ def test_ctrl_c_twice_stops_at_once_and_saves_nothing(tiny_dir, tmp_path, monkey
     assert not (tmp_path / "out" / "checkpoint.pt").exists() and signal.getsignal(signal.SIGINT) is before
 
 
-def test_torchrun_two_processes_match_one(tiny_dir, tmp_path):
-    run(args(tiny_dir, tmp_path / "single", "--eval_every=0", "--micro_batch_tokens=256"))
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        "--master_port=29517",
-        "train.py",
-        *args(tiny_dir, tmp_path / "ddp", "--eval_every=0", "--micro_batch_tokens=256"),
-    ]
+def test_torchrun_two_processes_match_one(tiny_dir, steps, one_process, tmp_path):
+    """DDP over 2 gloo ranks against one process with the same global batch, LoRA dropout on: the losses and the
+    gradient norms of each step within 1e-6 relative (a wrong divide factor over ranks scales every gradient
+    uniformly, which AdamW's update hides and the norm shows; a mask drawn per rank moves both by percents)."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
+    cmd += ["train.py", *args(tiny_dir, tmp_path / "ddp", *steps)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    read = lambda d: [json.loads(x)["loss"] for x in open(d / "out" / "metrics.jsonl") if '"loss"' in x]  # noqa: E731
-    single, ddp = read(tmp_path / "single"), read(tmp_path / "ddp")
-    assert len(single) == len(ddp) == 4
-    for s, d in zip(single, ddp, strict=True):
-        assert abs(s - d) < 1e-5, (single, ddp)
+    read = lambda d, key: [json.loads(x)[key] for x in open(d / "out" / "metrics.jsonl") if '"loss"' in x]  # noqa: E731
+    for key in ("loss", "grad_norm"):
+        single, ddp = read(one_process, key), read(tmp_path / "ddp", key)
+        assert len(single) == len(ddp) == 4 and ddp == pytest.approx(single, rel=1e-6, abs=0), (key, single, ddp)
+
+
+def test_a_global_batch_the_ranks_cannot_share_is_refused(tiny_dir, tmp_path, monkeypatch, capsys):
+    """4 rows a step on 3 ranks are refused in one line that names the nearest batches they can share, before any
+    model is loaded (the rows used to be cut to 3, a silently smaller batch)."""
+    monkeypatch.setattr(train, "setup", lambda cfg: train.Placement(0, 3, torch.device("cpu")))  # rank 0 of 3
+    monkeypatch.setattr(train, "build_model", lambda *a: pytest.fail("a model was built"))
+    assert one_line_error(args(tiny_dir, tmp_path, "--batch_tokens=512"), capsys) == (
+        "error: batch_tokens: 512 makes 4 row(s) of 128 tokens, which 3 ranks cannot share equally; use "
+        "--batch_tokens=384 (3 rows) or --batch_tokens=768 (6 rows)"
+    )
+    assert one_line_error(args(tiny_dir, tmp_path, "--batch_tokens=300"), capsys) == (
+        "error: batch_tokens: 300 makes 2 row(s) of 128 tokens, which 3 ranks cannot share equally; use "
+        "--batch_tokens=384 (3 rows)"
+    )
 
 
 def refused(argv, capsys) -> list[str]:
@@ -755,7 +765,7 @@ def test_probe_fits_under_a_capped_memory_fraction(smollm2_dir, tmp_path):
         torch.cuda.empty_cache()
         params = [p for p in model.parameters() if p.requires_grad]
         opt, scaler = train.make_optimizer(cfg, params, place.device), torch.amp.GradScaler("cuda", enabled=False)
-        rec = train.train_step(model, opt, scaler, trainset.collate(longest[:4]), rows, cfg, place)
+        rec = train.train_step(model, opt, scaler, trainset.collate(longest[:4]), rows, 0, cfg, place)
         assert math.isfinite(rec["loss"])
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
