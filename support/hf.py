@@ -150,7 +150,8 @@ def load_weights_(model, ckpt, dtype=None, device=None, within=""):
             if not p.is_meta or (tied and name == "lm_head.weight") or not name.startswith(within):
                 continue
             t = ckpt.get(name, p.shape)
-            setattr(module, p_name, nn.Parameter(t.to(device, dtype or t.dtype), requires_grad=p.requires_grad))
+            t = t.to(device, dtype or t.dtype, copy=True)  # a copy: a view keeps the whole file mapped, resident
+            setattr(module, p_name, nn.Parameter(t, requires_grad=p.requires_grad))
     if tied and not within:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model

@@ -83,6 +83,16 @@ def edit_config(path, **changes):
     (path / "config.json").write_text(json.dumps({**d, **changes}))
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="needs Linux's /proc/self/maps")
+def test_loaded_model_keeps_no_view_of_the_file(saved):
+    """A model loaded in its checkpoint's own dtype holds copies, not views of the memory-mapped safetensors file: a
+    view of one tensor (the fp32 embeddings) kept the whole file mapped, and on CPU resident, for the whole run."""
+    model = load_model(saved, torch.float32, quantize=True)
+    maps = open("/proc/self/maps").read()
+    assert model.model.embed_tokens.weight.dtype == torch.float32
+    assert str(saved / "model.safetensors") not in maps
+
+
 def test_error_missing_model_file(saved):
     (saved / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match=f"{saved}.*model.safetensors"):
