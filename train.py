@@ -163,6 +163,8 @@ def setup(cfg: Config) -> Placement:
     if use_cuda:
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.fp32_precision = "tf32" if cfg.tf32 else "ieee"
+    else:
+        memory.mmap_large_blocks()  # freed activations leave the resident set at once (support/memory.py)
     if world > 1 or cfg.parallel == "fsdp":  # FSDP needs a process group, one process or many
         ranks.init_process_group("nccl" if use_cuda else "gloo", rank, world, cfg.rank_timeout)
     return Placement(rank, world, device)

@@ -14,7 +14,6 @@ autograd keeps for backward:
     optimizer    AdamW's two fp32 moments, 8 bytes per adapter parameter (2 with 8-bit AdamW)
     activations  per token and block, what backward reads (below)
     transient    the loss chunk, one dequantized weight, and the block that checkpointing recomputes
-    heap         on CPU only: what the C allocator keeps of the forward's freed temporaries (below)
 
 Full fine-tuning of a 13B model needs 234 GB before activations (2 bytes of weights, 4 of gradients and 12 of Adam
 state per parameter); LoRA at r=16 keeps the 26 GB of bf16 weights and adds well under 1 GB; QLoRA shrinks the
@@ -35,12 +34,16 @@ attention.bucket(c)) of the vocabulary V at a time, at the end of forward when e
 logits, and beside them the matmul's 16-bit output, logsumexp's scratch copy or the 16-bit gradient, 8 bytes per logit.
 
 Beyond torch's own count: a GPU holds the CUDA context and kernels (about 1 GiB, which torch.cuda.max_memory_allocated
-does not see but the card's capacity must). On CPU, peak RSS holds two things more: the process itself (Python, torch,
-the tokenizer, the data), which train.py measures before building the model, and the heap. glibc's malloc serves
-tensors of these sizes from its heap and keeps what is freed for reuse; a forward frees, between the tensors it saves,
-temporaries of about the same total size (each op's unsaved output: norm statistics, projection sums, RoPE pieces,
-dropout draws), and the holes they leave are rarely the right size for what comes next. So the CPU estimate counts
-the activations twice: once saved, once as heap the process does not give back during the step.
+does not see but the card's capacity must). On CPU, peak RSS also holds the process itself (Python, torch, the
+tokenizer, the data), which train.py measures before building the model once the heap that conversion and
+tokenization freed is handed back (malloc_trim). And it would hold a heap: glibc's malloc serves mid-sized blocks from
+arenas and keeps what is freed for reuse, and the holes a forward's freed temporaries (norm statistics, projection
+sums, RoPE pieces) leave between the saved tensors are rarely the right size for what comes next, so the resident set
+grew by about one more copy of the activations (in fp32; two thirds of one in bf16), an amount no shape formula
+derives. train.py therefore asks malloc, on CPU, to serve every block of 128 KiB or more (every activation of a real
+model) by its own mmap, returned to the OS when the tensor is freed (mallopt's M_MMAP_THRESHOLD, fixed; glibc's
+default moves it up to 32 MiB as blocks are freed): the resident set is then what is live, the CPU estimate counts
+the same parts as the GPU's, and the peak itself is lower (docs/performance.md has both, and the cost in step time).
 
 The plan
 --------
@@ -62,6 +65,8 @@ train.py prints the estimate beside what the first steps really took: torch's al
 peak resident set (VmHWM) on CPU, both reset after loading so that they count the steps alone.
 """
 
+import ctypes
+import gc
 import math
 import os
 
@@ -114,10 +119,10 @@ def model_sizes(config, targets) -> dict:
     }
 
 
-def estimate(config, tokens, dtype, quantize, lora, opt_bytes, checkpointing, cpu=False, chunked=True, shards=0,
-             offload=False, sizes=None):  # fmt: skip
+def estimate(config, tokens, dtype, quantize, lora, opt_bytes, checkpointing, chunked=True, shards=0, offload=False,
+             sizes=None):  # fmt: skip
     """Bytes by part for a micro-batch of `tokens` tokens, on one rank: weights, adapters, gradients, optimizer,
-    activations, transient, on CPU the heap, and when sharded what is gathered (see the file docstring). lora: the LoRA
+    activations, transient, and when sharded what is gathered (see the file docstring). lora: the LoRA
     settings (train.Config.adapters: targets as model.find_linears, r, dropout); chunked=False is the full-vocabulary
     loss, whose (tokens, V) fp32 logits are kept for backward; shards: FSDP over that many ranks (0: not sharded),
     offload: its shards kept in CPU memory; sizes: model_sizes(config, lora targets), when the caller has it."""
@@ -149,7 +154,6 @@ def estimate(config, tokens, dtype, quantize, lora, opt_bytes, checkpointing, cp
         "activations": kept + tokens * (4 * h + 2 * a * c.head_dim),  # + the final norm's fp32 input, RoPE's cos/sin
         "transient": transient,
     }
-    parts |= {"heap": parts["activations"]} if cpu else {}
     if shards:
         parts |= sharded(parts, a * sizes["root"], layers, shards, offload)
     return parts
@@ -290,19 +294,48 @@ def vm_hwm(pid="self") -> int:
 
 def reset_peak(device):
     """Start the peak afresh, so that it measures the training steps, not loading (a checkpoint read through mmap
-    counts in the resident set) or data preparation. On Linux, writing 5 to /proc/self/clear_refs resets VmHWM."""
+    counts in the resident set) or data preparation. On CPU the heap that loading and evaluation freed is handed back
+    first (trim_heap), so that the peak starts from what is live; on Linux, writing 5 to /proc/self/clear_refs then
+    resets VmHWM to the resident set."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     elif os.path.exists("/proc/self/clear_refs"):
+        trim_heap()
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
 
 
 def process_rss() -> int:
-    """The process's resident bytes now (psutil)."""
+    """The process's resident bytes now (psutil), once Python's unreachable objects are collected and the freed heap
+    is handed back (trim_heap): what the process holds, not what converting the model or tokenizing the data left
+    behind."""
     import psutil
 
+    gc.collect()
+    trim_heap()
     return psutil.Process().memory_info().rss
+
+
+def mmap_large_blocks(threshold=128 * 1024):
+    """On CPU: glibc's malloc serves every block of `threshold` bytes or more by its own mmap, unmapped when freed, so
+    that freed activations leave the resident set at once instead of as holes in its arenas (see the file docstring);
+    mallopt(M_MMAP_THRESHOLD) with a fixed value also stops glibc raising it as blocks are freed. Nothing where the C
+    library has no mallopt (macOS's allocator already maps large blocks on its own)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (AttributeError, OSError, TypeError):  # TypeError: Windows' ctypes cannot open the process itself
+        return
+    mallopt(-3, threshold)  # -3: M_MMAP_THRESHOLD in malloc.h
+
+
+def trim_heap():
+    """Hand the C heap's free pages back to the OS: glibc's malloc_trim(0), which releases free chunks in every arena,
+    those in the middle of a heap too; nothing where the C library has no such call (macOS, musl, Windows)."""
+    try:
+        release = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError, TypeError):  # TypeError: Windows' ctypes cannot open the process itself
+        return
+    release(0)
 
 
 # ----------------------------------------------------------------------------- a run's micro-batch
@@ -335,7 +368,7 @@ def micro_batch_rows(cfg, place, model, trainset, rows_per_rank, forward_loss) -
 
     budget = 0.6 * psutil.virtual_memory().available
     rows = min(rows_per_rank, max(1, CPU_MICRO_TOKENS // trainset.context_length))
-    grows = lambda parts: parts["activations"] + parts["transient"] + parts["heap"]  # noqa: E731  (the rest is loaded)
+    grows = lambda parts: parts["activations"] + parts["transient"]  # noqa: E731  (the rest is loaded)
     while rows > 1 and grows(run_estimate(cfg, model.config, rows * trainset.context_length, place)) > budget:
         rows //= 2
     return rows
@@ -365,7 +398,7 @@ def run_estimate(cfg, config, tokens, place) -> dict:
     `tokens` tokens, on one rank."""
     return estimate(
         config, tokens, place.dtype, cfg.quantize, cfg.adapters(), optimizer_bytes(cfg.optimizer),
-        cfg.activation_checkpointing, cpu=place.device.type == "cpu", chunked=cfg.chunked_loss,
+        cfg.activation_checkpointing, chunked=cfg.chunked_loss,
         shards=place.world if cfg.parallel == "fsdp" else 0, offload=cfg.cpu_offload,
     )  # fmt: skip
 

@@ -573,7 +573,7 @@ def test_default_run_memory_estimate_within_15_percent(smollm2_dir, tmp_path, co
     measured, estimated = (float(g[k]) / (1 if g[k + 1] == "GiB" else 1024) for k in (0, 2))
     print(f"\ndefault run: measured {measured:.2f} GiB, estimated {estimated:.2f} GiB")
     assert abs(estimated - measured) <= 0.15 * measured
-    assert re.search(r"memory estimate [\d.]+ [GM]iB: weights .*, activations .*, heap .*, process ", printed)
+    assert re.search(r"memory estimate [\d.]+ [GM]iB: weights .*, activations .*, transient .*, process ", printed)
 
 
 @pytest.mark.parametrize("tf32", [None, False, True])
