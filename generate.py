@@ -16,8 +16,9 @@ import os
 import torch
 
 from model import generate
-from support import atomic, gguf_read, hf
+from support import atomic, gguf_read
 from support.tokenizer import Tokenizer
+from train import load_model
 
 
 def chat_prompt(tok, text):
@@ -49,7 +50,7 @@ def main():
     try:
         model_dir = model_dir_for(args.model, args.adapter)
         tok = Tokenizer(model_dir)
-        model = hf.load_model(model_dir, torch.float32, quantize=args.quantize, adapter=args.adapter).eval()
+        model = load_model(model_dir, torch.float32, quantize=args.quantize, adapter=args.adapter).eval()
     except (ValueError, OSError, ImportError) as e:  # a bad directory or adapter: one line, as train.py says it
         raise SystemExit(f"error: {e}") from None
     ids = chat_prompt(tok, args.prompt)

@@ -44,8 +44,10 @@ from tqdm import tqdm
 
 import lora
 import pack
-from model import generate
+import quant
+from model import Llama, generate
 from support import checkpoint, examples, fsdp, hf, memory, preview, progress, ranks, stops, trackers
+from support.attention import varlen_attention
 from support.config import (
     TARGETS,
     TEMPLATE,
@@ -213,15 +215,41 @@ def rows_per_rank(batch_tokens, context, world) -> int:
 
 
 # ----------------------------------------------------------------------------- model
+def load_model(model_dir: str, dtype=None, device="cpu", quantize=False, add_lora=None, adapter=None):
+    """The QLoRA recipe, step by step, never holding the whole 16-bit model in memory. dtype: of the 16-bit weights and
+    the compute (default: config.json's, else fp32); add_lora: lora.add_lora_'s keywords for fresh adapters; adapter: a
+    saved PEFT adapter directory instead (support/hf.py reads and writes the files)."""
+    device = torch.device(device)
+    config, stored = read_config(model_dir)
+    dtype = dtype or stored or torch.float32
+    # 1. The Llama on the meta device: shapes, no memory. Its packed-document attention kernel is chosen here, once.
+    kernel = varlen_attention(device, dtype, config.head_dim, windowed=bool(config.sliding_layers))
+    with torch.device("meta"):
+        model = Llama(config, kernel)
+    ckpt, weights = hf.open_checkpoint(model_dir, model)
+    # 2. The block linears become NF4: each 16-bit weight read, rounded to `dtype` and quantized, one at a time.
+    if quantize or hf.is_prequantized(ckpt):
+        quant.quantize_(model, compute_dtype=dtype, device=device, weights=weights)
+    # 3. Everything else (embeddings, norms, lm_head) read in `dtype`.
+    hf.load_weights_(model, ckpt, dtype, device)
+    # 4. LoRA's A and B beside the chosen linears: fresh, or read from a saved adapter.
+    if add_lora:
+        lora.add_lora_(model, **add_lora)
+    if adapter:
+        hf.load_adapter_(model, adapter)
+    return model
+
+
 def build_model(cfg: Config, place: Placement, model_dir: str):
-    """The QLoRA (or LoRA) model, its adapters in fp32, with its switches for checkpointing, the loss and compile."""
+    """The run's QLoRA (or LoRA) model: its adapters in fp32, sharded when parallel=fsdp (support/fsdp.py takes the
+    same steps block by block), with its switches for checkpointing, the loss and compile."""
     torch.manual_seed(cfg.seed)  # the same adapter init on every rank
     adapters = cfg.adapters() | dict(lora_dtype=torch.float32)
-    if cfg.parallel == "fsdp":  # each rank keeps 1/N of every weight (support/fsdp.py)
+    if cfg.parallel == "fsdp":
         model = fsdp.load_sharded(model_dir, place.dtype, place.device, place.world, cfg.quantize, adapters,
                                   cfg.cpu_offload)  # fmt: skip
     else:
-        model = hf.load_model(model_dir, place.dtype, place.device, quantize=cfg.quantize, add_lora=adapters)
+        model = load_model(model_dir, place.dtype, place.device, quantize=cfg.quantize, add_lora=adapters)
     model.activation_checkpointing = cfg.activation_checkpointing
     model.loss_chunk = model.loss_chunk if cfg.chunked_loss else 0
     if cfg.compile:

@@ -14,6 +14,7 @@ import torch
 import quant
 from benchmarks.common import best_time, print_table
 from support import hf
+from train import load_model
 
 
 def bench_quant(size=4096, repeat=5, smollm2=False):
@@ -47,10 +48,10 @@ def bench_quant(size=4096, repeat=5, smollm2=False):
 
 def bench_smollm2_load(repeat):
     """SmolLM2-135M into a QLoRA-ready model: quantize its 16-bit checkpoint tensor by tensor vs load our pre-quantized
-    (bnb-4bit) checkpoint; both through hf.load_model."""
+    (bnb-4bit) checkpoint; both through train.load_model."""
     from support import gguf_read
 
-    load = lambda path: hf.load_model(path, torch.bfloat16, quantize=True)  # noqa: E731
+    load = lambda path: load_model(path, torch.bfloat16, quantize=True)  # noqa: E731
     with tempfile.TemporaryDirectory() as tmp:
         dense, prequantized = os.path.join(tmp, "bf16"), os.path.join(tmp, "nf4")
         gguf_read.convert_gguf(gguf_read.smollm2_gguf_path(), dense, dtype=torch.bfloat16)

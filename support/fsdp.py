@@ -38,8 +38,10 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 import lora
 import quant
-from model import find_linears
-from support.hf import is_prequantized, load_weights_, open_model
+from model import Llama, find_linears
+from support.attention import varlen_attention
+from support.hf import is_prequantized, load_weights_, open_checkpoint
+from support.hf_config import read_config
 
 
 def params_from_nf4(module):
@@ -56,7 +58,11 @@ def load_sharded(model_dir, dtype, device, world, quantize, adapters, cpu_offloa
     """The QLoRA (or LoRA) model of model_dir, sharded over `world` ranks block by block, as the file docstring says:
     rank 0 reads and quantizes, the others hold zeros of the same shapes until rank 0 scatters their shards.
     adapters: train.Config.adapters() plus lora_dtype."""
-    model, ckpt, weights, dtype = open_model(model_dir, dtype, device)
+    config = read_config(model_dir)[0]  # train.load_model's steps: the meta Llama, then each block in turn
+    kernel = varlen_attention(device, dtype, config.head_dim, windowed=bool(config.sliding_layers))
+    with torch.device("meta"):
+        model = Llama(config, kernel)
+    ckpt, weights = open_checkpoint(model_dir, model)
     mesh = init_device_mesh(device.type, (world,))
     shard = dict(mesh=mesh, offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
     chosen = list(find_linears(model, adapters["targets"]))  # in the order one process adds them (same draws)

@@ -1,4 +1,4 @@
-"""Hugging Face formats: checkpoints in, QLoRA models built, adapters and merged models out, every file written whole.
+"""Hugging Face formats: checkpoints and adapters read, adapters and merged models written, each file whole.
 
 A Hugging Face model directory
 ------------------------------
@@ -9,10 +9,9 @@ naming each tensor's dtype, shape and byte range, then the raw little-endian byt
 touching the rest. Large models are sharded: model.safetensors.index.json maps each tensor name to its shard file.
 Tensor names are the module paths of model.Llama ("model.layers.0.self_attn.q_proj.weight"), so nothing is renamed.
 
-Building a model for training (`load_model`) never holds the whole 16-bit model in memory: the Llama is created on
-the meta device (shapes only), quant.quantize_ swaps the block linears for NF4 ones, reading and quantizing one 16-bit
-weight at a time from the checkpoint, load_weights_ fills what is left (embeddings, norms, lm_head) in the target dtype
-and device, and lora.add_lora_ (or load_adapter_) adds the adapters.
+train.load_model builds a model from these files without ever holding the whole 16-bit model in memory: the Llama on
+the meta device (shapes only), quant.quantize_ reading and quantizing one 16-bit weight at a time through
+open_checkpoint's `weights`, load_weights_ filling what is left (embeddings, norms, lm_head), then the adapters.
 
 bnb-4bit
 --------
@@ -48,10 +47,9 @@ from safetensors.torch import load_file
 
 import lora
 import quant
-from model import Llama, find_linears
+from model import find_linears
 from support.atomic import atomic_write, read_json, write_json, write_safetensors
-from support.attention import varlen_attention
-from support.hf_config import config_json, dtype_name, read_config
+from support.hf_config import config_json, dtype_name
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "special_tokens_map.json")
 TOKENIZER_FILES += ("chat_template.jinja",)
@@ -117,15 +115,11 @@ class Checkpoint:
         return t
 
 
-def open_model(path, dtype, device):
-    """What loading a model directory starts from, for load_model and support/fsdp.py's loader: (a model.Llama of
-    config.json on the meta device, its packed-document attention chosen for `device` and the dtype; the Checkpoint,
-    checked to hold no tensor the model lacks; weights(key), one block weight at a time: a bnb-4bit entry as it is,
-    or a 16-bit tensor to quantize; the dtype: `dtype`, else config.json's, else fp32)."""
-    config, stored = read_config(path)
-    dtype, ckpt = dtype or stored or torch.float32, Checkpoint(path)
-    with torch.device("meta"):
-        model = Llama(config, varlen_attention(device, dtype, config.head_dim, windowed=bool(config.sliding_layers)))
+def open_checkpoint(path, model):
+    """(the Checkpoint of `path`, checked to hold no tensor `model` lacks; weights(key), one block weight at a time for
+    quant.quantize_: a bnb-4bit entry as it is, or a 16-bit tensor to quantize). model: the Llama of path's
+    config.json, on the meta device."""
+    ckpt = Checkpoint(path)
     known = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     # bnb-4bit checkpoints carry per-weight extras, "<linear>.weight.absmax" etc.: read_nf4 reads them.
     owner = lambda n: n.split(".weight.")[0] + ".weight" if ".weight." in n else n  # noqa: E731
@@ -137,7 +131,7 @@ def open_model(path, dtype, device):
     def weights(key):
         return read_nf4(ckpt, key, shapes[key]) if f"{key}.absmax" in ckpt else ckpt.get(key, shapes[key])
 
-    return model, ckpt, weights, dtype
+    return ckpt, weights
 
 
 def load_weights_(model, ckpt, dtype=None, device=None, within=""):
@@ -196,26 +190,6 @@ def is_prequantized(source):
     """Whether a checkpoint (or model directory) holds bnb-4bit weights, which have no 16-bit original to merge into."""
     ckpt = source if isinstance(source, Checkpoint) else Checkpoint(source)
     return any(k.endswith(".weight.absmax") for k in ckpt.keys())
-
-
-def load_model(path, dtype=None, device="cpu", quantize=False, add_lora=None, adapter=None):
-    """A model.Llama from a Hugging Face directory, built as the file docstring describes.
-
-    dtype: compute and storage dtype of the 16-bit weights (default: config.json's, else fp32). quantize: NF4 block
-    linears (a bnb-4bit checkpoint is always loaded quantized). add_lora: keyword arguments of lora.add_lora_ for
-    fresh adapters (targets, r, alpha, dropout, use_rslora, lora_dtype); adapter: a PEFT adapter directory to load.
-    The packed-document attention is chosen here, once, for the device and dtype.
-    """
-    device = torch.device(device)
-    model, ckpt, weights, dtype = open_model(path, dtype, device)
-    if quantize or is_prequantized(ckpt):
-        quant.quantize_(model, compute_dtype=dtype, device=device, weights=weights)
-    load_weights_(model, ckpt, dtype, device)
-    if add_lora:
-        lora.add_lora_(model, **add_lora)
-    if adapter:
-        load_adapter_(model, adapter)
-    return model
 
 
 # ----------------------------------------------------------------------------- bnb-4bit

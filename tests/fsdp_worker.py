@@ -62,12 +62,11 @@ def main(out, model_dir=None):
 
 def load_and_step(cfg, place, model_dir) -> dict:
     """The tiny model's bytes held and read, as the file docstring says."""
-    built, loading, fully_shard, open_model = [], {"blocks": 0, "root": 0}, fsdp.fully_shard, fsdp.open_model
+    built, loading, fully_shard, open_checkpoint = [], {"blocks": 0, "root": 0}, fsdp.fully_shard, fsdp.open_checkpoint
 
-    def open_and_keep(*args):  # the loader's model, so that every byte it holds can be counted
-        opened = open_model(*args)
-        built.append(opened[0])
-        return opened
+    def open_and_keep(path, model):  # the loader's model, so that every byte it holds can be counted
+        built.append(model)
+        return open_checkpoint(path, model)
 
     def shard_and_count(module, **kw):  # the loader's every fully_shard: each block, then the whole model
         held = tensor_bytes(built[0])  # every real tensor of the model on this rank (meta ones are not yet loaded)
@@ -82,7 +81,7 @@ def load_and_step(cfg, place, model_dir) -> dict:
         read[0] += t.nbytes
         return t
 
-    fsdp.open_model, fsdp.fully_shard, hf.Checkpoint.get = open_and_keep, shard_and_count, get_and_count
+    fsdp.open_checkpoint, fsdp.fully_shard, hf.Checkpoint.get = open_and_keep, shard_and_count, get_and_count
     model = train.build_model(cfg, place, model_dir)
     between, whole = fsdp.resident_bytes(model)
     during = []

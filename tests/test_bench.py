@@ -41,9 +41,9 @@ import transformers
 import train
 from benchmarks import common, cpu_train, gpu, gpu_systems, gpu_workloads
 from support import run_dir
-from support.hf import load_model
 from support.hf_config import from_hf, read_config
 from support.tokenizer import Tokenizer
+from train import load_model
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import torch
 import generate
 from model import generate as model_generate
 from support import gguf_read
-from support.hf import load_model
 from support.tokenizer import Tokenizer
+from train import load_model
 
 
 @pytest.mark.parametrize("quantize", [False, True])

@@ -100,7 +100,7 @@ def test_transformers_logits_match(smollm2_dir, ref_model, prompt):
 
 
 def test_our_model_logits_match(smollm2_dir, ref_model, prompt):
-    from support.hf import load_model
+    from train import load_model
 
     model = load_model(smollm2_dir, torch.float32).eval()
     with torch.no_grad():

@@ -35,6 +35,7 @@ import lora
 from model import Llama, LlamaConfig, generate
 from support import atomic, gguf_read, gguf_write, hf, hf_config, tokenizer
 from support.hf_config import from_hf
+from train import load_model
 
 # Descriptive general.* keys of the published file (from the model card) and add_space_prefix, which llama.cpp ignores
 # for byte-level BPE: the only keys of llama.cpp's own conversion that ours need not repeat.
@@ -116,10 +117,10 @@ def test_smollm2_round_trip_generates_the_same(smol_export, smollm2_dir):
 
 def _assert_same_generations(src, backs, prompts, new_tokens=12):
     """Greedy continuations of each prompt by the model in `src` and by each model in `backs` are identical."""
-    model = hf.load_model(src, torch.float32)
+    model = load_model(src, torch.float32)
     expected = [generate(model, ids, new_tokens) for ids in prompts]
     for back in backs:
-        model = hf.load_model(back, torch.float32)
+        model = load_model(back, torch.float32)
         assert [generate(model, ids, new_tokens) for ids in prompts] == expected, back
 
 
@@ -397,20 +398,20 @@ def _small(path, bpe_dir, **cfg):
 
 
 def _adapter(path, bpe_dir):
-    model = hf.load_model(_small(path.parent / "base", bpe_dir))
+    model = load_model(_small(path.parent / "base", bpe_dir))
     lora.add_lora_(model, "all-linear", r=4, alpha=8, dropout=0.0)
     hf.save_adapter(model, path)
     return path
 
 
 def _nf4(path, bpe_dir):
-    hf.save_quantized(hf.load_model(_small(path.parent / "base", bpe_dir), quantize=True), path)
+    hf.save_quantized(load_model(_small(path.parent / "base", bpe_dir), quantize=True), path)
     return path
 
 
 def _unmerged(path, bpe_dir):
     src = _small(path, bpe_dir)
-    model = hf.load_model(src)
+    model = load_model(src)
     lora.add_lora_(model, "all-linear", r=4, alpha=8, dropout=0.0)
     atomic.write_safetensors(src / "model.safetensors", model.state_dict())
     return src
@@ -536,7 +537,7 @@ def test_transformers_reads_our_gguf(tmp_path, bpe_dir, family):
     ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf", dtype=torch.float32).eval()
     ids = torch.tensor([tokenizer.Tokenizer(bpe_dir).encode(PROMPTS[0])])
     with torch.no_grad():
-        torch.testing.assert_close(ref(ids).logits, hf.load_model(src, torch.float32)(ids), atol=1e-5, rtol=0)
+        torch.testing.assert_close(ref(ids).logits, load_model(src, torch.float32)(ids), atol=1e-5, rtol=0)
 
 
 def test_check_gguf_export_refuses_before_any_weight_is_read(tmp_path, smollm2_dir):

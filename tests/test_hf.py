@@ -31,8 +31,9 @@ import lora
 import quant
 from model import Llama, LlamaConfig
 from support.atomic import atomic_write, write_json, write_safetensors
-from support.hf import export_merged, load_model, save_adapter, save_quantized
+from support.hf import export_merged, save_adapter, save_quantized
 from support.hf_config import config_json, read_config, to_hf
+from train import load_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

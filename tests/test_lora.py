@@ -40,9 +40,10 @@ from transformers import LlamaForCausalLM
 import lora
 import quant
 from model import Llama
-from support.hf import Checkpoint, export_merged, load_adapter_, load_model, save_adapter
+from support.hf import Checkpoint, export_merged, load_adapter_, save_adapter
 from support.hf_config import from_hf
 from support.merge_check import merge_and_check_
+from train import load_model
 
 IDS = torch.tensor([[1, 5, 9, 17, 33, 2, 60, 7, 100, 3], [4, 4, 8, 15, 16, 23, 42, 0, 99, 1]])
 HF_CONFIG = dict(

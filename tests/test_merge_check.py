@@ -21,9 +21,10 @@ from test_lora import ours, randomize_B
 import lora
 import quant
 from support import merge_check
-from support.hf import Checkpoint, load_model
+from support.hf import Checkpoint
 from support.merge_check import merge_and_check_, merge_summary
 from support.tokenizer import Tokenizer
+from train import load_model
 
 base_dir = test_lora.base_dir  # the tiny random Llama, a fixture shared with test_lora.py
 

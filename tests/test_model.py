@@ -1,5 +1,5 @@
 """model.py against references: transformers' LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and
-MistralForCausalLM for logits (sliding windows included) and greedy generation (loaded through hf.load_model);
+MistralForCausalLM for logits (sliding windows included) and greedy generation (loaded through train.load_model);
 single-document runs for packed rows; full-logit cross-entropy for the chunked loss (which holds one chunk of logits
 at a time, as memory.py counts); a full recompute for the KV cache; config.json round trips with only Hugging Face
 keys; the one target-matching rule that quant.quantize_ and lora.add_lora_ share; an adapted lm_head, which the
@@ -33,8 +33,8 @@ import model as M
 import quant
 import support.attention as A
 from model import KVCache, Llama, LlamaConfig, generate
-from support.hf import load_model
 from support.hf_config import to_hf
+from train import load_model
 
 LLAMA3 = dict(
     rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16

@@ -32,8 +32,9 @@ from torch import nn
 import quant
 from model import Llama, LlamaConfig
 from support import nf4_cuda
-from support.hf import Checkpoint, load_model, load_weights_
+from support.hf import Checkpoint, load_weights_
 from support.hf_config import to_hf
+from train import load_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]

@@ -45,7 +45,6 @@ from support import atomic, checkpoint, memory, optional, precision, progress, r
 from support.config import load_config
 from support.examples import stdlib_examples
 from support.flops import flops_per_token, fmt_flops, matmul_rates
-from support.hf import load_model
 from support.hf_config import read_config
 from support.tokenizer import Tokenizer
 
@@ -89,7 +88,7 @@ def test_accumulation_equals_one_batch(tiny_dir):
     for micro_rows in (4, 1):
         torch.manual_seed(0)
         lora = dict(targets="all-linear", r=4, alpha=8.0, dropout=0.0, lora_dtype=torch.float64)
-        model = load_model(tiny_dir, torch.float64, quantize=True, add_lora=lora)
+        model = train.load_model(tiny_dir, torch.float64, quantize=True, add_lora=lora)
         params = [p for p in model.parameters() if p.requires_grad]
         opt, scaler = train.make_optimizer(cfg, params, place.device), torch.amp.GradScaler("cuda", enabled=False)
         train.train_step(model, opt, scaler, batch, micro_rows, 0, cfg, place)
@@ -377,7 +376,7 @@ def test_smollm2_qlora_run_lowers_val_loss(smollm2_dir, tmp_path):
 def test_evaluate_covers_exactly_the_requested_rows_a_micro_batch_at_a_time(tiny_dir, monkeypatch, micro_rows):
     """The mean over exactly 10 rows, whatever the batching, and no forward wider than a training micro-batch (a wider
     one would need more memory than the steps the estimate was made for)."""
-    model = load_model(tiny_dir)
+    model = train.load_model(tiny_dir)
     valset = build_dataset(stdlib_examples("val")[:60], Tokenizer(tiny_dir), 128)
     assert len(valset) > 10
     place = train.Placement(0, 1, torch.device("cpu"), torch.float32)
@@ -627,12 +626,12 @@ def test_exports_keep_a_resumable_checkpoint_and_merge_from_a_bnb_4bit_base(tiny
     assert len(run(args(tiny_dir, tmp_path / "a", "--max_steps=3", "--eval_every=0", "--resume"))) > 0
 
     nf4 = tmp_path / "nf4"
-    hf.save_quantized(hf.load_model(tiny_dir, torch.float32, quantize=True), nf4)
+    hf.save_quantized(train.load_model(tiny_dir, torch.float32, quantize=True), nf4)
     for name in os.listdir(tiny_dir):
         if name.startswith("tokenizer"):
             shutil.copy(os.path.join(tiny_dir, name), nf4)
     run(args(str(nf4), tmp_path / "b", "--max_steps=1", "--eval_every=0", "--export_merged"))
-    merged = hf.load_model(tmp_path / "b" / "out" / "merged")
+    merged = train.load_model(tmp_path / "b" / "out" / "merged")
     assert not any(isinstance(m, quant.NF4Linear) for m in merged.modules())
     merge = json.loads((tmp_path / "b" / "out" / "metrics.jsonl").read_text().splitlines()[-1])["merge"]
     assert merge["merged_into"] == "dequantized" and "gap_4bit" not in merge  # no original: no 4-bit gap to show
