@@ -42,10 +42,9 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-import lora
 import pack
 from model import generate
-from support import checkpoint, examples, fsdp, hf, memory, preview, progress, ranks, stops, trackers
+from support import checkpoint, dropout, examples, fsdp, hf, memory, preview, progress, ranks, stops, trackers
 from support.config import (
     TARGETS,
     TEMPLATE,
@@ -275,9 +274,9 @@ def train_step(model, opt, scaler, batch, micro_rows, step, cfg: Config, place: 
     for i in range(0, rows, micro_rows):
         b = {k: v[i : i + micro_rows] for k, v in batch.items()}
         first = place.rank * rows + i  # its first row's index in the step's global batch (pack's step_batch)
-        keys = lora.row_keys(cfg.seed, step, range(first, first + len(b["labels"])), place.device)
+        keys = dropout.row_keys(cfg.seed, step, range(first, first + len(b["labels"])), place.device)
         fsdp.sync_gradients(model, i + micro_rows >= rows)  # sharded: gradients reduce-scattered after the last only
-        with lora.dropout_rows(model, keys):  # dropout: a function of (seed, step, global row), however split
+        with dropout.dropout_rows(model, keys):  # dropout: a function of (seed, step, global row), however split
             loss, _ = forward_loss(model, b, place)
             clock.mark("fwd_s")
             scaler.scale(loss / n_sup.clamp(min=1)).backward()

@@ -33,6 +33,7 @@ import model as M
 import quant
 import support.attention as A
 from model import KVCache, Llama, LlamaConfig, generate
+from support.dropout import dropout_rows, row_keys
 from support.hf import load_model
 from support.hf_config import to_hf
 
@@ -351,7 +352,7 @@ def test_compiled_training_step_has_no_breaks_and_no_recompiles(device, dtype):
         for model in models:
             model.zero_grad()
             autocast = torch.autocast(device, dtype=dtype, enabled=kind(model) != torch.float32)
-            with autocast, lora.dropout_rows(model, lora.row_keys(0, step, [0], device)):
+            with autocast, dropout_rows(model, row_keys(0, step, [0], device)):
                 loss, _ = model(ids, pos, labels=labels)
                 loss.backward()
             results.append([loss.detach()] + [p.grad for p in model.parameters() if p.requires_grad])
