@@ -77,7 +77,8 @@ def lora_linear(base, lora_A, lora_B, lora_dropout, alpha, use_rslora):
     has_bias = base.bias is not None
     if isinstance(base, quant.NF4Linear):
         layer = LoRANF4Linear(base.in_features, base.out_features, has_bias, base.compute_dtype, device="meta")
-        layer.rel_error = base.rel_error  # the quantization error survives the swap
+        layer.rel_error = base.rel_error  # the quantization error and the kernel survive the swap
+        layer.dequantize_op = base.dequantize_op
     else:
         layer = LoRALinear(base.in_features, base.out_features, bias=has_bias, device="meta")
     layer.requires_grad_(False)  # assign=True keeps the module's requires_grad, so the taken-over base stays frozen

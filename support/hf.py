@@ -11,8 +11,9 @@ Tensor names are the module paths of model.Llama ("model.layers.0.self_attn.q_pr
 
 Building a model for training (`load_model`) never holds the whole 16-bit model in memory: the Llama is created on
 the meta device (shapes only), quant.quantize_ swaps the block linears for NF4 ones, reading and quantizing one 16-bit
-weight at a time from the checkpoint, load_weights_ fills what is left (embeddings, norms, lm_head) in the target dtype
-and device, and lora.add_lora_ (or load_adapter_) adds the adapters.
+weight at a time from the checkpoint (each NF4 linear handed the dequantize op support/nf4_cuda.py chooses for the
+device), load_weights_ fills what is left (embeddings, norms, lm_head) in the target dtype and device, and
+lora.add_lora_ (or load_adapter_) adds the adapters.
 
 bnb-4bit
 --------
@@ -49,6 +50,7 @@ from safetensors.torch import load_file
 import lora
 import quant
 from model import Llama, find_linears
+from support import nf4_cuda
 from support.atomic import atomic_write, read_json, write_json, write_safetensors
 from support.attention import varlen_attention
 from support.hf_config import config_json, dtype_name, read_config
@@ -204,12 +206,13 @@ def load_model(path, dtype=None, device="cpu", quantize=False, add_lora=None, ad
     dtype: compute and storage dtype of the 16-bit weights (default: config.json's, else fp32). quantize: NF4 block
     linears (a bnb-4bit checkpoint is always loaded quantized). add_lora: keyword arguments of lora.add_lora_ for
     fresh adapters (targets, r, alpha, dropout, use_rslora, lora_dtype); adapter: a PEFT adapter directory to load.
-    The packed-document attention is chosen here, once, for the device and dtype.
+    The packed-document attention and the NF4 dequantize op are chosen here, once, for the device and dtype.
     """
     device = torch.device(device)
     model, ckpt, weights, dtype = open_model(path, dtype, device)
     if quantize or is_prequantized(ckpt):
-        quant.quantize_(model, compute_dtype=dtype, device=device, weights=weights)
+        kernel = nf4_cuda.dequantize_op_for(device)  # the fastest with the reference's bits, chosen once for CUDA
+        quant.quantize_(model, compute_dtype=dtype, device=device, weights=weights, dequantize_op=kernel)
     load_weights_(model, ckpt, dtype, device)
     if add_lora:
         lora.add_lora_(model, **add_lora)

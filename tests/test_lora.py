@@ -109,6 +109,18 @@ def test_zero_B_is_the_base_model(base_dir, nf4):
     assert (trainable, total) == (expected_trainable, dense_total + expected_trainable)
 
 
+def test_an_adapted_nf4_linear_keeps_its_base_s_kernel_and_error():
+    """with_lora over an NF4Linear keeps the base's dequantize_op (the kernel chosen when the model was built) and
+    rel_error, and its forward dequantizes with that op."""
+    base = quant.NF4Linear.from_linear(torch.nn.Linear(64, 32), torch.float32)
+    calls = []
+    base.dequantize_op = lambda *args: calls.append(args[4]) or quant.dequantize(*args)
+    layer = lora.with_lora(base, r=2, alpha=4, dropout=0.0, use_rslora=False, lora_dtype=None)
+    assert layer.dequantize_op is base.dequantize_op and layer.rel_error == base.rel_error is not None
+    layer(torch.randn(3, 64))
+    assert calls == [[32, 64]]
+
+
 @pytest.mark.parametrize("nf4", [False, True])
 def test_optimizer_step_moves_only_lora(base_dir, nf4):
     model = ours(base_dir)
