@@ -60,7 +60,9 @@ from support.config import (
 from support.flops import batch_flops
 from support.gguf_write import FILE_TYPES
 from support.hf_config import read_config
+from support.micro_batch import micro_batch_rows
 from support.outputs import write_outputs
+from support.plan import plan_for
 from support.precision import agreed, pick_precision
 from support.run_dir import claim_inputs
 from support.tokenizer import Tokenizer, render
@@ -343,7 +345,7 @@ def train(cfg: Config) -> list[dict]:
     model_dir, files = claim_inputs(cfg)
     config = read_config(model_dir)[0]
     if cfg.plan:  # for the machine it names, not this one: no device, no process group
-        print(memory.plan_for(cfg, config))
+        print(plan_for(cfg, config))
         return []
     place = setup(cfg)
     tok = Tokenizer(model_dir)
@@ -357,7 +359,7 @@ def train(cfg: Config) -> list[dict]:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(cfg, params, place.device)
     scaler = torch.amp.GradScaler("cuda", enabled=place.dtype == torch.float16)
-    micro_rows = memory.micro_batch_rows(cfg, place, model, trainset, rows, forward_loss)
+    micro_rows = micro_batch_rows(cfg, place, model, trainset, rows, forward_loss)
     micro_rows = ranks.agreed_min(micro_rows, place.world, place.device)  # what each rank's memory allows: the least
     context = trainset.context_length
     estimated, peak_flops = progress.describe_step(cfg, place, model, context, rows, micro_rows, process_bytes)
