@@ -11,10 +11,8 @@ adapted model *is* the base model and training starts from its behaviour rather 
 non-zero (it sees A x) while A only starts moving once B has. `scale = alpha / r` keeps the update's size roughly
 independent of r for a fixed learning rate; rsLoRA (Kalajdzievski 2023, https://arxiv.org/abs/2312.03732) shows that
 this makes large ranks learn no better than small ones and that `alpha / sqrt(r)` is the rank-stable choice. Dropout
-acts on the LoRA branch's input only. Its mask is a hash of each row's key and each element's place in the row, not a
-draw from torch's generator: train.py keys a row by (seed, step, its index in the step's global batch) through
-`dropout_rows`, so a row drops the same features whichever rank and micro-batch it falls in, and again when activation
-checkpointing recomputes the forward. A run on 4 ranks, on 1, or resumed on another number of ranks trains the same.
+acts on the LoRA branch's input only, with a mask keyed by (seed, step, row) instead of drawn from torch's generator
+(support/dropout.py), so a run on 4 ranks, on 1, or resumed on another number of ranks trains the same.
 
 QLoRA (Dettmers et al. 2023, https://arxiv.org/abs/2305.14314) keeps the frozen W in 4-bit NF4 (quant.py) and trains
 the same A, B on top: y = x dequant(W_nf4)^T + scale * B A x. The LoRA linears here are thin subclasses of the base
@@ -34,7 +32,6 @@ Adapters are saved and loaded in PEFT's format by support/hf.py, so transformers
 """
 
 import math
-from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -42,6 +39,7 @@ import torch.nn.functional as F
 
 import quant
 from model import find_linears
+from support.dropout import KeyedDropout
 
 
 def lora_scale(r, alpha, use_rslora=False):
@@ -49,116 +47,71 @@ def lora_scale(r, alpha, use_rslora=False):
     return alpha / math.sqrt(r) if use_rslora else alpha / r
 
 
-def _signed(c):  # a 64-bit constant as the int64 torch holds it
-    return c - 2**64 if c >= 2**63 else c
-
-
-GOLDEN, MIX1, MIX2 = _signed(0x9E3779B97F4A7C15), _signed(0xBF58476D1CE4E5B9), _signed(0x94D049BB133111EB)
-
-
-def mix64_(z):
-    """SplitMix64's finalizer (Steele et al. 2014), in place on an int64 tensor: every output bit depends on every
-    input bit. int64 products wrap as uint64's do; `>>` is arithmetic on int64, so the masks make each shift logical.
-    In place, because fresh int64 tensors of a quarter of the input's elements cost more than the arithmetic."""
-    z ^= (z >> 30) & (2**34 - 1)
-    z *= MIX1
-    z ^= (z >> 27) & (2**37 - 1)
-    z *= MIX2
-    z ^= (z >> 31) & (2**33 - 1)
-    return z
-
-
-def keyed_dropout(x, p, keys):
-    """Dropout of x (rows, ...) whose mask is a function of each row's key (keys: (rows,) int64) and of each element's
-    place in its row, nothing else. Each 64-bit hash of (key, counter) gives four 16-bit draws, so the cost is that of
-    drawing a quarter of x's elements as random int64 (a Bernoulli per element costs more than the small matmul it
-    guards on CPU); p is rounded to a multiple of 1/65536. The draws are cut out by shifts, not by viewing the int64
-    hashes as int16: Inductor miscompiles such a view next to a matmul when shapes are dynamic."""
-    if keys.shape != x.shape[:1]:
-        raise ValueError(f"keyed_dropout: {tuple(keys.shape)} keys for an input of {x.shape[0]} rows")
-    k, n = round(p * 65536), x[0].numel()
-    counters = torch.arange(-(-n // 4), device=x.device).mul_(GOLDEN)  # (ceil(n / 4),): the hashes of one row
-    bits = mix64_(keys.to(x.device)[:, None] + counters)  # (rows, ceil(n / 4)) int64
-    draws = [(bits >> shift).bitwise_and_(0xFFFF) >= k for shift in (0, 16, 32, 48)]  # 4 x P(keep) = 1 - k / 65536
-    keep = torch.stack(draws, -1).flatten(1)[:, :n].view(x.shape)
-    return x * keep * (65536 / (65536 - k))
-
-
-def row_keys(seed, step, rows, device=None):
-    """(len(rows),) int64 keys of the rows `rows` (indices in optimizer step `step`'s global batch) for a run seeded
-    `seed`: the dropout of a row is a function of these three numbers only."""
-    rows = torch.as_tensor(rows, dtype=torch.int64, device=device)
-    return mix64_(mix64_(mix64_(torch.full_like(rows, seed)) ^ step) ^ rows)
-
-
-@contextmanager
-def dropout_rows(model, keys):
-    """Within the block, every adapted linear of `model` drops features by the row keys `keys` (row_keys: one per row
-    of the micro-batch in flight), each module hashing them with its own index; forward and backward (and activation
-    checkpointing's recomputation) must run inside. Outside, dropout keys each row from torch's generator."""
-    modules = list(lora_modules(model).values())
-    for i, m in enumerate(modules):
-        m.dropout_keys = mix64_(keys ^ _signed((i + 1) * GOLDEN % 2**64))
-    try:
-        yield
-    finally:
-        for m in modules:
-            m.dropout_keys = None
-
-
 class LoRA:
-    """The LoRA part shared by both linear flavours: init, the low-rank branch, and the merged delta weight."""
+    """What both LoRA linears add to their base class: the adapter lora_A (r, in), lora_B (out, r) and the dropout on
+    its input (set by lora_linear), the forward `out = base(x) + scale * B(A(dropout(x)))` and the merged delta."""
 
-    def init_lora(self, r, alpha, dropout, use_rslora, dtype, device):
-        self.r, self.lora_alpha, self.use_rslora = r, alpha, use_rslora
-        self.scaling = lora_scale(r, alpha, use_rslora)
-        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
-        self.dropout_keys = None  # (rows,) int64 while dropout_rows is in effect
-        self.lora_A = nn.Linear(self.in_features, r, bias=False, device=device, dtype=dtype)  # weight (r, in)
-        self.lora_B = nn.Linear(r, self.out_features, bias=False, device=device, dtype=dtype)  # weight (out, r)
-        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
-        nn.init.zeros_(self.lora_B.weight)  # B = 0: the adapted model starts as the base model
-
-    def lora(self, x):  # x (rows, ..., in) -> (rows, ..., out), in x's dtype (fp32 masters are cast down under bf16)
-        a, b = self.lora_A.weight.to(x.dtype), self.lora_B.weight.to(x.dtype)
-        if self.training and isinstance(self.lora_dropout, nn.Dropout):  # nn.Dropout holds p (PEFT's layout)
-            keys = self.dropout_keys
-            if keys is None:  # outside dropout_rows: a key per row from torch's generator
-                keys = torch.randint(-(2**63), 2**63 - 1, x.shape[:1], dtype=torch.int64, device=x.device)
-            x = keyed_dropout(x, self.lora_dropout.p, keys)
-        return F.linear(F.linear(x, a), b) * self.scaling
+    def forward(self, x):  # x (..., in) -> (..., out)
+        out = super().forward(x)  # the frozen base: nn.Linear's forward, or NF4Linear's
+        a = self.lora_A.weight.to(x.dtype)  # (r, in): the branch computes in x's dtype (fp32 masters under bf16)
+        b = self.lora_B.weight.to(x.dtype)  # (out, r)
+        lora_out = F.linear(F.linear(self.lora_dropout(x), a), b) * self.scaling
+        return out + lora_out.to(out.dtype)
 
     def delta_weight(self):  # scale * B @ A: (out, r) @ (r, in) -> (out, in), in fp32
         return self.scaling * (self.lora_B.weight.float() @ self.lora_A.weight.float())
 
 
 class LoRALinear(LoRA, nn.Linear):
-    def forward(self, x):
-        y = F.linear(x, self.weight, self.bias)
-        return y + self.lora(x).to(y.dtype)
+    """nn.Linear with an adapter."""
 
 
 class LoRANF4Linear(LoRA, quant.NF4Linear):
-    def forward(self, x):
-        y = quant.NF4Linear.forward(self, x)
-        return y + self.lora(x).to(y.dtype)
+    """quant.NF4Linear with an adapter."""
+
+
+def lora_linear(base, lora_A, lora_B, lora_dropout, alpha, use_rslora):
+    """`base` (nn.Linear or quant.NF4Linear) with the adapter lora_A, lora_B and the module lora_dropout on its input: a
+    LoRA linear of base's class that holds base's own tensors (no copy, so they keep their names and stay frozen), in
+    base's train/eval mode (an adapter loaded into a model in eval mode must not start with live dropout)."""
+    has_bias = base.bias is not None
+    if isinstance(base, quant.NF4Linear):
+        layer = LoRANF4Linear(base.in_features, base.out_features, has_bias, base.compute_dtype, device="meta")
+        layer.rel_error = base.rel_error  # the quantization error and the kernel survive the swap
+        layer.dequantize_op = base.dequantize_op
+    else:
+        layer = LoRALinear(base.in_features, base.out_features, bias=has_bias, device="meta")
+    layer.requires_grad_(False)  # assign=True keeps the module's requires_grad, so the taken-over base stays frozen
+    layer.load_state_dict(base.state_dict(keep_vars=True), assign=True)
+    layer.lora_A = lora_A
+    layer.lora_B = lora_B
+    layer.lora_dropout = lora_dropout
+    layer.r = lora_A.out_features
+    layer.lora_alpha = alpha
+    layer.use_rslora = use_rslora
+    layer.scaling = lora_scale(layer.r, alpha, use_rslora)
+    return layer.train(base.training)
 
 
 def with_lora(base, r, alpha, dropout, use_rslora, lora_dtype):
-    """A LoRA linear built on meta that takes over `base`'s own tensors (no copy), plus fresh A, B on its device, in
-    `base`'s train/eval mode (an adapter loaded into a model in eval mode must not start with live dropout)."""
-    has_bias = base.bias is not None
-    if isinstance(base, quant.NF4Linear):
-        m = LoRANF4Linear(base.in_features, base.out_features, has_bias, base.compute_dtype, device="meta")
-        m.rel_error, dtype = base.rel_error, base.compute_dtype  # the quantization error survives the swap
-    else:
-        m = LoRALinear(base.in_features, base.out_features, bias=has_bias, device="meta")
-        dtype = base.weight.dtype
-    m.requires_grad_(False)  # assign=True keeps the module's requires_grad, so the taken-over base stays frozen
-    state = base.state_dict(keep_vars=True)
-    m.load_state_dict(state, assign=True)
-    m.init_lora(r, alpha, dropout, use_rslora, lora_dtype or dtype, next(iter(state.values())).device)
-    return m.train(base.training)
+    """`base` with a fresh adapter of rank r on its device, in lora_dtype (default: the base's floating dtype), and
+    dropout with probability `dropout` on the adapter's input."""
+    dtype = lora_dtype or (base.compute_dtype if isinstance(base, quant.NF4Linear) else base.weight.dtype)
+    device = next(iter(base.state_dict().values())).device
+    lora_A = nn.Linear(base.in_features, r, bias=False, device=device, dtype=dtype)  # weight (r, in)
+    lora_B = nn.Linear(r, base.out_features, bias=False, device=device, dtype=dtype)  # weight (out, r)
+    nn.init.kaiming_uniform_(lora_A.weight, a=math.sqrt(5))  # as nn.Linear and PEFT start A
+    nn.init.zeros_(lora_B.weight)  # B = 0: the adapted model starts as the base model
+    lora_dropout = KeyedDropout(dropout) if dropout > 0 else nn.Identity()  # the same mask on any number of ranks
+    return lora_linear(base, lora_A, lora_B, lora_dropout, alpha, use_rslora)
+
+
+def frozen_linear(weight, bias):
+    """A frozen nn.Linear over `weight` (out, in) and `bias` (out,) or None themselves, no copy."""
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    linear.bias = bias
+    return linear
 
 
 def lora_modules(model):
@@ -214,23 +167,24 @@ def rebase_(model, original=None):
     mapping name -> tensor) holds `<module>.weight`, else its dequantized copy. Returns {module: "dense" |
     "original" | "dequantized"}, the weights each LoRA or NF4 linear now computes with."""
     sources = {}
-    for name, m in [(n, m) for n, m in model.named_modules() if isinstance(m, (LoRA, quant.NF4Linear))]:
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, (LoRA, quant.NF4Linear))}  # before any swap
+    for name, m in layers.items():
         if not isinstance(m, quant.NF4Linear):
             sources[name] = "dense"
             continue
         if original is not None and f"{name}.weight" in original:
-            w, sources[name] = original.get(f"{name}.weight"), "original"
-            if tuple(w.shape) != (want := (m.out_features, m.in_features)):
+            w = original.get(f"{name}.weight")
+            sources[name] = "original"
+            want = (m.out_features, m.in_features)
+            if tuple(w.shape) != want:
                 raise ValueError(f"merge: original tensor {name}.weight has shape {tuple(w.shape)}, expected {want}")
         else:
-            w, sources[name] = m.dequantize(), "dequantized"
+            w = m.dequantize()
+            sources[name] = "dequantized"
         device = next(iter(m.state_dict().values())).device
-        dense = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
-        dense.weight = nn.Parameter(w.to(device, m.compute_dtype), requires_grad=False)
-        dense.bias = m.bias
-        if isinstance(m, LoRA):  # the same A, B, scale and dropout, now over the 16-bit weight
-            dense = with_lora(dense, m.r, m.lora_alpha, 0.0, m.use_rslora, m.lora_A.weight.dtype)
-            dense.lora_A, dense.lora_B, dense.lora_dropout = m.lora_A, m.lora_B, m.lora_dropout
+        dense = frozen_linear(w.to(device, m.compute_dtype), m.bias)
+        if isinstance(m, LoRA):  # the same adapter, scale and dropout, now over the 16-bit weight
+            dense = lora_linear(dense, m.lora_A, m.lora_B, m.lora_dropout, m.lora_alpha, m.use_rslora)
         model.set_submodule(name, dense.train(m.training))  # in eval mode, dropout stays off
     return sources
 
@@ -242,10 +196,8 @@ def fold_(model):
     for name, m in lora_modules(model).items():
         if isinstance(m, quant.NF4Linear):
             raise ValueError(f"fold_: {name} has a 4-bit base; call rebase_ first")
-        dense = nn.Linear(m.in_features, m.out_features, bias=m.bias is not None, device="meta")
-        dense.weight = nn.Parameter((m.weight.float() + m.delta_weight()).to(m.weight.dtype), requires_grad=False)
-        dense.bias = m.bias
-        model.set_submodule(name, dense)
+        merged = (m.weight.float() + m.delta_weight()).to(m.weight.dtype)
+        model.set_submodule(name, frozen_linear(merged, m.bias))
 
 
 def merge_lora_(model, original=None):

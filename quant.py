@@ -43,15 +43,17 @@ dequantizes again and returns only the input gradient dL/dx = dL/dy W: the base 
 the 4-bit buffers.
 
 Where dequantization runs. `dequantize_nf4` below is the reference: a few PyTorch ops, fp32 math, one rounding, what
-runs on CPU. On CUDA a faster kernel with the same bits is chosen once, on first use (support/nf4_cuda.py).
+runs on CPU. Each NF4Linear dequantizes with the op in its `dequantize_op`: the reference's, unless whoever builds the
+model hands it another. A model built on CUDA is handed a faster kernel with the same bits, chosen once then
+(support/nf4_cuda.py); this file knows nothing of it.
 
 torch.compile. To the compiler, dequantization is one opaque operator, `torch.ops.nanoqlora.dequantize_nf4`
-(`dequantize`, a torch.library custom op): its default implementation is the reference, CUDA gets the faster kernel,
-and a "fake" implementation tells the compiler the output's shape and dtype without running anything. Dynamo does not
-trace into it (table lookups, optional imports and Triton launches stay out of the graph), and Inductor never fuses
-it into a form that would change its bits. The linear's autograd function hands only tensors and plain values to its
-context (the four buffers, the shape), so dynamo traces forward and backward of every NF4 linear without a graph
-break, and the compiled backward recomputes W from the 4-bit buffers as eager mode does.
+(`dequantize`, a torch.library custom op; the CUDA kernel's op alike), with a "fake" implementation that tells the
+compiler the output's shape and dtype without running anything. Dynamo does not trace into it (table lookups, optional
+imports and Triton launches stay out of the graph), and Inductor never fuses it into a form that would change its
+bits. The linear's autograd function saves only the four buffers and keeps plain values and the op on its context, so
+dynamo traces forward and backward of every NF4 linear without a graph break, and the compiled backward recomputes W
+from the 4-bit buffers as eager mode does.
 
 Quantization error. quantize_ records on each layer it quantizes from 16-bit weights the relative error
 ||W - dequant(W)||_F / ||W||_F (`rel_error`); `error_summary` gives the mean and the worst layer. For Gaussian
@@ -68,7 +70,9 @@ from torch import Tensor, nn
 
 from model import find_linears
 
-BLOCK, NESTED_BLOCK, GRID = 64, 256, 65536
+BLOCK = 64  # weights per absmax
+NESTED_BLOCK = 256  # absmax per nested absmax
+GRID = 65536  # evenly spaced points of [-1, 1] through which an absmax finds its 8-bit code
 # The 16 NF4 values as bitsandbytes stores them (fp32); tests check them against the normal-quantile construction.
 # fmt: off
 NF4 = [
@@ -107,7 +111,7 @@ def dynamic_map():
 
 
 @functools.cache
-def _tables(device):
+def code_tables(device):
     """Constant code books and lookup tables on `device` (built on CPU so every device gets the same bits)."""
     nf4, dyn = torch.tensor(NF4), dynamic_map()
     pairs = torch.stack([nf4.repeat_interleave(16), nf4.repeat(16)], 1)  # (256, 2): byte -> (high, low) value
@@ -130,7 +134,7 @@ def blockwise_absmax(x, block):
 def quantize_nf4(w):
     """Any float tensor (n values) -> NF4Weight(packed uint8 ((n+1)//2, 1), absmax uint8 (B,), nested_absmax fp32
     (B2,), offset fp32 ()), computed on w's device."""
-    tables = _tables(w.device)
+    tables = code_tables(w.device)
     flat = w.reshape(-1).float()
     n = flat.numel()
     # 1. Blocks of 64 weights, each scaled by its absolute maximum into [-1, 1]: scaled (B, 64), absmax (B,).
@@ -150,7 +154,7 @@ def quantize_nf4(w):
 
 def dequantize_absmax(absmax, nested_absmax, offset):
     """uint8 (B,) codes -> fp32 (B,) absmax: dyn[code] * nested_absmax[block // 256] + offset."""
-    values = _tables(absmax.device)["dyn"][absmax.int()]
+    values = code_tables(absmax.device)["dyn"][absmax.int()]
     values = F.pad(values, (0, -values.numel() % NESTED_BLOCK)).view(-1, NESTED_BLOCK) * nested_absmax[:, None]
     return values.view(-1)[: absmax.numel()] + offset
 
@@ -159,7 +163,7 @@ def dequantize_nf4(weight, absmax, nested_absmax, offset, shape, dtype):
     """Packed buffers -> tensor of `shape` in `dtype`: NF4[code] * absmax in fp32, rounded once."""
     scale = dequantize_absmax(absmax, nested_absmax, offset)  # (B,)
     n, nb = math.prod(shape), scale.numel()
-    values = _tables(weight.device)["pairs"].index_select(0, weight.view(-1).int()).view(-1)  # (2 * bytes,)
+    values = code_tables(weight.device)["pairs"].index_select(0, weight.view(-1).int()).view(-1)  # (2 * bytes,)
     if values.numel() != nb * BLOCK:  # the last block is partial
         values = F.pad(values[:n], (0, nb * BLOCK - n))
     return values.view(nb, BLOCK).mul_(scale[:, None]).view(-1)[:n].to(dtype).view(shape)
@@ -181,7 +185,7 @@ def zeros_nf4(n, device=None):
 def dequantize(
     weight: Tensor, absmax: Tensor, nested_absmax: Tensor, offset: Tensor, shape: list[int], dtype: torch.dtype
 ) -> Tensor:
-    """dequantize_nf4 as one opaque op: the PyTorch code on every device but CUDA, cuda_dequantize on CUDA."""
+    """dequantize_nf4 as one opaque op, on every device."""
     return dequantize_nf4(weight, absmax, nested_absmax, offset, shape, dtype)
 
 
@@ -190,41 +194,46 @@ def _(weight, absmax, nested_absmax, offset, shape, dtype):  # what the compiler
     return weight.new_empty(shape, dtype=dtype)
 
 
-@dequantize.register_kernel("cuda")
-def _(weight, absmax, nested_absmax, offset, shape, dtype):
-    from support.nf4_cuda import cuda_dequantize  # the CUDA kernels, chosen on first use (imported then, not before)
-
-    return cuda_dequantize()(weight, absmax, nested_absmax, offset, shape, dtype)
+# The op as torch.ops holds it: what an NF4Linear keeps and calls, since copy.deepcopy copies it as itself (the
+# CustomOpDef above cannot be copied, and a model holding it could not be either).
+REFERENCE_OP = torch.ops.nanoqlora.dequantize_nf4.default
 
 
 class _DequantLinear(torch.autograd.Function):
-    """y = x W^T + b with W dequantized from its buffers on the fly; backward gives x and b gradients, the frozen
-    buffers none. Only tensors and plain values cross ctx (the 4-bit buffers, not W), so dynamo traces both passes."""
+    """y = x W^T + b with W dequantized from its buffers on the fly by the op `dequantize_op`; backward gives x and b
+    gradients, the frozen buffers none. Only the 4-bit buffers are saved, not W, and ctx holds plain values and the op,
+    so dynamo traces both passes."""
 
     @staticmethod
-    def forward(ctx, x, bias, weight, absmax, nested_absmax, offset, shape):  # x (..., in), shape [out, in]
+    def forward(ctx, x, bias, dequantize_op, weight, absmax, nested_absmax, offset, shape):  # x (..., in), [out, in]
         ctx.save_for_backward(weight, absmax, nested_absmax, offset)
-        ctx.shape, ctx.dtype = shape, x.dtype
-        return F.linear(x, dequantize(weight, absmax, nested_absmax, offset, shape, x.dtype), bias)
+        ctx.dequantize_op = dequantize_op
+        ctx.shape = shape
+        ctx.dtype = x.dtype
+        return F.linear(x, dequantize_op(weight, absmax, nested_absmax, offset, shape, x.dtype), bias)
 
     @staticmethod
     def backward(ctx, grad):  # grad (..., out)
         dx = db = None
         if ctx.needs_input_grad[0]:
-            dx = grad @ dequantize(*ctx.saved_tensors, ctx.shape, ctx.dtype).to(grad.dtype)  # (..., in)
+            dx = grad @ ctx.dequantize_op(*ctx.saved_tensors, ctx.shape, ctx.dtype).to(grad.dtype)  # (..., in)
         if ctx.needs_input_grad[1]:
             db = grad.flatten(0, -2).sum(0)  # (out,)
-        return dx, db, None, None, None, None, None
+        return dx, db, None, None, None, None, None, None
 
 
 class NF4Linear(nn.Module):
     """A frozen linear whose weight (out, in) lives in NF4 double-quantized buffers (see the file docstring).
-    rel_error: ||W - dequant(W)|| / ||W|| when this layer was quantized from a 16-bit W, else None."""
+    rel_error: ||W - dequant(W)|| / ||W|| when this layer was quantized from a 16-bit W, else None. dequantize_op: the
+    op that dequantizes the weight, REFERENCE_OP unless the model's builder hands it a faster one."""
 
     def __init__(self, in_features, out_features, bias=False, compute_dtype=torch.bfloat16, device=None):
         super().__init__()
-        self.in_features, self.out_features, self.compute_dtype = in_features, out_features, compute_dtype
+        self.in_features = in_features
+        self.out_features = out_features
+        self.compute_dtype = compute_dtype
         self.rel_error = None
+        self.dequantize_op = REFERENCE_OP
         for name, t in zip(BUFFERS, zeros_nf4(in_features * out_features, device), strict=True):
             self.register_buffer(name, t)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=compute_dtype, device=device)) if bias else None
@@ -233,7 +242,10 @@ class NF4Linear(nn.Module):
     def from_nf4(cls, w, out_features, in_features, bias=None, compute_dtype=torch.bfloat16):
         """A layer around an NF4Weight of a (out_features, in_features) weight, with an optional 16-bit bias."""
         layer = cls(in_features, out_features, bias is not None, compute_dtype, device="meta")
-        layer.weight, layer.absmax, layer.nested_absmax, layer.offset = w
+        layer.weight = w.packed
+        layer.absmax = w.absmax
+        layer.nested_absmax = w.nested_absmax
+        layer.offset = w.offset
         if bias is not None:
             layer.bias = nn.Parameter(bias.detach().to(w.packed.device, compute_dtype))
         return layer
@@ -254,12 +266,13 @@ class NF4Linear(nn.Module):
 
     def dequantize(self):
         """The weight (out, in) in compute_dtype."""
-        return dequantize(*self.nf4_weight(), [self.out_features, self.in_features], self.compute_dtype)
+        return self.dequantize_op(*self.nf4_weight(), [self.out_features, self.in_features], self.compute_dtype)
 
     def forward(self, x):  # x (..., in) -> (..., out) in x's dtype
         bias = None if self.bias is None else self.bias.to(self.compute_dtype)
         shape = [self.out_features, self.in_features]
-        return _DequantLinear.apply(x.to(self.compute_dtype), bias, *self.nf4_weight(), shape).to(x.dtype)
+        y = _DequantLinear.apply(x.to(self.compute_dtype), bias, self.dequantize_op, *self.nf4_weight(), shape)
+        return y.to(x.dtype)
 
     def extra_repr(self):
         return f"in_features={self.in_features}, out_features={self.out_features}, compute_dtype={self.compute_dtype}"
@@ -274,7 +287,9 @@ def relative_error(w, q):
     return (err / torch.linalg.vector_norm(w).clamp(min=torch.finfo(torch.float32).tiny)).item()
 
 
-def quantize_(model, targets="all-linear", compute_dtype=torch.bfloat16, device=None, weights=None):
+def quantize_(
+    model, targets="all-linear", compute_dtype=torch.bfloat16, device=None, weights=None, dequantize_op=REFERENCE_OP
+):
     """Swap the chosen nn.Linear modules of `model` for NF4Linear, one weight at a time; returns the model.
 
     targets: as model.find_linears ("all-linear": every linear of the blocks; embeddings and lm_head stay 16-bit).
@@ -284,7 +299,8 @@ def quantize_(model, targets="all-linear", compute_dtype=torch.bfloat16, device=
     used as it is. A 16-bit or fp32 weight is rounded to compute_dtype before it is quantized, as transformers +
     bitsandbytes do when they load a checkpoint in that dtype, so the bytes equal theirs whatever the stored dtype.
     device: where the buffers go (default: the linear's device, or CPU for a meta linear); on CUDA each weight is
-    quantized on the GPU as it arrives.
+    quantized on the GPU as it arrives. dequantize_op: the op every new NF4Linear dequantizes with (support/nf4_cuda.py
+    chooses one for CUDA).
     """
     for name, linear in find_linears(model, targets).items():
         dev = torch.device(device or ("cpu" if linear.weight.is_meta else linear.weight.device))
@@ -298,6 +314,7 @@ def quantize_(model, targets="all-linear", compute_dtype=torch.bfloat16, device=
         bias = linear.bias if weights is None or linear.bias is None else weights(f"{name}.bias")
         layer = NF4Linear.from_nf4(q, linear.out_features, linear.in_features, bias, compute_dtype)
         layer.rel_error = None if isinstance(w, NF4Weight) else relative_error(w, q)
+        layer.dequantize_op = dequantize_op
         model.set_submodule(name, layer)
     return model
 

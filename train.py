@@ -46,7 +46,7 @@ import lora
 import pack
 import quant
 from model import Llama, generate
-from support import checkpoint, examples, fsdp, hf, memory, preview, progress, ranks, stops, trackers
+from support import checkpoint, dropout, examples, fsdp, hf, memory, nf4_cuda, preview, progress, ranks, stops, trackers
 from support.attention import varlen_attention
 from support.config import (
     TARGETS,
@@ -63,7 +63,9 @@ from support.config import (
 from support.flops import batch_flops
 from support.gguf_write import FILE_TYPES
 from support.hf_config import read_config
+from support.micro_batch import micro_batch_rows
 from support.outputs import write_outputs
+from support.plan import plan_for
 from support.precision import agreed, pick_precision
 from support.run_dir import claim_inputs
 from support.tokenizer import Tokenizer, render
@@ -229,7 +231,8 @@ def load_model(model_dir: str, dtype=None, device="cpu", quantize=False, add_lor
     ckpt, weights = hf.open_checkpoint(model_dir, model)
     # 2. The block linears become NF4: each 16-bit weight read, rounded to `dtype` and quantized, one at a time.
     if quantize or hf.is_prequantized(ckpt):
-        quant.quantize_(model, compute_dtype=dtype, device=device, weights=weights)
+        kernel = nf4_cuda.dequantize_op_for(device)  # on CUDA the fastest with the reference's bits, chosen once
+        quant.quantize_(model, compute_dtype=dtype, device=device, weights=weights, dequantize_op=kernel)
     # 3. Everything else (embeddings, norms, lm_head) read in `dtype`.
     hf.load_weights_(model, ckpt, dtype, device)
     # 4. LoRA's A and B beside the chosen linears: fresh, or read from a saved adapter.
@@ -303,9 +306,9 @@ def train_step(model, opt, scaler, batch, micro_rows, step, cfg: Config, place: 
     for i in range(0, rows, micro_rows):
         b = {k: v[i : i + micro_rows] for k, v in batch.items()}
         first = place.rank * rows + i  # its first row's index in the step's global batch (pack's step_batch)
-        keys = lora.row_keys(cfg.seed, step, range(first, first + len(b["labels"])), place.device)
+        keys = dropout.row_keys(cfg.seed, step, range(first, first + len(b["labels"])), place.device)
         fsdp.sync_gradients(model, i + micro_rows >= rows)  # sharded: gradients reduce-scattered after the last only
-        with lora.dropout_rows(model, keys):  # dropout: a function of (seed, step, global row), however split
+        with dropout.dropout_rows(model, keys):  # dropout: a function of (seed, step, global row), however split
             loss, _ = forward_loss(model, b, place)
             clock.mark("fwd_s")
             scaler.scale(loss / n_sup.clamp(min=1)).backward()
@@ -372,7 +375,7 @@ def train(cfg: Config) -> list[dict]:
     model_dir, files = claim_inputs(cfg)
     config = read_config(model_dir)[0]
     if cfg.plan:  # for the machine it names, not this one: no device, no process group
-        print(memory.plan_for(cfg, config))
+        print(plan_for(cfg, config))
         return []
     place = setup(cfg)
     tok = Tokenizer(model_dir)
@@ -386,7 +389,7 @@ def train(cfg: Config) -> list[dict]:
     params = [p for p in model.parameters() if p.requires_grad]
     opt = make_optimizer(cfg, params, place.device)
     scaler = torch.amp.GradScaler("cuda", enabled=place.dtype == torch.float16)
-    micro_rows = memory.micro_batch_rows(cfg, place, model, trainset, rows, forward_loss)
+    micro_rows = micro_batch_rows(cfg, place, model, trainset, rows, forward_loss)
     micro_rows = ranks.agreed_min(micro_rows, place.world, place.device)  # what each rank's memory allows: the least
     context = trainset.context_length
     estimated, peak_flops = progress.describe_step(cfg, place, model, context, rows, micro_rows, process_bytes)

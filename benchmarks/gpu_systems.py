@@ -32,7 +32,7 @@ import quant
 import train
 from benchmarks.common import OUT_DIR, SEED, hf_batch
 from model import Llama
-from support import atomic, hf_config
+from support import atomic, hf_config, nf4_cuda
 from support.attention import varlen_attention
 from support.hf_config import to_hf
 
@@ -148,7 +148,8 @@ def qlora_llama(cfg, base, device, dtype):
     embeddings, norms and lm_head shared with them (the same storage)."""
     with torch.device("meta"):
         model = Llama(cfg, varlen_attention(device, dtype, cfg.head_dim, windowed=bool(cfg.sliding_layers)))
-    quant.quantize_(model.to(dtype), compute_dtype=dtype, device=device, weights=base.__getitem__)
+    kernel = nf4_cuda.dequantize_op_for(device)
+    quant.quantize_(model.to(dtype), compute_dtype=dtype, device=device, weights=base.__getitem__, dequantize_op=kernel)
     rest = {k: base[k] for k, v in model.state_dict().items() if v.is_meta}
     model.load_state_dict(rest, strict=False, assign=True)
     return model

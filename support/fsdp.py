@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 import lora
 import quant
 from model import Llama, find_linears
+from support import nf4_cuda
 from support.attention import varlen_attention
 from support.hf import is_prequantized, load_weights_, open_checkpoint
 from support.hf_config import read_config
@@ -74,7 +75,8 @@ def load_sharded(model_dir, dtype, device, world, quantize, adapters, cpu_offloa
     for i, block in enumerate(model.model.layers):
         prefix = f"model.layers.{i}."
         if quantized:
-            quant.quantize_(model, [n for n in quantized if n.startswith(prefix)], dtype, device, weights)
+            names = [n for n in quantized if n.startswith(prefix)]
+            quant.quantize_(model, names, dtype, device, weights, nf4_cuda.dequantize_op_for(device))
         load_weights_(model, ckpt, dtype, device, within=prefix)
         add_adapters_(model, [n for n in chosen if n.startswith(prefix)], lora_kw)
         params_from_nf4(block)

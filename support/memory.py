@@ -1,5 +1,7 @@
-"""How much memory does a LoRA or QLoRA run take, which settings fit a GPU, how many rows go in a micro-batch, and
-what did a run really use?
+"""How much memory does a LoRA or QLoRA run take, and what did it really use?
+
+(Which settings fit a named GPU is support/plan.py; how many rows go in a micro-batch, support/micro_batch.py. Both
+read the estimate here.)
 
 The breakdown
 -------------
@@ -34,30 +36,17 @@ attention.bucket(c)) of the vocabulary V at a time, at the end of forward when e
 logits, and beside them the matmul's 16-bit output, logsumexp's scratch copy or the 16-bit gradient, 8 bytes per logit.
 
 Beyond torch's own count: a GPU holds the CUDA context and kernels (about 1 GiB, which torch.cuda.max_memory_allocated
-does not see but the card's capacity must). On CPU, peak RSS also holds the process itself (Python, torch, the
-tokenizer, the data), which train.py measures before building the model once the heap that conversion and
-tokenization freed is handed back (malloc_trim). And it would hold a heap: glibc's malloc serves mid-sized blocks from
-arenas and keeps what is freed for reuse, and the holes a forward's freed temporaries (norm statistics, projection
-sums, RoPE pieces) leave between the saved tensors are rarely the right size for what comes next, so the resident set
-grew by about one more copy of the activations (in fp32; two thirds of one in bf16), an amount no shape formula
-derives. train.py therefore asks malloc, on CPU, to serve every block of 128 KiB or more (every activation of a real
-model) by its own mmap, returned to the OS when the tensor is freed (mallopt's M_MMAP_THRESHOLD, fixed; glibc's
-default moves it up to 32 MiB as blocks are freed): the resident set is then what is live, the CPU estimate counts
-the same parts as the GPU's, and the peak itself is lower (docs/performance.md has both, and the cost in step time).
-
-The plan
---------
-`plan` computes the classic decision tree for one model and one memory budget instead of drawing it: first make the
-parts that do not depend on the batch fit at one row (16-bit base with AdamW; else the NF4 base; else also 8-bit
-AdamW; activations at one row with checkpointing), then the activations (without checkpointing if one row fits,
-else with it), then grow the micro-batch while it fits. Packed varlen attention is assumed throughout: its activations
-grow with tokens, not with tokens squared.
-
-The micro-batch
----------------
-`micro_batch_rows` sizes the micro-batch once per run: on CUDA the largest number of rows whose forward and backward
-fit, probed on the longest rows while the optimizer state (allocated at the first step) is held in reserve; on CPU
-memory comes first, CPU_MICRO_TOKENS tokens per micro-batch, fewer rows if the estimate says they would not fit.
+does not see but the card's capacity must; support/plan.py takes it off the card). On CPU, peak RSS also holds the
+process itself (Python, torch, the tokenizer, the data), which train.py measures before building the model once the heap
+that conversion and tokenization freed is handed back (malloc_trim). And it would hold a heap: glibc's malloc serves
+mid-sized blocks from arenas and keeps what is freed for reuse, and the holes a forward's freed temporaries (norm
+statistics, projection sums, RoPE pieces) leave between the saved tensors are rarely the right size for what comes next,
+so the resident set grew by about one more copy of the activations (in fp32; two thirds of one in bf16), an amount no
+shape formula derives. train.py therefore asks malloc, on CPU, to serve every block of 128 KiB or more (every activation
+of a real model) by its own mmap, returned to the OS when the tensor is freed (mallopt's M_MMAP_THRESHOLD, fixed;
+glibc's default moves it up to 32 MiB as blocks are freed): the resident set is then what is live, the CPU estimate
+counts the same parts as the GPU's, and the peak itself is lower (docs/performance.md has both, and the cost in step
+time).
 
 The measurement
 ---------------
@@ -76,22 +65,7 @@ import torch.nn as nn
 from model import LOSS_CHUNK, Llama, find_linears
 
 GIB = 2**30
-CUDA_CONTEXT = GIB  # the CUDA context and kernels, outside torch's allocator
 MIB = 2**20
-GPU_MIB = {  # each card's total as nvidia-smi reports it (often less than the GB it is sold as), for --plan=NAME
-    "H200": 143771,
-    "H100": 81559,
-    "A100-80GB": 81920,
-    "A100-40GB": 40960,
-    "L40S": 46068,
-    "A6000": 49140,
-    "L4": 23034,
-    "A10G": 23028,
-    "RTX4090": 24564,
-    "RTX3090": 24576,
-    "T4": 15360,
-    "V100": 16160,
-}
 
 
 def nf4_bytes(n):
@@ -126,32 +100,38 @@ def estimate(config, tokens, dtype, quantize, lora, opt_bytes, checkpointing, ch
     settings (train.Config.adapters: targets as model.find_linears, r, dropout); chunked=False is the full-vocabulary
     loss, whose (tokens, V) fp32 logits are kept for backward; shards: FSDP over that many ranks (0: not sharded),
     offload: its shards kept in CPU memory; sizes: model_sizes(config, lora targets), when the caller has it."""
-    lora_r, dropout = lora["r"], lora["dropout"]
+    lora_r = lora["r"]
+    dropout = lora["dropout"]
     sizes = sizes or model_sizes(config, lora["targets"])
-    c, a, linears = config, torch.finfo(dtype).bits // 8, sizes["block_linears"]
+    linears = sizes["block_linears"]  # the numel of each block linear
+    a = torch.finfo(dtype).bits // 8  # A of the file docstring: bytes of one value in the compute dtype
     quantized = sum(linears) if quantize else 0
     weights = a * (sizes["params"] - quantized) + (sum(nf4_bytes(n) for n in linears) if quantize else 0)
     lora_numbers = lora_r * sizes["adapted"]
-    h, i, heads = c.hidden_size, c.intermediate_size, c.num_attention_heads
-    q, kv = heads * c.head_dim, c.num_key_value_heads * c.head_dim
+    h = config.hidden_size
+    i = config.intermediate_size
+    heads = config.num_attention_heads
+    q = heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
     per_block = 2 * (4 * h + a * h) + a * (2 * q + 2 * kv) + 4 * heads + 3 * a * i
     first = sizes["first_block"]  # {kind: in_features} of the adapted linears of a block
     per_block += sum(a * lora_r + ((a + 1) * n_in if dropout > 0 else 0) for n_in in first.values())
     per_block += a * i if dropout == 0 and "down_proj" in first else 0  # silu(gate) * up, kept for down's LoRA
     # the loss's fp32 logits beside the matmul's output, logsumexp's scratch or the gradient: 8 bytes a logit, of one
     # chunk, or of every token for the full-vocabulary loss (on top of the logits it keeps)
-    transient = (min(tokens, LOSS_CHUNK) if chunked else tokens) * c.vocab_size * 8
+    transient = (min(tokens, LOSS_CHUNK) if chunked else tokens) * config.vocab_size * 8
     transient += max(linears) * a if quantize else 0  # W dequantized in backward
-    layers = c.num_hidden_layers
+    layers = config.num_hidden_layers
     kept = tokens * a * h * layers if checkpointing else tokens * per_block * layers  # saved by the forward
-    kept += 0 if chunked else tokens * c.vocab_size * 4  # the full loss keeps every fp32 logit
+    kept += 0 if chunked else tokens * config.vocab_size * 4  # the full loss keeps every fp32 logit
     transient += tokens * per_block if checkpointing else 0  # the block recomputed in backward
     parts = {
         "weights": weights,
         "adapters": 4 * lora_numbers,
         "gradients": 4 * lora_numbers,
         "optimizer": opt_bytes * lora_numbers,
-        "activations": kept + tokens * (4 * h + 2 * a * c.head_dim),  # + the final norm's fp32 input, RoPE's cos/sin
+        "activations": kept
+        + tokens * (4 * h + 2 * a * config.head_dim),  # + the final norm's fp32 input, RoPE's cos/sin
         "transient": transient,
     }
     if shards:
@@ -169,108 +149,26 @@ def sharded(parts, root, layers, shards, offload) -> dict:
     return held | {"gathered": int(root + 2 * block)}
 
 
+def optimizer_bytes(optimizer) -> int:
+    """Optimizer state per trainable parameter: AdamW's two fp32 moments, or two 8-bit ones."""
+    return 2 if "8bit" in optimizer else 8
+
+
+def run_estimate(cfg, config, tokens, place) -> dict:
+    """estimate for a run's settings (a train.Config) in its dtype on its device: bytes by part for a micro-batch of
+    `tokens` tokens, on one rank."""
+    return estimate(
+        config, tokens, place.dtype, cfg.quantize, cfg.adapters(), optimizer_bytes(cfg.optimizer),
+        cfg.activation_checkpointing, chunked=cfg.chunked_loss,
+        shards=place.world if cfg.parallel == "fsdp" else 0, offload=cfg.cpu_offload,
+    )  # fmt: skip
+
+
 def fmt(n):
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
 
 
-def gpu_count(spec) -> int:
-    """N of an "NxSPEC" --plan ("2x24GB", "8xH100"), else 1."""
-    count, x, _ = spec.upper().replace(" ", "").partition("X")
-    return int(count) if x and count.isdigit() and int(count) >= 1 else 1
-
-
-def budget_bytes(spec):
-    """The memory budget of one GPU from "H100", "24GB", "24GiB" (GB taken as GiB) or "2x24GB", less the CUDA
-    context."""
-    name = spec.upper().replace(" ", "")
-    name = name.partition("X")[2] if gpu_count(spec) > 1 or name.startswith("1X") else name
-    if name in GPU_MIB:
-        return GPU_MIB[name] * MIB - CUDA_CONTEXT
-    try:
-        return float(name.removesuffix("GIB").removesuffix("GB")) * GIB - CUDA_CONTEXT
-    except ValueError:
-        known = ", ".join(GPU_MIB)
-        raise ValueError(
-            f"plan: {spec!r} is neither a size like 24GB nor a known GPU ({known}), optionally as N x it (2x24GB)"
-        ) from None
-
-
-def plan(config, budget, context, max_rows, dtype, lora, chunked=True, shards=0, offload=False):
-    """(table rows, choice) of the decision tree for `config` in `budget` bytes per rank: every NF4/16-bit base,
-    optimizer, checkpointing and micro-batch size in powers of two up to max_rows, each with its estimate, and the
-    first that the tree reaches (fastest first: 16-bit before NF4 (sharded: NF4 first), AdamW before 8-bit (sharded:
-    AdamW only), no checkpointing before checkpointing, then the largest micro-batch); the choice is None when nothing
-    fits. shards, offload: as estimate."""
-    rows_options = [r for r in (1, 2, 4, 8, 16, 32, 64) if r <= max_rows] or [1]
-    table, kw = {}, dict(chunked=chunked, shards=shards, offload=offload, sizes=model_sizes(config, lora["targets"]))
-    for quantize in (False, True):
-        for opt_bytes in (8, 2):
-            for ckpt in (False, True):
-                for rows in rows_options:
-                    parts = estimate(config, rows * context, dtype, quantize, lora, opt_bytes, ckpt, **kw)
-                    table[quantize, opt_bytes, ckpt, rows] = sum(parts.values())
-    fits = lambda key: table[key] <= budget  # noqa: E731
-    # Sharded, the base travels every step (gathered from the other ranks, or from CPU memory when offloaded): NF4
-    # moves a quarter of the bytes, so it goes first; AdamW only (bitsandbytes' 8-bit AdamW takes no sharded state).
-    bases, optimizers = ((True, False), (8,)) if shards else ((False, True), (8, 2))
-    base = next(((qz, ob) for qz in bases for ob in optimizers if fits((qz, ob, True, 1))), None)
-    if base is None:
-        return table, None
-    ckpt = not fits((*base, False, 1))
-    rows = max(r for r in rows_options if fits((*base, ckpt, r)))
-    return table, (*base, ckpt, rows)
-
-
-def report(config, spec, context, max_rows, dtype, lora, chunked=True):
-    """The plan as text: the table of estimates, then the choice and the tree's reasons. On several GPUs the tree
-    first tries replicating the model on each (DDP), then sharding it (FSDP), then sharding and offloading to CPU."""
-    gpus, budget = gpu_count(spec), budget_bytes(spec)
-    loss = "chunked" if chunked else "full-vocabulary"
-    lines = [
-        f"memory plan for {spec} ({fmt(budget)}{' per GPU' * (gpus > 1)} after the CUDA context), rows of {context} "
-        f"tokens, LoRA "
-        f"r={lora['r']}, {loss} loss"
-    ]
-    ways = [("", 0, False)] + ([("FSDP", gpus, False), ("FSDP, CPU offload", gpus, True)] if gpus > 1 else [])
-    for way, shards, offload in ways:
-        table, choice = plan(config, budget, context, max_rows, dtype, lora, chunked, shards, offload)
-        lines += [f"-- {way or ('DDP' if gpus > 1 else 'one GPU')}: bytes per GPU"] if gpus > 1 else []
-        lines += plan_table(table, budget)
-        if choice is not None:
-            lines.append(plan_choice(choice, context, gpus, way, offload))
-            return "\n".join(lines)
-    lines.append("nothing fits: even an NF4 base with 8-bit AdamW and checkpointing needs more at one row")
-    return "\n".join(lines)
-
-
-def plan_table(table, budget) -> list[str]:
-    rows = sorted({k[3] for k in table})
-    lines = [f"{'base':7} {'optimizer':10} {'checkpointing':14}" + "".join(f"{f'{r} row(s)':>12}" for r in rows)]
-    for quantize in (False, True):
-        for opt_bytes in (8, 2):
-            for ckpt in (False, True):
-                cells = [table[quantize, opt_bytes, ckpt, r] for r in rows]
-                head = f"{'NF4' if quantize else '16-bit':7} {'AdamW' if opt_bytes == 8 else '8-bit':10} "
-                head += f"{'yes' if ckpt else 'no':14}"
-                lines.append(head + "".join(f"{fmt(v) + (' ' if v <= budget else '*'):>12}" for v in cells))
-    return lines + ["* does not fit"]
-
-
-def plan_choice(choice, context, gpus, way, offload) -> str:
-    quantize, opt_bytes, ckpt, r = choice
-    optimizer = "AdamW" if opt_bytes == 8 else "8-bit AdamW"
-    flags = f"--quantize={quantize} --optimizer={'adamw' if opt_bytes == 8 else 'adamw8bit'} "
-    flags += f"--activation_checkpointing={ckpt} --micro_batch_tokens={r * context}"
-    command = "train.py" if gpus == 1 else f"torchrun --nproc_per_node={gpus} train.py"
-    if way:
-        flags += f" --parallel=fsdp --cpu_offload={offload}"
-    where = f" on {gpus} GPUs, {way or 'DDP'}" if gpus > 1 else ""
-    return (
-        f"fastest that fits{where}: {'NF4' if quantize else '16-bit'} base, {optimizer}, checkpointing "
-        f"{'on' if ckpt else 'off'}, {r} row(s) per micro-batch ({command}: {flags})"
-    )
-
-
+# ----------------------------------------------------------------------------- the measurement
 def peak(device) -> int:
     """Peak bytes since reset_peak: torch's CUDA allocator peak, or on CPU the process's peak resident set
     (Linux's VmHWM; ru_maxrss elsewhere, which also counts what a parent held when it forked us)."""
@@ -336,103 +234,3 @@ def trim_heap():
     except (AttributeError, OSError, TypeError):  # TypeError: Windows' ctypes cannot open the process itself
         return
     release(0)
-
-
-# ----------------------------------------------------------------------------- a run's micro-batch
-CPU_MICRO_TOKENS = 512  # tokens per micro-batch on CPU when micro_batch_tokens is "auto"
-
-
-def optimizer_bytes(optimizer) -> int:
-    """Optimizer state per trainable parameter: AdamW's two fp32 moments, or two 8-bit ones."""
-    return 2 if "8bit" in optimizer else 8
-
-
-def micro_batch_rows(cfg, place, model, trainset, rows_per_rank, forward_loss) -> int:
-    """Micro-batch size in rows. CUDA: the largest that fits, probed with forward+backward passes on the longest rows
-    while the optimizer state (allocated at the first step) is held in reserve; sharded (FSDP), the largest the
-    estimate fits in 90% of the GPU (a probe that ran out of memory on one rank only would leave the others waiting
-    in a collective). CPU: the smallest of at least CPU_MICRO_TOKENS that the memory estimate allows.
-    forward_loss(model, batch, place) -> (loss, tokens)."""
-    if isinstance(cfg.micro_batch_tokens, int):
-        return max(1, min(rows_per_rank, cfg.micro_batch_tokens // trainset.context_length))
-    if place.device.type == "cuda" and cfg.parallel != "fsdp":
-        return probe_cuda_rows(cfg, place, model, trainset, rows_per_rank, forward_loss)
-    if place.device.type == "cuda":
-        budget, rows, context = 0.9 * torch.cuda.mem_get_info(place.device)[1], rows_per_rank, trainset.context_length
-        while rows > 1 and sum(run_estimate(cfg, model.config, rows * context, place).values()) > budget:
-            rows -= 1
-        return rows
-    # CPU: memory first. Several rows per micro-batch buy a little speed for a much larger resident set (the CPU
-    # ladder measures both); set micro_batch_tokens to trade the other way.
-    import psutil
-
-    budget = 0.6 * psutil.virtual_memory().available
-    rows = min(rows_per_rank, max(1, CPU_MICRO_TOKENS // trainset.context_length))
-    grows = lambda parts: parts["activations"] + parts["transient"]  # noqa: E731  (the rest is loaded)
-    while rows > 1 and grows(run_estimate(cfg, model.config, rows * trainset.context_length, place)) > budget:
-        rows //= 2
-    return rows
-
-
-def probe_cuda_rows(cfg, place, model, trainset, rows_per_rank, forward_loss) -> int:
-    """The largest micro-batch whose forward and backward on the longest rows fit, the optimizer state held in
-    reserve (see probe_micro_rows)."""
-    longest = sorted(range(len(trainset)), key=lambda r: -sum(trainset.lens[d] for d in trainset.rows[r]))
-
-    def attempt(rows):
-        try:
-            loss, _ = forward_loss(model, trainset.collate(longest[:rows]), place)
-            loss.backward()
-        finally:
-            model.zero_grad(set_to_none=True)
-
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    reserve = torch.empty(optimizer_bytes(cfg.optimizer) * trainable, dtype=torch.uint8, device=place.device)
-    rows = probe_micro_rows(attempt, rows_per_rank, place.device)
-    del reserve
-    return rows
-
-
-def run_estimate(cfg, config, tokens, place) -> dict:
-    """estimate for a run's settings (a train.Config) in its dtype on its device: bytes by part for a micro-batch of
-    `tokens` tokens, on one rank."""
-    return estimate(
-        config, tokens, place.dtype, cfg.quantize, cfg.adapters(), optimizer_bytes(cfg.optimizer),
-        cfg.activation_checkpointing, chunked=cfg.chunked_loss,
-        shards=place.world if cfg.parallel == "fsdp" else 0, offload=cfg.cpu_offload,
-    )  # fmt: skip
-
-
-def plan_for(cfg, config) -> str:
-    """--plan: report() for a run's settings, at its context length (2048 tokens for "auto", capped by the model)."""
-    context = cfg.context_length if isinstance(cfg.context_length, int) else min(2048, config.max_position_embeddings)
-    dtype = torch.float32 if cfg.precision == "fp32" else torch.bfloat16
-    rows = max(1, cfg.batch_tokens // context // gpu_count(cfg.plan))  # a rank's share of a step's rows
-    return report(config, cfg.plan, context, rows, dtype, cfg.adapters(), chunked=cfg.chunked_loss)
-
-
-def probe_micro_rows(attempt, max_rows, device) -> int:
-    """The largest rows in 1..max_rows for which attempt(rows) (a forward + backward) does not run out of memory:
-    max_rows first, then bisection (memory grows with rows, so 3 is found where halving would stop at 2). A failed
-    attempt's tensors die with its frame once the except block is left; only then is the cache emptied, so the next
-    attempt starts from a clean device. The peak statistics are reset at the end, so the peak the run reports is its
-    own, not a failed probe's."""
-
-    def fits(rows):
-        try:
-            attempt(rows)
-            ok = True
-        except torch.OutOfMemoryError:
-            ok = False
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        return ok
-
-    lo, hi = 1, max_rows  # the answer lies in lo..hi; one row must fit, or nothing can train
-    if not fits(hi):
-        hi -= 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            lo, hi = (mid, hi) if fits(mid) else (lo, mid - 1)
-    reset_peak(device)
-    return hi

@@ -1,20 +1,24 @@
 """Which kernel dequantizes NF4 on a GPU?
 
 quant.dequantize_nf4 is the reference: a few PyTorch ops, fp32 math, one rounding. On CUDA the implementation is
-chosen once, on first use: bitsandbytes' kernel when bitsandbytes imports with a CUDA build (`dequantize_bnb`), else a
-small Triton kernel when triton is installed and the kernel, tried once on a small tensor, builds and matches the
-reference there (`dequantize_triton`: one launch instead of a dozen PyTorch kernels and their fp32 temporaries), else
-the reference. The Triton kernel does the reference's fp32 operations in the reference's order and is launched with
-`enable_fp_fusion=False`, so the compiler never merges a multiply and an add into one FMA (one rounding instead of
-two): its output is bit-identical to the reference, which the tests prove on CPU through Triton's interpreter and on a
-GPU directly. Neither package is required; without them CUDA runs the reference. quant.py's CUDA kernel of the
-dequantize op imports this file on its first call.
+chosen once, when the first model is built there (`dequantize_op_for`): bitsandbytes' kernel when bitsandbytes imports
+with a CUDA build (`dequantize_bnb`), else a small Triton kernel when triton is installed and the kernel, tried once on
+a small tensor, builds and matches the reference there (`dequantize_triton`: one launch instead of a dozen PyTorch
+kernels and their fp32 temporaries), else the reference. The Triton kernel does the reference's fp32 operations in the
+reference's order and is launched with `enable_fp_fusion=False`, so the compiler never merges a multiply and an add
+into one FMA (one rounding instead of two): its output is bit-identical to the reference, which the tests prove on CPU
+through Triton's interpreter and on a GPU directly. Neither package is required; without them CUDA runs the reference.
+
+The choice reaches the model as an op: `dequantize_cuda` (torch.ops.nanoqlora.dequantize_nf4_cuda, opaque to
+torch.compile as quant.dequantize is), which the model's builder hands to quant.quantize_ and so to every NF4Linear.
+This file imports quant.py; quant.py imports nothing from here.
 """
 
 import contextlib
 import functools
 
 import torch
+from torch import Tensor
 
 import quant
 from support import optional
@@ -28,10 +32,11 @@ def _bnb_functional():
 
 def dequantize_bnb(weight, absmax, nested_absmax, offset, shape, dtype):
     """dequantize_nf4 through bitsandbytes' kernel, from a QuantState that points at our buffers."""
-    bnb, t = _bnb_functional(), quant._tables(weight.device)
-    nested = bnb.QuantState(absmax=nested_absmax, code=t["dyn"], blocksize=quant.NESTED_BLOCK, dtype=torch.float32)
+    bnb = _bnb_functional()
+    tables = quant.code_tables(weight.device)
+    nested = bnb.QuantState(absmax=nested_absmax, code=tables["dyn"], blocksize=quant.NESTED_BLOCK, dtype=torch.float32)
     kw = dict(quant_type="nf4", dtype=dtype, offset=offset, state2=nested)
-    state = bnb.QuantState(absmax=absmax, shape=torch.Size(shape), code=t["nf4"], blocksize=quant.BLOCK, **kw)
+    state = bnb.QuantState(absmax=absmax, shape=torch.Size(shape), code=tables["nf4"], blocksize=quant.BLOCK, **kw)
     return bnb.dequantize_4bit(weight, state)
 
 
@@ -73,8 +78,9 @@ def _triton_kernel():
 def dequantize_triton(weight, absmax, nested_absmax, offset, shape, dtype):
     """dequantize_nf4 in one Triton kernel launch, bit-identical to it (see TRITON_OPTIONS)."""
     out = torch.empty(shape, dtype=dtype, device=weight.device)
-    n, t = out.numel(), quant._tables(weight.device)
-    args = (weight, absmax, nested_absmax, offset, t["nf4"], t["dyn"], out, n)
+    n = out.numel()
+    tables = quant.code_tables(weight.device)
+    args = (weight, absmax, nested_absmax, offset, tables["nf4"], tables["dyn"], out, n)
     consts = dict(SIZE=TRITON_BLOCK, Q=quant.BLOCK, NESTED=quant.NESTED_BLOCK, BF16=dtype == torch.bfloat16)
     # Triton launches on the current GPU: make it the weight's (cuda:1 while cuda:0 is current would fault).
     with torch.cuda.device(weight.device) if weight.is_cuda else contextlib.nullcontext():
@@ -84,14 +90,38 @@ def dequantize_triton(weight, absmax, nested_absmax, offset, shape, dtype):
 
 @functools.cache
 def cuda_dequantize():
-    """The CUDA implementation, chosen on first use as the file docstring says (a CPU-only bitsandbytes is passed
-    over)."""
+    """The CUDA implementation, chosen once as the file docstring says (a CPU-only bitsandbytes is passed over)."""
     has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
     if _bnb_functional() is not None and has_kernel("bitsandbytes::dequantize_4bit", "CUDA"):
         return dequantize_bnb
     if optional.installed("triton") and runs_like_reference(dequantize_triton, "cuda"):
         return dequantize_triton
     return quant.dequantize_nf4
+
+
+@torch.library.custom_op("nanoqlora::dequantize_nf4_cuda", mutates_args=(), device_types="cuda")
+def dequantize_cuda(
+    weight: Tensor, absmax: Tensor, nested_absmax: Tensor, offset: Tensor, shape: list[int], dtype: torch.dtype
+) -> Tensor:
+    """quant.dequantize_nf4 on CUDA tensors by the implementation cuda_dequantize chose, as one opaque op."""
+    return cuda_dequantize()(weight, absmax, nested_absmax, offset, shape, dtype)
+
+
+@dequantize_cuda.register_fake
+def _(weight, absmax, nested_absmax, offset, shape, dtype):  # what the compiler needs: the output's metadata
+    return weight.new_empty(shape, dtype=dtype)
+
+
+CUDA_OP = torch.ops.nanoqlora.dequantize_nf4_cuda.default  # as layers hold it (see quant.REFERENCE_OP)
+
+
+def dequantize_op_for(device):
+    """The op the NF4 linears of a model built on `device` dequantize with: on CUDA dequantize_cuda's, its kernel
+    chosen now (a kernel that fails its trial says so while the model is built), elsewhere the reference's."""
+    if torch.device(device).type != "cuda":
+        return quant.REFERENCE_OP
+    cuda_dequantize()
+    return CUDA_OP
 
 
 def runs_like_reference(impl, device):

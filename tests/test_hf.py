@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file
 import lora
 import quant
 from model import Llama, LlamaConfig
+from support import nf4_cuda
 from support.atomic import atomic_write, write_json, write_safetensors
 from support.hf import export_merged, save_adapter, save_quantized
 from support.hf_config import config_json, read_config, to_hf
@@ -92,6 +93,22 @@ def test_loaded_model_keeps_no_view_of_the_file(saved):
     maps = open("/proc/self/maps").read()
     assert model.model.embed_tokens.weight.dtype == torch.float32
     assert str(saved / "model.safetensors") not in maps
+
+
+def test_load_model_hands_the_nf4_layers_the_kernel_chosen_for_the_device(saved, monkeypatch):
+    """load_model asks support/nf4_cuda.py once for the op that dequantizes on its device and every NF4 linear gets it,
+    adapted ones included (on CPU: the reference op; the choice itself is tested in test_nf4_cuda.py)."""
+    assert {m.dequantize_op for m in load_quantized(saved).modules() if isinstance(m, quant.NF4Linear)} == {
+        quant.REFERENCE_OP
+    }
+    asked = []
+    kernel = lambda *args: quant.REFERENCE_OP(*args)  # noqa: E731
+    monkeypatch.setattr(nf4_cuda, "dequantize_op_for", lambda device: asked.append(device) or kernel)
+    adapters = dict(targets=["q_proj"], r=2, alpha=4, dropout=0.0)
+    model = load_model(saved, torch.float32, quantize=True, add_lora=adapters)
+    layers = [m for m in model.modules() if isinstance(m, quant.NF4Linear)]
+    assert asked == [torch.device("cpu")] and len(layers) == 14 and all(m.dequantize_op is kernel for m in layers)
+    assert sum(isinstance(m, lora.LoRA) for m in layers) == 2
 
 
 def test_error_missing_model_file(saved):

@@ -17,8 +17,6 @@ What this file proves:
 - fp32 LoRA parameters on a bf16 base (lora_dtype) give bf16 outputs and fp32 gradients on the LoRA parameters only;
 - an adapter loaded into a model in eval mode has no live dropout (PEFT's logits without calling eval again), and
   adapter_health's norms equal the explicitly formed ||scale * B @ A|| / ||W||;
-- dropout drops p of each row, and its mask is a function of (seed, step, row) and the element's place only: rows
-  split into micro-batches, with activation checkpointing or without, give the same loss and gradients;
 - mismatched adapters (rank, unknown module, other base shapes, unsupported options, missing file) fail in one line;
 - for Qwen2 (biased q/k/v), Qwen3 (q/k norms, biased o_proj) and Mistral bases, adapters load in PEFT on the
   family's own transformers class with our logits and merged exports load in that class, from a QLoRA model whose
@@ -110,6 +108,18 @@ def test_zero_B_is_the_base_model(base_dir, nf4):
     assert set(state) - set(base_state) == lora_keys
     assert {n for n, p in model.named_parameters() if p.requires_grad} == lora_keys
     assert (trainable, total) == (expected_trainable, dense_total + expected_trainable)
+
+
+def test_an_adapted_nf4_linear_keeps_its_base_s_kernel_and_error():
+    """with_lora over an NF4Linear keeps the base's dequantize_op (the kernel chosen when the model was built) and
+    rel_error, and its forward dequantizes with that op."""
+    base = quant.NF4Linear.from_linear(torch.nn.Linear(64, 32), torch.float32)
+    calls = []
+    base.dequantize_op = lambda *args: calls.append(args[4]) or quant.dequantize(*args)
+    layer = lora.with_lora(base, r=2, alpha=4, dropout=0.0, use_rslora=False, lora_dtype=None)
+    assert layer.dequantize_op is base.dequantize_op and layer.rel_error == base.rel_error is not None
+    layer(torch.randn(3, 64))
+    assert calls == [[32, 64]]
 
 
 @pytest.mark.parametrize("nf4", [False, True])
@@ -381,70 +391,6 @@ def test_adapter_health_equals_direct_norms(base_dir, nf4):
         want = (m.scaling * m.lora_B.weight @ m.lora_A.weight).norm() / w.norm()
         assert abs(health[name][0] - want.item()) < 1e-5 * want.item()
     assert health["model.layers.0.self_attn.q_proj"][1] == 1 - 10 / 64
-
-
-def test_keyed_dropout_drops_p_and_keeps_the_mean():
-    """Each row drops p of its features (within 0.003 over 250,000), the kept ones scaled by 1 / (1 - p)."""
-    x = torch.ones(4, 250_000, dtype=torch.bfloat16)
-    for p in (0.05, 0.1, 0.5):
-        y = lora.keyed_dropout(x, p, lora.row_keys(1337, 3, range(4))).float()
-        dropped = (y == 0).float().mean(1)
-        assert (dropped - p).abs().max() < 0.003, (p, dropped)
-        assert set(y.unique().tolist()) == {0.0, torch.tensor(1 / (1 - p), dtype=torch.bfloat16).item()}
-        assert abs(y.mean().item() - 1) < 0.01
-
-
-def test_dropout_is_a_function_of_seed_step_and_row(base_dir):
-    """A row's mask depends on (seed, step, its row in the global batch) and the element's place only: the same rows
-    give the same masks as one batch or split (as ranks and micro-batches split them); another seed, step or row, and
-    another module, give masks that agree only as independent draws do (1 - 2p(1 - p) of the elements)."""
-    x, p = torch.ones(6, 8, 100), 0.25
-
-    def mask(seed, step, rows):
-        return lora.keyed_dropout(x[: len(rows)], p, lora.row_keys(seed, step, rows)) != 0
-
-    whole = mask(1, 2, range(6))
-    assert torch.equal(whole, torch.cat([mask(1, 2, range(i, min(i + 4, 6))) for i in (0, 4)]))
-    assert torch.equal(whole[3:5], mask(1, 2, [3, 4]))
-    independent = 1 - 2 * p * (1 - p)
-    for other in (mask(2, 2, range(6)), mask(1, 3, range(6)), mask(1, 2, range(1, 7))):
-        assert abs((other == whole).float().mean().item() - independent) < 0.02
-    model = ours(base_dir)
-    lora.add_lora_(model, "all-linear", r=2, alpha=4, dropout=p)
-    with lora.dropout_rows(model, lora.row_keys(1, 2, range(6))):
-        first, second = [lora.keyed_dropout(x, p, m.dropout_keys) != 0 for m in lora.lora_modules(model).values()][:2]
-    assert abs((first == second).float().mean().item() - independent) < 0.02
-    assert all(m.dropout_keys is None for m in lora.lora_modules(model).values())  # only within dropout_rows
-
-
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_live_dropout_gives_the_same_gradients_however_the_rows_are_split(base_dir, checkpointing):
-    """With dropout 0.5 live, the summed loss of 2 rows and its LoRA gradients are the same as one micro-batch of both
-    rows and as two of one row each, keyed by their rows, with activation checkpointing (which recomputes the forward
-    in the backward, so the masks must come out the same again) and without: within fp32 rounding (measured: 1e-6 of
-    each gradient's largest entry, bounded by 1e-5; a mask drawn differently moves them by tens of percent)."""
-    model = ours(base_dir)
-    lora.add_lora_(model, "all-linear", r=4, alpha=8, dropout=0.5)
-    randomize_B(model)
-    model.train().activation_checkpointing = checkpointing
-    labels = IDS.roll(-1, 1)
-    results = []
-    for split in ([[0, 1]], [[0], [1]]):
-        model.zero_grad()
-        total = 0.0
-        for rows in split:
-            with lora.dropout_rows(model, lora.row_keys(7, 0, rows)):
-                loss, _ = model(IDS[rows], labels=labels[rows])
-                loss.backward()
-            total += loss.item()
-        results.append([total] + [p.grad.clone() for p in model.parameters() if p.requires_grad])
-    assert results[0][0] == pytest.approx(results[1][0], rel=1e-6)
-    for a, b in zip(results[0][1:], results[1][1:], strict=True):  # 1e-6 of the largest: sums in another order
-        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
-    model.zero_grad()
-    with torch.no_grad():  # and the masks are live: another step's keys give another loss
-        with lora.dropout_rows(model, lora.row_keys(7, 1, [0, 1])):
-            assert model(IDS, labels=labels)[0].item() != pytest.approx(results[1][0], rel=1e-4)
 
 
 FAMILY = {

@@ -33,6 +33,8 @@ import model as M
 import quant
 import support.attention as A
 from model import KVCache, Llama, LlamaConfig, generate
+from support import nf4_cuda
+from support.dropout import dropout_rows, row_keys
 from support.hf_config import to_hf
 from train import load_model
 
@@ -294,10 +296,12 @@ def rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
-def qlora_tiny(seed=0, dtype=torch.float32, dropout=0.0):
-    """A tiny QLoRA model as load_model builds it: the base in `dtype`, NF4 block linears, fp32 adapters, B random."""
+def qlora_tiny(seed=0, dtype=torch.float32, dropout=0.0, device="cpu"):
+    """A tiny QLoRA model as load_model builds it for `device`: the base in `dtype`, NF4 block linears dequantizing
+    with the device's op, fp32 adapters, B random."""
     torch.manual_seed(seed)
-    model = quant.quantize_(Llama(tiny_config()).to(dtype), compute_dtype=dtype)
+    kernel = nf4_cuda.dequantize_op_for(device)
+    model = quant.quantize_(Llama(tiny_config()).to(dtype), compute_dtype=dtype, dequantize_op=kernel)
     lora.add_lora_(model, "all-linear", r=2, alpha=4, dropout=dropout, lora_dtype=torch.float32)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -328,7 +332,7 @@ def test_compiled_training_step_has_no_breaks_and_no_recompiles(device, dtype):
     torch._dynamo.reset()
     counters.clear()
     torch.backends.cuda.matmul.fp32_precision = "ieee"  # the fp32 reference; conftest's autouse fixture restores it
-    eager, compiled = (qlora_tiny(dtype=dtype, dropout=0.25).to(device) for _ in range(2))
+    eager, compiled = (qlora_tiny(dtype=dtype, dropout=0.25, device=device).to(device) for _ in range(2))
     models = [eager, compiled]
     if dtype != torch.float32:  # the same weights and NF4 codes, every matmul in fp32
         models.append(copy.deepcopy(eager).float())
@@ -351,7 +355,7 @@ def test_compiled_training_step_has_no_breaks_and_no_recompiles(device, dtype):
         for model in models:
             model.zero_grad()
             autocast = torch.autocast(device, dtype=dtype, enabled=kind(model) != torch.float32)
-            with autocast, lora.dropout_rows(model, lora.row_keys(0, step, [0], device)):
+            with autocast, dropout_rows(model, row_keys(0, step, [0], device)):
                 loss, _ = model(ids, pos, labels=labels)
                 loss.backward()
             results.append([loss.detach()] + [p.grad for p in model.parameters() if p.requires_grad])

@@ -135,6 +135,21 @@ def test_a_kernel_that_fails_or_differs_is_not_chosen(capsys, monkeypatch):
         assert chosen is (nf4_cuda.dequantize_triton if verdict else quant.dequantize_nf4), chosen.__name__
 
 
+def test_a_model_built_on_cuda_gets_the_cuda_op(monkeypatch):
+    """dequantize_op_for: off CUDA the reference op; on CUDA dequantize_cuda's, its kernel chosen
+    then (a failing trial speaks while the model is built, not at the first step); the CUDA op's fake implementation
+    gives torch.compile the output's shape and dtype without a GPU."""
+    assert nf4_cuda.dequantize_op_for("cpu") is quant.REFERENCE_OP is torch.ops.nanoqlora.dequantize_nf4.default
+    choices = []
+    monkeypatch.setattr(nf4_cuda, "cuda_dequantize", lambda: choices.append("chosen"))
+    assert nf4_cuda.dequantize_op_for(torch.device("cuda", 1)) is torch.ops.nanoqlora.dequantize_nf4_cuda.default
+    assert choices == ["chosen"]
+    q = quant.quantize_nf4(torch.randn(10, 100))
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake = nf4_cuda.dequantize_cuda(*(mode.from_tensor(t) for t in q), [10, 100], torch.bfloat16)
+    assert fake.shape == (10, 100) and fake.dtype == torch.bfloat16
+
+
 # ----------------------------------------------------------------------------- torch.compile
 
 
@@ -142,12 +157,13 @@ def test_a_kernel_that_fails_or_differs_is_not_chosen(capsys, monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_cuda_dequantize_equals_cpu_reference(shape, dtype):
-    """On CUDA, NF4Linear.dequantize() (the implementation chosen on first use, nf4_cuda.cuda_dequantize()) and every
+    """On CUDA, NF4Linear.dequantize() (through the op a model built there gets, nf4_cuda.dequantize_cuda) and every
     installed implementation (the PyTorch reference, the Triton kernel, bitsandbytes' kernel) equal the CPU reference
     bit for bit."""
     q = quant.quantize_nf4((torch.randn(shape) * 0.02).to(dtype))
     ref = quant.dequantize_nf4(*q, shape, dtype)
     layer = quant.NF4Linear.from_nf4(q.to("cuda"), *shape, compute_dtype=dtype)
+    layer.dequantize_op = nf4_cuda.dequantize_op_for("cuda")  # as a model built on CUDA gets it
     assert torch.equal(layer.dequantize().cpu(), ref), nf4_cuda.cuda_dequantize().__name__
     impls = [quant.dequantize_nf4]
     impls += [nf4_cuda.dequantize_triton] if importlib.util.find_spec("triton") else []
@@ -162,11 +178,12 @@ def test_cuda_dequantize_equals_cpu_reference(shape, dtype):
 @cuda
 @pytest.mark.parametrize("compute_dtype", DTYPES)
 def test_cuda_nf4linear_matches_f_linear(compute_dtype):
-    """On CUDA, NF4Linear's forward equals F.linear on its dequantized weight and the input and bias gradients agree;
-    the weight is the CPU layer's bit for bit and the buffers get no gradient."""
+    """On CUDA, NF4Linear's forward (through the CUDA op) equals F.linear on its dequantized weight and the input and
+    bias gradients agree; the weight is the CPU layer's bit for bit and the buffers get no gradient."""
     linear = nn.Linear(128, 96, bias=True)
     cpu = quant.NF4Linear.from_linear(linear, compute_dtype)
     ours = quant.NF4Linear.from_linear(linear, compute_dtype).cuda()
+    ours.dequantize_op = nf4_cuda.dequantize_op_for("cuda")  # as a model built on CUDA gets it
     w = ours.dequantize()
     assert torch.equal(w.cpu(), cpu.dequantize())
     x = torch.randn(2, 5, 128, dtype=compute_dtype, device="cuda", requires_grad=True)

@@ -20,6 +20,7 @@ its flat (correct) indexing applies: in_features a multiple of 64, or not a mult
 the tests that use it (the `bnb` fixture), so this file also runs on a GPU machine without it.
 """
 
+import copy
 import json
 import os
 
@@ -187,6 +188,28 @@ def test_quantize_swaps_exactly_the_block_linears():
         "model.layers.1.self_attn.q_proj",
         "model.layers.1.mlp.up_proj",
     }
+
+
+def test_quantize_hands_every_layer_the_dequantize_op_it_is_given():
+    """quantize_ gives every NF4Linear it makes the op it is handed (how a model built on a GPU gets its kernel,
+    support/nf4_cuda.py), and the layer's forward, backward and dequantize() all run that op; by default it is the
+    reference op, and a model holding it deep-copies."""
+    copied = copy.deepcopy(quant.quantize_(tiny_llama()))
+    default = [m for m in copied.modules() if isinstance(m, quant.NF4Linear)]
+    assert len(default) == 14 and all(m.dequantize_op is quant.REFERENCE_OP for m in default)
+    shapes = []
+
+    def recorded(*args):
+        shapes.append(tuple(args[4]))
+        return quant.REFERENCE_OP(*args)
+
+    model = quant.quantize_(tiny_llama(), compute_dtype=torch.float32, dequantize_op=recorded)
+    layers = [m for m in model.modules() if isinstance(m, quant.NF4Linear)]
+    assert len(layers) == 14 and all(m.dequantize_op is recorded for m in layers)
+    model(torch.randint(0, 128, (1, 5))).sum().backward()  # the embeddings train: each layer's input gradient
+    assert len(shapes) == 2 * len(layers)
+    layers[0].dequantize()
+    assert shapes[-1] == (layers[0].out_features, layers[0].in_features)
 
 
 def test_meta_model_from_checkpoint_equals_materialised(tmp_path):

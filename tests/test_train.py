@@ -21,7 +21,7 @@
   does not fit, and train.py runs end to end on a random 1B-shaped Llama (loss falls, resume, PEFT and merged export).
 
 The pieces train.py calls are tested in their own files: test_config.py, test_precision.py, test_flops.py,
-test_memory.py (the micro-batch probe), test_checkpoint.py, test_merge_check.py.
+test_micro_batch.py (the micro-batch probe), test_checkpoint.py, test_merge_check.py.
 """
 
 import json
@@ -41,7 +41,7 @@ from safetensors.torch import load_file
 import quant
 import train
 from pack import PackedDataset, build_dataset
-from support import atomic, checkpoint, memory, optional, precision, progress, run_dir
+from support import atomic, checkpoint, memory, micro_batch, optional, precision, progress, run_dir
 from support.config import load_config
 from support.examples import stdlib_examples
 from support.flops import flops_per_token, fmt_flops, matmul_rates
@@ -589,7 +589,7 @@ def test_tf32_only_where_asked(monkeypatch, tf32):
 
 
 def test_plan_and_preview_load_no_model_and_write_nothing(tiny_dir, tmp_path, monkeypatch, capsys):
-    """--plan prints memory.report's table and choice for the model's config.json; --preview prints the data report and
+    """--plan prints plan.report's table and choice for the model's config.json; --preview prints the data report and
     the marked examples; neither builds a model nor creates out_dir."""
     monkeypatch.setattr(train, "build_model", lambda *a: pytest.fail("a model was built"))
     assert run(args(tiny_dir, tmp_path, "--plan=24GB")) == []
@@ -760,7 +760,7 @@ def test_probe_fits_under_a_capped_memory_fraction(smollm2_dir, tmp_path):
     torch.cuda.empty_cache()
     torch.cuda.set_per_process_memory_fraction((reserved2 + allocated3) / 2 / torch.cuda.mem_get_info()[1])
     try:
-        rows = memory.micro_batch_rows(cfg, place, model, trainset, 16, train.forward_loss)
+        rows = micro_batch.micro_batch_rows(cfg, place, model, trainset, 16, train.forward_loss)
         assert rows == 2, (rows, reserved2, allocated3)
         with pytest.raises(torch.OutOfMemoryError):
             peak(3)

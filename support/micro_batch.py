@@ -1,0 +1,93 @@
+"""How many rows go in a micro-batch?
+
+`micro_batch_rows` sizes the micro-batch once per run: on CUDA the largest number of rows whose forward and backward
+fit, probed on the longest rows while the optimizer state (allocated at the first step) is held in reserve; sharded
+(FSDP), the largest that support/memory.py's estimate fits, since a probe that ran out of memory on one rank only would
+leave the others waiting in a collective. On CPU memory comes first: CPU_MICRO_TOKENS tokens per micro-batch, fewer
+rows if the estimate says they would not fit. A micro_batch_tokens setting that is a number overrides all of it.
+"""
+
+import torch
+
+from support.memory import optimizer_bytes, reset_peak, run_estimate
+
+CPU_MICRO_TOKENS = 512  # tokens per micro-batch on CPU when micro_batch_tokens is "auto"
+
+
+def micro_batch_rows(cfg, place, model, trainset, rows_per_rank, forward_loss) -> int:
+    """Micro-batch size in rows. CUDA: the largest that fits, probed with forward+backward passes on the longest rows
+    while the optimizer state (allocated at the first step) is held in reserve; sharded (FSDP), the largest the
+    estimate fits in 90% of the GPU (a probe that ran out of memory on one rank only would leave the others waiting
+    in a collective). CPU: the smallest of at least CPU_MICRO_TOKENS that the memory estimate allows.
+    forward_loss(model, batch, place) -> (loss, tokens)."""
+    context = trainset.context_length
+    if isinstance(cfg.micro_batch_tokens, int):
+        return max(1, min(rows_per_rank, cfg.micro_batch_tokens // context))
+    if place.device.type == "cuda" and cfg.parallel != "fsdp":
+        return probe_cuda_rows(cfg, place, model, trainset, rows_per_rank, forward_loss)
+    if place.device.type == "cuda":
+        budget = 0.9 * torch.cuda.mem_get_info(place.device)[1]
+        rows = rows_per_rank
+        while rows > 1 and sum(run_estimate(cfg, model.config, rows * context, place).values()) > budget:
+            rows -= 1
+        return rows
+    # CPU: memory first. Several rows per micro-batch buy a little speed for a much larger resident set (the CPU
+    # ladder measures both); set micro_batch_tokens to trade the other way.
+    import psutil
+
+    budget = 0.6 * psutil.virtual_memory().available
+    rows = min(rows_per_rank, max(1, CPU_MICRO_TOKENS // context))
+    grows = lambda parts: parts["activations"] + parts["transient"]  # noqa: E731  (the rest is loaded)
+    while rows > 1 and grows(run_estimate(cfg, model.config, rows * context, place)) > budget:
+        rows //= 2
+    return rows
+
+
+def probe_cuda_rows(cfg, place, model, trainset, rows_per_rank, forward_loss) -> int:
+    """The largest micro-batch whose forward and backward on the longest rows fit, the optimizer state held in
+    reserve (see probe_micro_rows)."""
+    longest = sorted(range(len(trainset)), key=lambda r: -sum(trainset.lens[d] for d in trainset.rows[r]))
+
+    def attempt(rows):
+        try:
+            loss, _ = forward_loss(model, trainset.collate(longest[:rows]), place)
+            loss.backward()
+        finally:
+            model.zero_grad(set_to_none=True)
+
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    reserve = torch.empty(optimizer_bytes(cfg.optimizer) * trainable, dtype=torch.uint8, device=place.device)
+    rows = probe_micro_rows(attempt, rows_per_rank, place.device)
+    del reserve
+    return rows
+
+
+def probe_micro_rows(attempt, max_rows, device) -> int:
+    """The largest rows in 1..max_rows for which attempt(rows) (a forward + backward) does not run out of memory:
+    max_rows first, then bisection (memory grows with rows, so 3 is found where halving would stop at 2). A failed
+    attempt's tensors die with its frame once the except block is left; only then is the cache emptied, so the next
+    attempt starts from a clean device. The peak statistics are reset at the end, so the peak the run reports is its
+    own, not a failed probe's."""
+
+    def fits(rows):
+        try:
+            attempt(rows)
+            ok = True
+        except torch.OutOfMemoryError:
+            ok = False
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return ok
+
+    lo = 1  # the answer lies in lo..hi; one row must fit, or nothing can train
+    hi = max_rows
+    if not fits(hi):
+        hi -= 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if fits(mid):
+                lo = mid
+            else:
+                hi = mid - 1
+    reset_peak(device)
+    return hi

@@ -1,0 +1,108 @@
+"""support/dropout.py: LoRA's keyed dropout on CPU, on tiny shapes.
+
+What this file proves: dropout drops p of each row and keeps the mean; its mask is a function of (seed, step, row) and
+the element's place only, each adapted linear drawing its own; rows split into micro-batches, with activation
+checkpointing or without, give the same loss and gradients (what lets a run resume on another number of ranks); the
+module is chosen when the layer is built (none at p = 0) and is the identity in eval mode.
+"""
+
+import pytest
+import torch
+from conftest import TINY
+
+import lora
+from model import Llama, LlamaConfig
+from support.dropout import KeyedDropout, dropout_rows, keyed_dropout, row_keys
+
+IDS = torch.tensor([[1, 5, 9, 17, 33, 2, 60, 7, 100, 3], [4, 4, 8, 15, 16, 23, 42, 0, 99, 1]])
+CONFIG = LlamaConfig(vocab_size=128, head_dim=16, max_position_embeddings=64, **TINY)
+
+
+def adapted_llama(r, dropout, seed=0):
+    """A tiny random fp32 Llama with LoRA on every block linear."""
+    torch.manual_seed(seed)
+    model = Llama(CONFIG)
+    lora.add_lora_(model, "all-linear", r=r, alpha=2 * r, dropout=dropout)
+    return model
+
+
+def test_keyed_dropout_drops_p_and_keeps_the_mean():
+    """Each row drops p of its features (within 0.003 over 250,000), the kept ones scaled by 1 / (1 - p)."""
+    x = torch.ones(4, 250_000, dtype=torch.bfloat16)
+    for p in (0.05, 0.1, 0.5):
+        y = keyed_dropout(x, p, row_keys(1337, 3, range(4))).float()
+        dropped = (y == 0).float().mean(1)
+        assert (dropped - p).abs().max() < 0.003, (p, dropped)
+        assert set(y.unique().tolist()) == {0.0, torch.tensor(1 / (1 - p), dtype=torch.bfloat16).item()}
+        assert abs(y.mean().item() - 1) < 0.01
+
+
+def test_dropout_is_a_function_of_seed_step_and_row():
+    """A row's mask depends on (seed, step, its row in the global batch) and the element's place only: the same rows
+    give the same masks as one batch or split (as ranks and micro-batches split them); another seed, step or row, and
+    another module, give masks that agree only as independent draws do (1 - 2p(1 - p) of the elements). The keys are
+    set only within dropout_rows."""
+    x, p = torch.ones(6, 8, 100), 0.25
+
+    def mask(seed, step, rows):
+        return keyed_dropout(x[: len(rows)], p, row_keys(seed, step, rows)) != 0
+
+    whole = mask(1, 2, range(6))
+    assert torch.equal(whole, torch.cat([mask(1, 2, range(i, min(i + 4, 6))) for i in (0, 4)]))
+    assert torch.equal(whole[3:5], mask(1, 2, [3, 4]))
+    independent = 1 - 2 * p * (1 - p)
+    for other in (mask(2, 2, range(6)), mask(1, 3, range(6)), mask(1, 2, range(1, 7))):
+        assert abs((other == whole).float().mean().item() - independent) < 0.02
+    model = adapted_llama(r=2, dropout=p)
+    dropouts = [m.lora_dropout for m in lora.lora_modules(model).values()]
+    with dropout_rows(model, row_keys(1, 2, range(6))):
+        first, second = [keyed_dropout(x, p, d.keys) != 0 for d in dropouts[:2]]
+    assert abs((first == second).float().mean().item() - independent) < 0.02
+    assert all(d.keys is None for d in dropouts)
+
+
+def test_the_dropout_module_is_chosen_when_the_layer_is_built():
+    """p > 0 gives every adapted linear a KeyedDropout holding p (where PEFT's config reads it), the identity in eval
+    mode; p = 0 gives nn.Identity, so nothing is drawn; a probability outside [0, 1] is refused in one line."""
+    model = adapted_llama(r=2, dropout=0.1)
+    dropouts = [m.lora_dropout for m in lora.lora_modules(model).values()]
+    assert len(dropouts) == 14 and all(isinstance(d, KeyedDropout) and d.p == 0.1 for d in dropouts)
+    x = torch.ones(3, 5, 64)
+    assert (dropouts[0].train()(x) == 0).any()
+    assert dropouts[0].eval()(x) is x
+    model = adapted_llama(r=2, dropout=0.0)
+    assert all(isinstance(m.lora_dropout, torch.nn.Identity) for m in lora.lora_modules(model).values())
+    with pytest.raises(ValueError, match="between 0 and 1, but got 1.5"):
+        KeyedDropout(1.5)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_live_dropout_gives_the_same_gradients_however_the_rows_are_split(checkpointing):
+    """With dropout 0.5 live, the summed loss of 2 rows and its LoRA gradients are the same as one micro-batch of both
+    rows and as two of one row each, keyed by their rows, with activation checkpointing (which recomputes the forward
+    in the backward, so the masks must come out the same again) and without: within fp32 rounding (1e-5 of each
+    gradient's largest entry; a mask drawn differently moves them by tens of percent)."""
+    model = adapted_llama(r=4, dropout=0.5)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".lora_B." in name:
+                p.normal_(0, 0.3)
+    model.train().activation_checkpointing = checkpointing
+    labels = IDS.roll(-1, 1)
+    results = []
+    for split in ([[0, 1]], [[0], [1]]):
+        model.zero_grad()
+        total = 0.0
+        for rows in split:
+            with dropout_rows(model, row_keys(7, 0, rows)):
+                loss, _ = model(IDS[rows], labels=labels[rows])
+                loss.backward()
+            total += loss.item()
+        results.append([total] + [p.grad.clone() for p in model.parameters() if p.requires_grad])
+    assert results[0][0] == pytest.approx(results[1][0], rel=1e-6)
+    for a, b in zip(results[0][1:], results[1][1:], strict=True):  # sums in another order
+        assert (a - b).abs().max() <= 1e-5 * b.abs().max()
+    model.zero_grad()
+    with torch.no_grad():  # and the masks are live: another step's keys give another loss
+        with dropout_rows(model, row_keys(7, 1, [0, 1])):
+            assert model(IDS, labels=labels)[0].item() != pytest.approx(results[1][0], rel=1e-4)

@@ -1,0 +1,68 @@
+"""support/plan.py: --plan's decision tree over the memory estimate, on tiny configs.
+
+- the plan follows the decision tree: for budgets cut between the table's own entries it picks the 16-bit base, then
+  NF4, then 8-bit AdamW, checkpointing only when one row does not fit without it, and the largest micro-batch that
+  fits; a budget below everything gets no choice; unknown GPU names are one line;
+- on several GPUs it tries DDP, then FSDP (NF4 first: the base travels every step), then FSDP with CPU offload, and
+  names the torchrun command.
+"""
+
+import pytest
+import torch
+from test_memory import adapters, config
+
+from model import LOSS_CHUNK
+from support import plan
+
+
+def test_plan_follows_the_decision_tree():
+    """Budgets cut between the table's own entries get the fastest setting that fits (16-bit base, then NF4, then 8-bit
+    AdamW; checkpointing only when one row does not fit without it; then the largest micro-batch), a budget below
+    everything gets none; the report names the choice and the loss; the full-vocabulary loss costs its logits; GPU
+    names and sizes become budgets, and an unknown one is one line."""
+    cfg = config(num_hidden_layers=4)
+    plan_in = lambda budget: plan.plan(cfg, budget, 512, 8, torch.bfloat16, adapters(4, "all-linear", 0.05))  # noqa: E731
+    table, _ = plan_in(0)
+    between = lambda a, b: (table[a] + table[b]) / 2  # noqa: E731  (a budget just above a, below b)
+    assert plan_in(table[False, 8, False, 8])[1] == (False, 8, False, 8)  # everything fits: the fastest
+    assert plan_in(between((False, 8, False, 2), (False, 8, False, 4)))[1] == (False, 8, False, 2)
+    budget = between((False, 8, True, 1), (False, 8, False, 1))  # 16-bit fits only with checkpointing
+    assert table[False, 8, True, 1] < table[False, 8, False, 1] and plan_in(budget)[1][:3] == (False, 8, True)
+    budget = between((True, 8, True, 1), (False, 2, True, 1))  # only NF4 fits
+    assert table[True, 8, True, 1] < table[False, 2, True, 1] and plan_in(budget)[1][:2] == (True, 8)
+    assert plan_in(table[True, 2, True, 1] - 1)[1] is None  # below an NF4 base, 8-bit AdamW and checkpointing
+    text = plan.report(cfg, "24GB", 512, 8, torch.bfloat16, adapters(4, "all-linear", 0.05))
+    assert "fastest that fits: 16-bit base, AdamW, checkpointing off, 8 row(s)" in text
+    with pytest.raises(ValueError, match="plan: 'H300' is neither a size like 24GB nor a known GPU"):
+        plan.budget_bytes("H300")
+    assert plan.budget_bytes("80GB") == 79 * 2**30  # sizes in GB are taken as GiB; a known card is what
+    assert plan.budget_bytes("H100") == 81559 * 2**20 - 2**30  # nvidia-smi reports, less than it is sold as
+    full = plan.plan(cfg, 0, 512, 8, torch.bfloat16, adapters(4, "all-linear", 0.05), chunked=False)[0]
+    logits = 512 * cfg.vocab_size  # per row: the full-vocabulary loss keeps 4 bytes a logit, and 8 more pass through
+    assert all(
+        full[k] - table[k] == 12 * k[3] * logits - 8 * min(k[3] * 512, LOSS_CHUNK) * cfg.vocab_size for k in table
+    )
+    assert text.splitlines()[0].endswith(", chunked loss")
+    text = plan.report(cfg, "L4", 512, 8, torch.bfloat16, adapters(4, "all-linear", 0.05), chunked=False)
+    assert text.splitlines()[0].endswith(", full-vocabulary loss")
+
+
+def test_the_plan_on_several_gpus():
+    """--plan on several GPUs: a budget where the sharded NF4 base fits at one row and the replicated one does not
+    ends in FSDP, with its torchrun command."""
+    cfg = config(num_hidden_layers=16, hidden_size=256, intermediate_size=640)
+    lora = adapters(4, "all-linear", 0.05)
+    one, two = plan.budget_bytes("H100"), plan.budget_bytes("2xH100")
+    assert one == two and plan.gpu_count("2xH100") == 2 and plan.gpu_count("H100") == 1
+    table, _ = plan.plan(cfg, 0, 512, 1, torch.bfloat16, lora, shards=2, offload=False)
+    budget = table[True, 8, True, 1] + 2**12  # the sharded NF4 base fits, one row, checkpointing; replicated not
+    ddp = plan.plan(cfg, budget, 512, 1, torch.bfloat16, lora)[0]
+    assert min(ddp.values()) > budget
+    spec = f"2x{budget / 2**30 + 1:.9f}GB"  # the CUDA context (1 GiB) comes off the size given
+    text = plan.report(cfg, spec, 512, 1, torch.bfloat16, lora)
+    assert "-- DDP: bytes per GPU" in text and "-- FSDP: bytes per GPU" in text
+    assert text.splitlines()[-1] == (
+        "fastest that fits on 2 GPUs, FSDP: NF4 base, AdamW, checkpointing on, 1 row(s) per micro-batch (torchrun "
+        "--nproc_per_node=2 train.py: --quantize=True --optimizer=adamw --activation_checkpointing=True "
+        "--micro_batch_tokens=512 --parallel=fsdp --cpu_offload=False)"
+    )
