@@ -45,8 +45,7 @@ so the resident set grew by about one more copy of the activations (in fp32; two
 shape formula derives. train.py therefore asks malloc, on CPU, to serve every block of 128 KiB or more (every activation
 of a real model) by its own mmap, returned to the OS when the tensor is freed (mallopt's M_MMAP_THRESHOLD, fixed;
 glibc's default moves it up to 32 MiB as blocks are freed): the resident set is then what is live, the CPU estimate
-counts the same parts as the GPU's, and the peak itself is lower (docs/performance.md has both, and the cost in step
-time).
+counts the same parts as the GPU's, and the peak itself is lower (docs/performance.md).
 
 The measurement
 ---------------
