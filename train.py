@@ -225,14 +225,14 @@ def load_model(model_dir: str, dtype=None, device="cpu", quantize=False, add_lor
     config, stored = read_config(model_dir)
     dtype = dtype or stored or torch.float32
     # 1. The Llama on the meta device: shapes, no memory. Its packed-document attention kernel is chosen here, once.
-    kernel = varlen_attention(device, dtype, config.head_dim, windowed=bool(config.sliding_layers))
+    attention = varlen_attention(device, dtype, config.head_dim, windowed=bool(config.sliding_layers))
     with torch.device("meta"):
-        model = Llama(config, kernel)
+        model = Llama(config, attention)
     ckpt, weights = hf.open_checkpoint(model_dir, model)
     # 2. The block linears become NF4: each 16-bit weight read, rounded to `dtype` and quantized, one at a time.
     if quantize or hf.is_prequantized(ckpt):
-        kernel = nf4_cuda.dequantize_op_for(device)  # on CUDA the fastest with the reference's bits, chosen once
-        quant.quantize_(model, compute_dtype=dtype, device=device, weights=weights, dequantize_op=kernel)
+        dequantize = nf4_cuda.dequantize_op_for(device)  # on CUDA the fastest with the reference's bits, chosen once
+        quant.quantize_(model, compute_dtype=dtype, device=device, weights=weights, dequantize_op=dequantize)
     # 3. Everything else (embeddings, norms, lm_head) read in `dtype`.
     hf.load_weights_(model, ckpt, dtype, device)
     # 4. LoRA's A and B beside the chosen linears: fresh, or read from a saved adapter.
