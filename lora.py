@@ -93,16 +93,16 @@ def lora_linear(base, lora_A, lora_B, lora_dropout, alpha, use_rslora):
     return layer.train(base.training)
 
 
-def with_lora(base, r, alpha, dropout, use_rslora, lora_dtype):
+def with_lora(base, r, alpha, dropout, use_rslora, lora_dtype, dropout_op=None):
     """`base` with a fresh adapter of rank r on its device, in lora_dtype (default: the base's floating dtype), and
-    dropout with probability `dropout` on the adapter's input."""
+    dropout with probability `dropout` on the adapter's input, applied by `dropout_op` (default: the reference)."""
     dtype = lora_dtype or (base.compute_dtype if isinstance(base, quant.NF4Linear) else base.weight.dtype)
     device = next(iter(base.state_dict().values())).device
     lora_A = nn.Linear(base.in_features, r, bias=False, device=device, dtype=dtype)  # weight (r, in)
     lora_B = nn.Linear(r, base.out_features, bias=False, device=device, dtype=dtype)  # weight (out, r)
     nn.init.kaiming_uniform_(lora_A.weight, a=math.sqrt(5))  # as nn.Linear and PEFT start A
     nn.init.zeros_(lora_B.weight)  # B = 0: the adapted model starts as the base model
-    lora_dropout = KeyedDropout(dropout) if dropout > 0 else nn.Identity()  # the same mask on any number of ranks
+    lora_dropout = KeyedDropout(dropout, dropout_op) if dropout > 0 else nn.Identity()  # same mask on any ranks
     return lora_linear(base, lora_A, lora_B, lora_dropout, alpha, use_rslora)
 
 
@@ -125,9 +125,10 @@ def count_parameters(model):
     return sum(p.numel() for p in params if p.requires_grad), sum(p.numel() for p in params) + nf4
 
 
-def add_lora_(model, targets, r, alpha, dropout, use_rslora=False, lora_dtype=None):
+def add_lora_(model, targets, r, alpha, dropout, use_rslora=False, lora_dtype=None, dropout_op=None):
     """Wrap the `targets` linears (as model.find_linears picks them) with LoRA and freeze everything else; returns
-    (trainable, total) parameter counts."""
+    (trainable, total) parameter counts. dropout_op: what applies the dropout (on CUDA the model's builder passes
+    support/dropout_cuda.py's kernel; default the reference)."""
     if lora_modules(model):
         raise ValueError("add_lora_: the model already has LoRA adapters")
     try:
@@ -136,7 +137,7 @@ def add_lora_(model, targets, r, alpha, dropout, use_rslora=False, lora_dtype=No
         raise ValueError(f"add_lora_: {e}") from None
     model.requires_grad_(False)
     for name, base in chosen.items():
-        model.set_submodule(name, with_lora(base, r, alpha, dropout, use_rslora, lora_dtype))
+        model.set_submodule(name, with_lora(base, r, alpha, dropout, use_rslora, lora_dtype, dropout_op))
     trainable, total = count_parameters(model)
     print(
         f"LoRA r={r} on {len(chosen)} linears: {trainable:,} trainable of {total:,} parameters "

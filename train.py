@@ -60,6 +60,7 @@ from support.config import (
     setting,
     within,
 )
+from support.dropout_cuda import dropout_op_for
 from support.flops import batch_flops
 from support.gguf_write import FILE_TYPES
 from support.hf_config import read_config
@@ -235,9 +236,10 @@ def load_model(model_dir: str, dtype=None, device="cpu", quantize=False, add_lor
         quant.quantize_(model, compute_dtype=dtype, device=device, weights=weights, dequantize_op=dequantize)
     # 3. Everything else (embeddings, norms, lm_head) read in `dtype`.
     hf.load_weights_(model, ckpt, dtype, device)
-    # 4. LoRA's A and B beside the chosen linears: fresh, or read from a saved adapter.
+    # 4. LoRA's A and B beside the chosen linears: fresh, or read from a saved adapter. Their dropout's kernel is
+    #    chosen here too (on CUDA one Triton kernel with the reference's bits).
     if add_lora:
-        lora.add_lora_(model, **add_lora)
+        lora.add_lora_(model, **add_lora, dropout_op=dropout_op_for(device))
     if adapter:
         hf.load_adapter_(model, adapter)
     return model

@@ -14,8 +14,9 @@ would, where a Bernoulli draw per element costs more than the small matmul it gu
 1/65536.
 
 `KeyedDropout` is the module a LoRA linear holds, chosen once when the layer is built (nn.Identity when p is 0). It
-holds p as nn.Dropout does (PEFT's adapter_config reads it there). Outside `dropout_rows` (a plain forward in training
-mode) it keys each row from torch's generator.
+holds p as nn.Dropout does (PEFT's adapter_config reads it there), and the op that applies the mask: `keyed_dropout`
+here, or on CUDA the one-kernel op of support/dropout_cuda.py that the model's builder hands it. Outside
+`dropout_rows` (a plain forward in training mode) it keys each row from torch's generator.
 """
 
 from contextlib import contextmanager
@@ -72,13 +73,15 @@ def row_keys(seed, step, rows, device=None):
 
 class KeyedDropout(nn.Module):
     """Dropout with probability p whose mask keyed_dropout derives from `keys` (one int64 per row of the input, set by
-    dropout_rows), or from keys drawn from torch's generator where none are set. In eval mode, the identity."""
+    dropout_rows), or from keys drawn from torch's generator where none are set. In eval mode, the identity. `op`
+    applies it: keyed_dropout, or an implementation with its bits (support/dropout_cuda.py)."""
 
-    def __init__(self, p):
+    def __init__(self, p, op=None):
         super().__init__()
         if not 0 <= p <= 1:
             raise ValueError(f"dropout probability has to be between 0 and 1, but got {p}")
         self.p = p
+        self.op = op or keyed_dropout
         self.keys = None  # (rows,) int64 while dropout_rows is in effect
 
     def forward(self, x):  # x (rows, ..., in) -> the same shape and dtype
@@ -87,7 +90,7 @@ class KeyedDropout(nn.Module):
         keys = self.keys
         if keys is None:  # outside dropout_rows: a key per row from torch's generator
             keys = torch.randint(-(2**63), 2**63 - 1, x.shape[:1], dtype=torch.int64, device=x.device)
-        return keyed_dropout(x, self.p, keys)
+        return self.op(x, self.p, keys)
 
     def extra_repr(self):
         return f"p={self.p}"

@@ -41,6 +41,7 @@ import quant
 from model import Llama, find_linears
 from support import nf4_cuda
 from support.attention import varlen_attention
+from support.dropout_cuda import dropout_op_for
 from support.hf import is_prequantized, load_weights_, open_checkpoint
 from support.hf_config import read_config
 
@@ -67,7 +68,7 @@ def load_sharded(model_dir, dtype, device, world, quantize, adapters, cpu_offloa
     mesh = init_device_mesh(device.type, (world,))
     shard = dict(mesh=mesh, offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
     chosen = list(find_linears(model, adapters["targets"]))  # in the order one process adds them (same draws)
-    lora_kw = {k: v for k, v in adapters.items() if k != "targets"}
+    lora_kw = {k: v for k, v in adapters.items() if k != "targets"} | dict(dropout_op=dropout_op_for(device))
     quantized = list(find_linears(model)) if quantize or is_prequantized(ckpt) else []
     if dist.get_rank() != 0:  # nothing is read here: each tensor's place is held by zeros of its shape
         ckpt = weights = Unread(model, device)

@@ -33,7 +33,7 @@ import model as M
 import quant
 import support.attention as A
 from model import KVCache, Llama, LlamaConfig, generate
-from support import nf4_cuda
+from support import dropout_cuda, nf4_cuda
 from support.dropout import dropout_rows, row_keys
 from support.hf_config import to_hf
 from train import load_model
@@ -298,11 +298,12 @@ def rel(a, b):
 
 def qlora_tiny(seed=0, dtype=torch.float32, dropout=0.0, device="cpu"):
     """A tiny QLoRA model as load_model builds it for `device`: the base in `dtype`, NF4 block linears dequantizing
-    with the device's op, fp32 adapters, B random."""
+    with the device's op, fp32 adapters whose dropout the device's op applies, B random."""
     torch.manual_seed(seed)
     kernel = nf4_cuda.dequantize_op_for(device)
     model = quant.quantize_(Llama(tiny_config()).to(dtype), compute_dtype=dtype, dequantize_op=kernel)
-    lora.add_lora_(model, "all-linear", r=2, alpha=4, dropout=dropout, lora_dtype=torch.float32)
+    drop = dropout_cuda.dropout_op_for(device)
+    lora.add_lora_(model, "all-linear", r=2, alpha=4, dropout=dropout, lora_dtype=torch.float32, dropout_op=drop)
     with torch.no_grad():
         for n, p in model.named_parameters():
             if "lora_B" in n:

@@ -53,19 +53,26 @@ def need_triton():
         pytest.fail("triton is not installed: pip install -r requirements-test.txt")
 
 
+def interpret(script, shapes):
+    """`script`'s last line of JSON, run with `shapes` in a subprocess under Triton's CPU interpreter
+    (TRITON_INTERPRET=1, which triton reads at import)."""
+    need_triton()
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-c", script, json.dumps(shapes)], env=env, cwd=ROOT, capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["kernel"] == "InterpretedFunction"  # the interpreter ran it, not a GPU
+    return out
+
+
 def test_triton_kernel_equals_reference_in_the_interpreter():
     """dequantize_triton, run by Triton's CPU interpreter (TRITON_INTERPRET=1, in a subprocess because triton reads it
     at import), equals dequantize_nf4 bit for bit in fp32, bf16 and fp16 for every shape of SHAPES: whole blocks, a
     partial last block, two nested blocks and an odd count, spread over several programs; runs_like_reference says
     so too."""
-    need_triton()
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=ROOT)
-    proc = subprocess.run(
-        [sys.executable, "-c", INTERPRET, json.dumps(SHAPES)], env=env, cwd=ROOT, capture_output=True, text=True
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert out["kernel"] == "InterpretedFunction"  # the interpreter ran it, not a GPU
+    out = interpret(INTERPRET, SHAPES)
     assert out["tried"]  # the one-tensor trial that lets cuda_dequantize pick it agrees
     assert len(out["results"]) == len(SHAPES) * len(DTYPES)
     for r in out["results"]:
