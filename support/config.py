@@ -162,6 +162,9 @@ def check_config(cfg):
         raise ValueError("\n".join(errors))
 
 
+FSDP_NF4_TORCH = "2.13"  # FSDP2 keeps a frozen parameter frozen from here (2.11 made every shard require grad)
+
+
 def fsdp_conflicts(cfg) -> list[tuple[str, str]]:
     """(setting, why) for each setting a sharded run does not offer."""
     if cfg.parallel != "fsdp":
@@ -170,6 +173,9 @@ def fsdp_conflicts(cfg) -> list[tuple[str, str]]:
     out = [("cpu_offload", "on a CPU the shards are in CPU memory already")] if cfg.cpu_offload and cpu else []
     if "8bit" in cfg.optimizer:
         out.append(("optimizer", "bitsandbytes' 8-bit AdamW does not take sharded parameters; use adamw"))
+    if cfg.quantize and torch.torch_version.TorchVersion(torch.__version__) < FSDP_NF4_TORCH:
+        why = f"torch {torch.__version__}'s FSDP2 cannot shard the frozen uint8 NF4 weights; torch>={FSDP_NF4_TORCH}"
+        out.append(("quantize", why + " can (requirements.txt pins it), or use quantize=False"))
     if cfg.export_merged or cfg.export_gguf:
         key = "export_merged" if cfg.export_merged else "export_gguf"
         out.append((key, "the merge needs the whole model in one process: after training, run the same config with "

@@ -30,6 +30,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 from conftest import ROOT, TINY, free_port, random_model_dir
 from safetensors.torch import load_file
 from test_train import args, one_line_error, run
@@ -170,10 +171,14 @@ def test_two_nodes_on_localhost(models, steps, one_process, tmp_path):
     assert_same_run(one_process, tmp_path / "nodes")
 
 
-def test_what_fsdp_does_not_offer_is_one_line(models, tmp_path, capsys):
+def test_what_fsdp_does_not_offer_is_one_line(models, tmp_path, capsys, monkeypatch):
     for flag in ("--export_merged", "--optimizer=adamw8bit", "--cpu_offload=True"):  # on this CPU
         err = one_line_error(args(models["llama"], tmp_path, "--parallel=fsdp", flag), capsys)
         assert err.startswith(f"error: {flag[2:].split('=')[0]}: not with parallel=fsdp ("), err
+    with monkeypatch.context() as m:  # torch 2.11 (as on a GPU machine): its FSDP2 fails on frozen NF4 shards
+        m.setattr(torch, "__version__", "2.11.0+cu130")
+        err = one_line_error(args(models["llama"], tmp_path, "--parallel=fsdp", "--quantize=True"), capsys)
+    assert err.startswith("error: quantize: not with parallel=fsdp (torch 2.11.0+cu130's FSDP2 cannot shard"), err
     err = one_line_error(args(models["llama"], tmp_path, "--cpu_offload=True"), capsys)
     assert err == "error: cpu_offload: needs parallel=fsdp (it keeps the shards of a sharded model in CPU memory)"
     # the 70B config planned on this CPU for two GPUs: the plan is for them, so their settings are not refused here
