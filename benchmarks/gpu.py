@@ -78,46 +78,73 @@ def print_profile(label, p):
     print("by kind: " + ", ".join(f"{k} {v:.1%}" for k, v in p["kinds"].items()))
 
 
-def memory_rows(system, cfg, row, device, dtype, sizes=(1, 2, 4)):
-    """One step of `system` (our QLoRA) on equal-work batches of each size, without then with activation
-    checkpointing: the measured peak (resident + the step's own allocation) beside the total of
-    support.memory.run_estimate, the memory estimate train.py prints, for the same setting."""
+def memory_rows(system, cfg, cells, device, dtype):
+    """One step of `system` (our QLoRA) on an equal-work batch for each cell (rows, tokens per row, checkpointing):
+    the measured peak (resident + the step's own allocation) beside the total of support.memory.run_estimate, the
+    memory estimate train.py prints, for the same setting."""
     out, adapters = [], dict(lora_r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"])
     place = train.Placement(0, 1, device, dtype)
-    for ckpt in (False, True):
+    for rows, row, ckpt in cells:
         system.model.activation_checkpointing = ckpt
-        for rows in sizes:
-            setting = train.Config(quantize=True, activation_checkpointing=ckpt, lora_targets="all-linear", **adapters)
-            est = memory.run_estimate(setting, cfg, rows * row, place)  # what train.py prints
-            rec = dict(rows=rows, checkpointing=ckpt, estimate_bytes=sum(est.values()))
-            try:
-                step = timed_step(system, equal_work(cfg.vocab_size, row, rows, 1)[0], device, cfg)
-            except torch.OutOfMemoryError:
-                rec["status"] = "out of memory"
-            except FAILURES as e:
-                rec["status"] = f"failed: {one_line(e)}"
-            else:
-                rec |= dict(step_s=step["time"], tokens_per_s=step["tokens"] / step["time"])
-                if "extra_bytes" in step:
-                    rec["peak_bytes"] = resident_bytes(system) + step["extra_bytes"]
-            if "status" in rec:
-                system.opt.zero_grad(set_to_none=True)
-                free_cache(device)
-            out.append(rec)
-            print(f"memory: {rows} x {row}, checkpointing {'on' if ckpt else 'off'}: {rec.get('status', 'done')}")
+        setting = train.Config(quantize=True, activation_checkpointing=ckpt, lora_targets="all-linear", **adapters)
+        est = memory.run_estimate(setting, cfg, rows * row, place)  # what train.py prints
+        rec = dict(rows=rows, row=row, checkpointing=ckpt, estimate_bytes=sum(est.values()))
+        try:
+            step = timed_step(system, equal_work(cfg.vocab_size, row, rows, 1)[0], device, cfg)
+        except torch.OutOfMemoryError:
+            rec["status"] = "out of memory"
+        except FAILURES as e:
+            rec["status"] = f"failed: {one_line(e)}"
+        else:
+            rec |= dict(step_s=step["time"], tokens_per_s=step["tokens"] / step["time"])
+            if "extra_bytes" in step:
+                rec["peak_bytes"] = resident_bytes(system) + step["extra_bytes"]
+        if "status" in rec:
+            system.opt.zero_grad(set_to_none=True)
+            free_cache(device)
+        out.append(rec)
+        print(f"memory: {rows} x {row}, checkpointing {'on' if ckpt else 'off'}: {rec.get('status', 'done')}")
     system.model.activation_checkpointing = False
     return out
 
 
-def print_memory(label, row, rows):
-    print(f"\npeak memory of {label}, one step per micro-batch size (the other systems freed)")
+def print_memory(label, rows):
+    print(f"\npeak memory of {label}, one step per micro-batch (the other systems freed)")
     table = []
     for r in rows:
         peak = memory.fmt(r["peak_bytes"]) if "peak_bytes" in r else r.get("status", "-")
         speed = (f"{r['step_s']:.2f}", f"{r['tokens_per_s']:,.0f}") if "step_s" in r else ("", "")
         on = "on" if r["checkpointing"] else "off"
-        table.append((f"{r['rows']} x {row}", on, peak, memory.fmt(r["estimate_bytes"]), *speed))
+        table.append((f"{r['rows']} x {r['row']:,}", on, peak, memory.fmt(r["estimate_bytes"]), *speed))
     print_table(["micro-batch", "checkpointing", "measured peak", "memory.run_estimate", "step s", "tokens/s"], table)
+
+
+def longest_context(cfg, rows, budget, dtype, device):
+    """The longest single row that fits `budget` bytes with checkpointing: by a straight line through the measured
+    peaks of `rows` (memory grows linearly with the row once attention holds no T x T matrix), and by the estimate
+    train.py prints (its largest row within the budget, by bisection)."""
+    measured = [(r["row"], r["peak_bytes"]) for r in rows if "peak_bytes" in r]
+    fit = None
+    if len(measured) >= 2:
+        slope, intercept = np.polyfit(*zip(*measured, strict=True), 1)
+        fit = dict(bytes_per_token=float(slope), fixed_bytes=float(intercept), tokens=int((budget - intercept) / slope))
+    setting = train.Config(quantize=True, activation_checkpointing=True, lora_targets="all-linear", lora_r=LORA["r"])
+    place, low, high = train.Placement(0, 1, device, dtype), 0, 1 << 24
+    while high - low > 256:  # the estimate grows with the row: the largest row whose estimate fits
+        mid = (low + high) // 2
+        low, high = (mid, high) if sum(memory.run_estimate(setting, cfg, mid, place).values()) <= budget else (low, mid)
+    return dict(budget_bytes=budget, fit=fit, estimate_tokens=low)
+
+
+def print_longest(result):
+    budget, fit = memory.fmt(result["budget_bytes"]), result["fit"]
+    line = f"the longest single row within {budget}, checkpointing on: by memory.run_estimate "
+    line += f"{result['estimate_tokens']:,} tokens"
+    if fit:
+        per_token = fit["bytes_per_token"] / 1024
+        line += f"; by the measured peaks' straight line {fit['tokens']:,} ({per_token:.1f} KiB a token above "
+        line += f"{memory.fmt(fit['fixed_bytes'])}: an extrapolation, not a trained step)"
+    print(line)
 
 
 def print_workload(title, result, systems):
@@ -274,15 +301,23 @@ def finish_gpu(args, results, systems, cfg, row, device, dtype, batch):
     """--profile, then --memory (with our QLoRA model alone), then the JSON file."""
     if args.profile:
         results["profile"] = profiles(systems, batch, device, cfg)
-    if args.memory:
+    qlora = []
+    if args.memory or args.contexts:
         qlora = [s for s in systems if s.key == "ours-qlora" and not s.status]
         systems.clear()  # the other systems' models go (the caller holds no other reference), so QLoRA runs alone
         free_cache(device)
-        if qlora:
-            results["memory"] = memory_rows(qlora[0], cfg, row, device, dtype)
-            print_memory(qlora[0].label, row, results["memory"])
-        else:
-            print("\n--memory: our QLoRA system did not run")
+        if not qlora:
+            print("\n--memory, --contexts: our QLoRA system did not run")
+    if args.memory and qlora:
+        cells = [(rows, row, ckpt) for ckpt in (False, True) for rows in (1, 2, 4)]
+        results["memory"] = memory_rows(qlora[0], cfg, cells, device, dtype)
+        print_memory(qlora[0].label, results["memory"])
+    if args.contexts and qlora:
+        lengths = [int(n) for n in args.contexts.split(",")]
+        results["contexts"] = memory_rows(qlora[0], cfg, [(1, n, True) for n in lengths], device, dtype)
+        print_memory(qlora[0].label, results["contexts"])
+        results["longest"] = longest_context(cfg, results["contexts"], args.budget_gib * memory.GIB, dtype, device)
+        print_longest(results["longest"])
     atomic.write_json(args.out, results)
     inside = os.path.abspath(args.out).startswith(REPO + os.sep)
     print(f"\nraw results: {os.path.relpath(args.out, REPO) if inside else args.out}")
@@ -317,5 +352,7 @@ def gpu_arguments(sub):
     )
     g.add_argument("--compile", action="store_true", help="torch.compile our blocks (compilation is in the warm-up)")
     g.add_argument("--memory", action="store_true", help="QLoRA peak memory at 1, 2, 4 rows, checkpointing off/on")
+    g.add_argument("--contexts", default="", help="QLoRA peak memory, one row of each length (checkpointing on)")
+    g.add_argument("--budget_gib", type=float, default=80.0, help="--contexts: the memory the longest row must fit")
     g.add_argument("--profile", action="store_true", help="the kernels of one step of ours (torch.profiler)")
     g.add_argument("--out", default=os.path.join(OUT_DIR, "gpu.json"), help="raw results (default out/bench/gpu.json)")

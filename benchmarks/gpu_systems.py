@@ -2,7 +2,7 @@
 
 The model is a random-initialised Llama of a published shape (SHAPES; --shape: 8b = Llama-3.1-8B, 3b = Llama-3.2-3B,
 1b = Llama-3.2-1B, tiny = a 2-layer toy for CPU), built straight on the device in bf16 (on the meta device first, so no
-fp32 copy ever exists), weights N(0, 0.02). Up to four systems train LoRA r=16, alpha 32, dropout 0.05 on every linear
+fp32 copy ever exists), weights N(0, 0.02). Up to six systems train LoRA r=16, alpha 32, dropout 0.05 on every linear
 of the blocks, fp32 adapters under bf16 autocast, fused AdamW, gradient clipping at 1.0, all in one process on the
 same weights:
 
@@ -13,7 +13,12 @@ same weights:
   weight tensors (load_state_dict(assign=True): the frozen base is shared, not copied, which is what lets three 8B
   models and 8,192-token activations fit on one GPU), peft.get_peft_model(target_modules="all-linear");
 - transformers + PEFT + bitsandbytes QLoRA, when bitsandbytes is installed: the same weights written to a temporary
-  directory and loaded with BitsAndBytesConfig (NF4, double quantization, bf16 compute).
+  directory and loaded with BitsAndBytesConfig (NF4, double quantization, bf16 compute);
+- transformers + PEFT + Liger, on CUDA when liger-kernel is installed: the LoRA peer with Liger's RMSNorm, SwiGLU and
+  fused linear cross-entropy applied to its instance (apply_liger_kernel_to_llama(model=...)). Liger's RoPE is left
+  out: it replaces a function of transformers' Llama module that the plain peer, in the same process, calls too;
+- transformers + PEFT under torch.compile: the LoRA peer's whole model compiled (what the Trainer's torch_compile
+  does); its compilation falls in the warm-up steps.
 
 A system that cannot be built (out of memory, a missing package) keeps its row with the reason; the others carry on.
 """
@@ -32,7 +37,7 @@ import quant
 import train
 from benchmarks.common import OUT_DIR, SEED, hf_batch
 from model import Llama
-from support import atomic, hf_config, nf4_cuda
+from support import atomic, dropout_cuda, hf_config, nf4_cuda
 from support.attention import varlen_attention
 from support.hf_config import to_hf
 
@@ -86,12 +91,16 @@ SYSTEMS = {  # key: row label
     "ours-qlora": "nanoqlora QLoRA (NF4)",
     "peer-lora": "transformers + PEFT LoRA",
     "peer-qlora": "transformers + PEFT + bitsandbytes QLoRA",
+    "peer-liger": "transformers + PEFT + Liger LoRA",
+    "peer-compile": "transformers + PEFT LoRA, compiled",
 }
 PAIRS = [
     ("ours-lora", "peer-lora"),
     ("ours-qlora", "peer-qlora"),
     ("ours-qlora", "peer-lora"),
     ("ours-qlora", "ours-lora"),
+    ("ours-lora", "peer-liger"),
+    ("ours-lora", "peer-compile"),
 ]
 # What a system can fail with while being built or stepped: out of memory (a RuntimeError), a missing or mismatched
 # package, a bad setting. Each is reported in the system's row; the other systems carry on.
@@ -158,7 +167,8 @@ def qlora_llama(cfg, base, device, dtype):
 def ours_system(key, model, device, dtype, lr, compile=False):
     """Adapters on our model, as train.build_model adds them; the loss and optimizer of train.py."""
     torch.manual_seed(SEED)  # the same adapters on LoRA and QLoRA
-    lora.add_lora_(model, "all-linear", LORA["r"], LORA["alpha"], LORA["dropout"], lora_dtype=torch.float32)
+    dropout_op = dropout_cuda.dropout_op_for(device)  # as train.load_model chooses it
+    lora.add_lora_(model, "all-linear", *LORA.values(), lora_dtype=torch.float32, dropout_op=dropout_op)
     if compile:
         model.compile_blocks()
     place = train.Placement(0, 1, device, dtype)
@@ -206,9 +216,23 @@ def peer_qlora_llama(cfg, base, device, dtype):
         )
 
 
-def peer_system(key, model, device, dtype, lr):
+def peer_liger_llama(cfg, base, device, dtype):
+    """The LoRA peer's model with Liger's kernels applied to the instance (before PEFT wraps its linears)."""
+    if device.type != "cuda":
+        raise Skipped("Liger's kernels are Triton kernels for a GPU")
+    if importlib.util.find_spec("liger_kernel") is None:
+        raise Skipped("liger-kernel is not installed")
+    from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+    model = peer_llama(cfg, base, device, dtype)
+    apply_liger_kernel_to_llama(rope=False, model=model)
+    return model
+
+
+def peer_system(key, model, device, dtype, lr, compile=False):
     """PEFT LoRA on a transformers model (adapters in fp32: PEFT's autocast_adapter_dtype), fused AdamW as the
-    Trainer's default; the loss on our batch converted by hf_batch, under the same autocast as ours."""
+    Trainer's default; the loss on our batch converted by hf_batch, under the same autocast as ours; with `compile`,
+    the PEFT model called through torch.compile."""
     import peft
 
     model.config.use_cache = False
@@ -224,11 +248,12 @@ def peer_system(key, model, device, dtype, lr):
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     amp = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
+    call = torch.compile(model) if compile else model
 
     def forward(batch):
         inputs = {k: v.to(device) for k, v in hf_batch(batch).items()}
         with amp:
-            return model(**inputs).loss
+            return call(**inputs).loss
 
     return System(key, forward, model, params, torch.optim.AdamW(params, lr=lr, fused=True))
 
@@ -239,6 +264,10 @@ def build_system(key, cfg, base, base_model, device, dtype, args):
         return peer_system(key, peer_llama(cfg, base, device, dtype), device, dtype, LR)
     if key == "peer-qlora":
         return peer_system(key, peer_qlora_llama(cfg, base, device, dtype), device, dtype, LR)
+    if key == "peer-liger":
+        return peer_system(key, peer_liger_llama(cfg, base, device, dtype), device, dtype, LR)
+    if key == "peer-compile":
+        return peer_system(key, peer_llama(cfg, base, device, dtype), device, dtype, LR, compile=True)
     model = qlora_llama(cfg, base, device, dtype) if key == "ours-qlora" else base_model
     return ours_system(key, model, device, dtype, LR, args.compile)
 
@@ -249,8 +278,9 @@ def build_systems(cfg, keys, device, dtype, args):
     base_model = random_llama(cfg, device, dtype)
     base = dict(base_model.state_dict())  # references, no copies
     built = {}
-    # The peers and our QLoRA read `base` before our LoRA model takes its linears over (add_lora_ adapts in place).
-    for key in ("peer-lora", "peer-qlora", "ours-qlora", "ours-lora"):
+    # The peers and our QLoRA read `base` before our LoRA model takes its linears over (add_lora_ adapts in place);
+    # Liger's peer after the other peers, since applying it also swaps the classes transformers builds Llamas from.
+    for key in ("peer-lora", "peer-compile", "peer-qlora", "peer-liger", "ours-qlora", "ours-lora"):
         if key not in keys:
             continue
         start = time.perf_counter()

@@ -134,32 +134,47 @@ def test_train_tables_take_the_median_of_per_round_ratios(capsys):
 # ----------------------------------------------------------------------------- bench.py gpu
 
 
+RUN_PAIRS = [pair for pair in gpu_systems.PAIRS if "peer-liger" not in pair]  # the pairs of the systems CPU runs
+
+
 def test_gpu_command_on_cpu(tmp_path):
+    """`bench.py gpu --shape=tiny` on CPU: every system but Liger's (GPU only, skipped with its reason) trains, the
+    compiled peer included; each table has every row and ratio; step 1's loss of our LoRA equals the peer's on the
+    same weights and tensors; --memory, --contexts and --profile report."""
     out = tmp_path / "gpu.json"
     argv = [sys.executable, "bench.py", "gpu", "--shape=tiny", "--warmup=1", "--rounds=2", f"--out={out}"]
     env = dict(os.environ, OMP_NUM_THREADS="1")  # one thread: a shared 2-core machine is not oversubscribed
     proc = subprocess.run(
-        [*argv, "--memory", "--profile"], cwd=common.REPO, env=env, capture_output=True, text=True, timeout=600
+        [*argv, "--memory", "--contexts=128,256", "--profile"],
+        cwd=common.REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     text = proc.stdout
     tables = text[text.index("\nequal work:") :]
     equal, natural = tables.split("\nnatural batching:")[:2]
     for table in (equal, natural):
-        for label in gpu_systems.SYSTEMS.values():  # every system has its row, and it ran
+        for key, label in gpu_systems.SYSTEMS.items():  # every system has its row, and it ran (Liger's: GPU only)
             row = next(line for line in table.splitlines() if line.startswith(label + "  "))
-            assert "failed" not in row and "skipped" not in row, row
-        for a, b in gpu_systems.PAIRS:
+            if key == "peer-liger":
+                assert "skipped: Liger's kernels are Triton kernels for a GPU" in row, row
+            else:
+                assert "failed" not in row and "skipped" not in row, row
+        for a, b in RUN_PAIRS:
             assert f"{gpu_systems.SYSTEMS[a]} / {gpu_systems.SYSTEMS[b]}" in table
     assert "profile of one equal-work step, nanoqlora QLoRA (NF4)" in text and "peak memory of nanoqlora" in text
     results = json.loads(out.read_text())
     for name in ("equal", "natural"):
         work = results["workloads"][name]
-        assert all("summary" in work["systems"][k] for k in gpu_systems.SYSTEMS), work["systems"].keys()
-        assert {r["n"] for r in work["ratios"].values()} == {2} and len(work["ratios"]) == len(gpu_systems.PAIRS)
-    first = {k: v["steps"][0]["loss"] for k, v in results["workloads"]["equal"]["systems"].items()}
+        assert all("summary" in work["systems"][k] for k in gpu_systems.SYSTEMS if k != "peer-liger"), work
+        assert {r["n"] for r in work["ratios"].values()} == {2} and len(work["ratios"]) == len(RUN_PAIRS)
+    first = {k: v["steps"][0]["loss"] for k, v in results["workloads"]["equal"]["systems"].items() if "steps" in v}
     assert first["ours-lora"] == pytest.approx(first["peer-lora"], abs=2e-3)  # same weights, same tensors (bf16)
     assert len(results["memory"]) == 6 and set(results["profile"]) == {"ours-lora", "ours-qlora"}
+    assert [r["row"] for r in results["contexts"]] == [128, 256] and results["longest"]["estimate_tokens"] > 256
 
 
 def step_record(seconds, tokens):
