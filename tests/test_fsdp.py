@@ -18,7 +18,9 @@
 - NF4 bytes survive sharding and gathering bit for bit on 2 and 4 ranks, every byte value and every 16-bit pattern
   (bf16 and fp16 NaNs among them) included.
 - A run sharded over 2 ranks, resumed in one process, then resumed sharded over 4 ranks reaches the losses and the
-  adapter of one uninterrupted process (the checkpoint holds whole tensors named by parameter).
+  adapter of one uninterrupted process (the checkpoint holds whole tensors named by parameter); so do checkpoints
+  written by older code (commit 062b437, one process and 2 ranks), resumed.
+- Gradients are reduce-scattered once a step, whatever the number of micro-batches.
 - Two "nodes" on localhost (two torchrun launches, --nnodes=2, c10d rendezvous) give one process's losses.
 - What FSDP does not offer (a merged export, 8-bit AdamW, CPU offload on a CPU) is one line each, and so is CPU
   offload without FSDP.
@@ -26,12 +28,13 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import ROOT, TINY, free_port, random_model_dir
+from conftest import DATA, ROOT, TINY, free_port, random_model_dir
 from safetensors.torch import load_file
 from test_train import args, one_line_error, run
 
@@ -101,6 +104,24 @@ def test_compiled_blocks_under_fsdp_equal_one_process(tiny_dir, steps, one_proce
         assert losses(tmp_path, key) == pytest.approx(losses(one_process, key)[:2], rel=1e-6, abs=0)
 
 
+def test_gradients_are_reduce_scattered_once_a_step(tiny_dir, steps, tmp_path, monkeypatch):
+    """Sharded over the one rank of this process, 2 steps with 2 micro-batches a step and with 4 start the same number
+    of gradient reduce-scatters, one a step for each sharded group holding adapters: after the last micro-batch only
+    (set_requires_gradient_sync). Without it, 4 micro-batches would reduce twice as often as 2. Counted where FSDP2
+    starts each group's reduce-scatter (foreach_reduce)."""
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
+
+    calls, start = [], group.foreach_reduce
+    monkeypatch.setattr(group, "foreach_reduce", lambda *a, **k: calls.append(1) or start(*a, **k))
+    counts, settings = {}, [s for s in steps if not s.startswith("--micro_batch_tokens")]
+    for tokens in (256, 128):  # 2 and 4 micro-batches in each 512-token step of configs/tiny.py
+        calls.clear()
+        sharded = ["--parallel=fsdp", "--max_steps=2", f"--micro_batch_tokens={tokens}"]
+        run(args(tiny_dir, tmp_path / str(tokens), *settings, *sharded))
+        counts[tokens] = len(calls)
+    assert counts[256] == counts[128] > 0 and counts[256] % 2 == 0, counts
+
+
 LAYERS = 8  # enough blocks that "its shards and one whole block" is well below all of them
 
 
@@ -156,6 +177,35 @@ def test_resume_across_rank_counts(models, steps, one_process, tmp_path):
     run([*moved, "--max_steps=3", "--resume"])
     torchrun(4, [*moved, "--max_steps=4", "--resume", "--parallel=fsdp"])
     assert_same_run(one_process, tmp_path / "moved")
+
+
+@pytest.fixture(scope="module")
+def without_dropout(tiny_dir, steps, tmp_path_factory):
+    """(the settings, the uninterrupted 4-step run) of `steps` with LoRA dropout off."""
+    settings = [*(s for s in steps if not s.startswith("--lora_dropout")), "--lora_dropout=0.0"]
+    root = tmp_path_factory.mktemp("without-dropout")
+    run(args(tiny_dir, root, *settings))
+    return settings, root
+
+
+@pytest.mark.parametrize("written_by", ["one-process", "fsdp-2"])
+def test_checkpoints_written_by_older_code_resume_exactly(tiny_dir, steps, without_dropout, tmp_path, written_by):
+    """Checkpoints main wrote at 062b437, before checkpoints went through torch.distributed.checkpoint.state_dict and
+    weights_only (tests/data/checkpoints-062b437: 2 steps of the tiny Llama, dropout off, whose masks changed since),
+    one from one process and one from 2 ranks, resume (in one process, and on 2 ranks) to step 4 and reach the losses,
+    gradient norms and adapter of an uninterrupted run of this code, within the file's tolerance. Their config's model
+    and data were the writer's paths; they are pointed at this run's copies first."""
+    settings, whole = without_dropout
+    out, stored = tmp_path / "resumed" / "out", DATA / "checkpoints-062b437" / written_by
+    out.mkdir(parents=True)
+    state = torch.load(stored / "checkpoint.pt", weights_only=True)
+    state["config"] |= dict(model=tiny_dir, data=next(s for s in steps if s.startswith("--data=")).split("=", 1)[1])
+    torch.save(state, out / "checkpoint.pt")
+    shutil.copy(stored / "metrics.jsonl", out)
+    resume = [*args(tiny_dir, tmp_path / "resumed", *settings), "--resume"]
+    torchrun(2, [*resume, "--parallel=fsdp"]) if written_by == "fsdp-2" else run(resume)
+    assert len(losses(tmp_path / "resumed")) == 4
+    assert_same_run(whole, tmp_path / "resumed")
 
 
 def test_two_nodes_on_localhost(models, steps, one_process, tmp_path):
