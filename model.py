@@ -62,7 +62,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from support.attention import Docs, causal_sdpa, compilable, pad_to_bucket, sdpa_varlen
+from support.attention import Docs, causal_sdpa, pad_to_bucket, sdpa_varlen
 
 LOSS_CHUNK = 1024  # supervised tokens per lm_head + cross-entropy chunk
 
@@ -252,15 +252,8 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg, layer_idx, varlen)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
-        self.compiled = None  # torch.compile of Block.compute, one for all blocks (Llama.compile_blocks)
 
     def forward(self, x, cos, sin, docs=None, cache=None):
-        # Training runs the compiled graph (evaluation and generation stay eager); either way it runs inside the
-        # module's call, so hooks on the block (FSDP's gathering of its weights) run around it.
-        compute = self.compiled if self.compiled is not None and torch.is_grad_enabled() else Block.compute
-        return compute(self, x, cos, sin, docs, cache)
-
-    def compute(self, x, cos, sin, docs=None, cache=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, docs, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -270,7 +263,7 @@ class Llama(nn.Module):
         """varlen: the packed-document attention (see varlen_attention), fixed for the model's life."""
         super().__init__()
         self.config = config
-        self.activation_checkpointing = False
+        self.activation_checkpointing = False  # in training mode, recompute each block in backward (train.py sets it)
         self.loss_chunk = LOSS_CHUNK  # 0: full-vocabulary logits for every position at once (the naive baseline)
         embed = nn.Embedding(config.vocab_size, config.hidden_size)
         layers = nn.ModuleList(Block(config, i, varlen) for i in range(config.num_hidden_layers))
@@ -279,18 +272,6 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-
-    def compile_blocks(self):
-        """torch.compile the blocks' training forward (and so their backward). One graph serves every block; the
-        per-document SDPA loop becomes its opaque twin, so nothing in a block breaks the graph; shapes are dynamic, so
-        other document counts or lengths do not recompile. Evaluation and generation (no grad) stay eager."""
-        for block in self.model.layers:
-            block.self_attn.varlen = compilable(block.self_attn.varlen)
-        # No shape padding: on CUDA, Inductor's choice whether to pad a half-precision matmul with an unaligned side
-        # (a LoRA rank such as 2 or 12) guards on the row width, which then recompiles for every new width.
-        compiled = torch.compile(Block.compute, dynamic=True, options={"shape_padding": False})
-        for block in self.model.layers:
-            block.compiled = compiled
 
     def forward(self, input_ids, position_ids=None, labels=None, cache=None):
         """input_ids (B, T) -> logits (B, T, vocab), or (loss_sum, n_tokens) when labels (B, T) are given.
@@ -308,7 +289,7 @@ class Llama(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)[:, :, None]  # (B, T, 1, D): broadcast over heads
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         for layer in self.model.layers:
-            if self.activation_checkpointing and torch.is_grad_enabled():
+            if self.activation_checkpointing and self.training:  # only x is kept; backward runs the block again
                 x = checkpoint(layer, x, cos, sin, docs, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, docs, cache)

@@ -30,6 +30,7 @@ config files and checks, out_dir claims, checkpoints, stops (Ctrl-C, NaN), memor
 outputs. docs/ says what can go wrong and how the whole is proven correct.
 """
 
+import functools
 import itertools
 import math
 import os
@@ -47,7 +48,7 @@ import pack
 import quant
 from model import Llama, generate
 from support import checkpoint, dropout, examples, fsdp, hf, memory, nf4_cuda, preview, progress, ranks, stops, trackers
-from support.attention import varlen_attention
+from support.attention import compilable, varlen_attention
 from support.config import (
     TARGETS,
     TEMPLATE,
@@ -258,8 +259,26 @@ def build_model(cfg: Config, place: Placement, model_dir: str):
     model.activation_checkpointing = cfg.activation_checkpointing
     model.loss_chunk = model.loss_chunk if cfg.chunked_loss else 0
     if cfg.compile:
-        model.compile_blocks()
+        compile_blocks(model)
     return model
+
+
+def compile_blocks(model):
+    """torch.compile each block's training forward: one graph serves every block, shapes are dynamic (other document
+    counts and lengths do not recompile) and the per-document attention is an opaque op, so nothing breaks the graph.
+    The block's call stays eager around it, so hooks on the block (FSDP's gathering of its weights) run outside the
+    graph; forwards without grad (evaluation, generation) stay eager, as a few of them would not repay their graphs."""
+    for block in model.model.layers:
+        block.self_attn.varlen = compilable(block.self_attn.varlen)
+        # No shape padding: on CUDA, Inductor's choice whether to pad a half-precision matmul with an unaligned side
+        # (a LoRA rank such as 2 or 12) guards on the row width, which then recompiles for every new width.
+        compiled = torch.compile(block.forward, dynamic=True, options={"shape_padding": False})
+        block.forward = functools.partial(compiled_in_training, compiled, block.forward)
+
+
+def compiled_in_training(compiled, eager, *args):
+    """A compiled block's forward: the graph where gradients are recorded, the plain forward elsewhere."""
+    return (compiled if torch.is_grad_enabled() else eager)(*args)
 
 
 # ----------------------------------------------------------------------------- optimizer

@@ -36,7 +36,7 @@ from model import KVCache, Llama, LlamaConfig, generate
 from support import dropout_cuda, nf4_cuda
 from support.dropout import dropout_rows, row_keys
 from support.hf_config import to_hf
-from train import load_model
+from train import compile_blocks, load_model
 
 LLAMA3 = dict(
     rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16
@@ -321,13 +321,13 @@ def qlora_tiny(seed=0, dtype=torch.float32, dropout=0.0, device="cpu"):
     ],
 )
 def test_compiled_training_step_has_no_breaks_and_no_recompiles(device, dtype):
-    """compile_blocks on packed QLoRA training steps with LoRA dropout live (inductor; also in bf16 autocast, on CUDA
-    with the attention kernel varlen_attention picks for the GPU): the compiled blocks run inside each block's call,
-    so hooks on a block (FSDP's gathering) run around them; no graph break anywhere in a block (NF4 dequantization and
-    the per-document attention are opaque ops), the graphs of the first step serve every later batch whatever its
-    document count and lengths, and loss and LoRA gradients equal eager, the same dropout masks included (Inductor
-    once drew other masks from a dtype view beside a matmul): within 1e-4 in fp32; in bf16, where the
-    compiled kernels round differently, each is no farther from the same step in fp32 than twice eager's distance
+    """train.compile_blocks on packed QLoRA training steps with LoRA dropout live (inductor; also in bf16 autocast, on
+    CUDA with the attention kernel varlen_attention picks for the GPU): the compiled blocks run inside each block's
+    call, so hooks on a block (FSDP's gathering) run around them; no graph break anywhere in a block (NF4
+    dequantization and the per-document attention are opaque ops), the graphs of the first step serve every later
+    batch whatever its document count and lengths, and loss and LoRA gradients equal eager, the same dropout masks
+    included (Inductor once drew other masks from a dtype view beside a matmul): within 1e-4 in fp32; in bf16, where
+    the compiled kernels round differently, each is no farther from the same step in fp32 than twice eager's distance
     plus 1e-4 (gradients: 1.5x at most on CPU; the loss differs by about 1e-4 either way, so the 1e-4 bounds it);
     evaluation and generation never reach the compiler."""
     torch._dynamo.reset()
@@ -344,7 +344,7 @@ def test_compiled_training_step_has_no_breaks_and_no_recompiles(device, dtype):
     for model in models:  # the kernels load_model would pick for the model's dtype
         for block in model.model.layers:
             block.self_attn.varlen = A.varlen_attention(device, kind(model), model.config.head_dim)
-    compiled.compile_blocks()
+    compile_blocks(compiled)
     calls = []
     for block in compiled.model.layers:
         block.register_forward_pre_hook(lambda *_: calls.append(1))
