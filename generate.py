@@ -15,8 +15,8 @@ import os
 
 import torch
 
-from model import generate
 from support import atomic, gguf_read
+from support.sampling import generate
 from support.tokenizer import Tokenizer
 from train import load_model
 

@@ -101,7 +101,8 @@ def tokenize_examples(examples, tokenizer, template=None, train_on_prompt=False,
     tokens[offsets[i]:offsets[i + 1]] (see `document`), mask 1 where a token is supervised."""
     if tokenizer.eos_id is None:
         raise ValueError(f"{tokenizer.path}: the tokenizer has no eos token, which ends every response")
-    tokens, mask, lengths = [], [], []  # per document: its ids, its mask, its length
+    tokens, mask = [], []  # per document: its ids (uint32) and its mask (uint8)
+    lengths = []
     bad = []  # the skipped examples
     # A chunk of examples at a time: its pieces go to the tokenizer in one batched call (its threads use every core),
     # and the Python lists (tens of bytes per token) never hold more than a chunk.

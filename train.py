@@ -46,7 +46,7 @@ from tqdm import tqdm
 import lora
 import pack
 import quant
-from model import Llama, generate
+from model import Llama
 from support import checkpoint, dropout, examples, fsdp, hf, memory, nf4_cuda, preview, progress, ranks, stops, trackers
 from support.attention import compilable, varlen_attention
 from support.config import (
@@ -70,7 +70,8 @@ from support.outputs import write_outputs
 from support.plan import plan_for
 from support.precision import agreed, pick_precision
 from support.run_dir import claim_inputs
-from support.tokenizer import Tokenizer, render
+from support.sampling import prompt_and_answer
+from support.tokenizer import Tokenizer
 
 
 @dataclass
@@ -186,11 +187,9 @@ def build_data(cfg: Config, tok, files, max_positions: int, place: Placement):
             " (positions it was never trained on); lower it or use 'auto'"
         )
     train_examples, val_examples = examples.train_and_val(cfg, files)
-    # fmt: off
     common = dict(template=cfg.template or None, train_on_prompt=cfg.train_on_prompt, truncate=cfg.truncate,
                   pack=cfg.pack, pad_to_max=cfg.pad_to_max, cache_dir=cfg.cache_dir, seed=cfg.seed,
-                  max_context=max_positions, skip_bad_rows=cfg.skip_bad_rows)
-    # fmt: on
+                  max_context=max_positions, skip_bad_rows=cfg.skip_bad_rows)  # fmt: skip
     trainset = pack.build_dataset(train_examples, tok, cfg.context_length, **common)
     valset = pack.build_dataset(val_examples, tok, trainset.context_length, **common)
     if place.main:
@@ -199,23 +198,6 @@ def build_data(cfg: Config, tok, files, max_positions: int, place: Placement):
             preview.show(train_examples, tok, cfg.template or None, cfg.train_on_prompt, cfg.skip_bad_rows)
     renders = (ex for ex in val_examples if pack.renders(ex, tok, cfg.template or None))
     return trainset, valset, list(itertools.islice(renders, cfg.eval_samples))
-
-
-def rows_per_rank(batch_tokens, context, world) -> int:
-    """This rank's rows per step: the global batch, batch_tokens // context rows, shared equally by the ranks (a
-    remainder would be dropped: it is refused, naming the nearest batches the ranks can share)."""
-    rows = batch_tokens // context
-    if rows % world == 0 and rows:
-        return rows // world
-    if world == 1:
-        raise ValueError(f"batch_tokens: {batch_tokens} is less than one row of {context} tokens; raise it or lower "
-                         "context_length")  # fmt: skip
-    fits = [r for r in (rows // world * world, (rows // world + 1) * world) if r]  # rows the ranks can share
-    use = " or ".join(f"--batch_tokens={r * context} ({r} rows)" for r in fits)
-    raise ValueError(
-        f"batch_tokens: {batch_tokens} makes {rows} row(s) of {context} tokens, which {world} ranks cannot share "
-        f"equally; use {use}"
-    )
 
 
 # ----------------------------------------------------------------------------- model
@@ -264,14 +246,12 @@ def build_model(cfg: Config, place: Placement, model_dir: str):
 
 
 def compile_blocks(model):
-    """torch.compile each block's training forward: one graph serves every block, shapes are dynamic (other document
-    counts and lengths do not recompile) and the per-document attention is an opaque op, so nothing breaks the graph.
-    The block's call stays eager around it, so hooks on the block (FSDP's gathering of its weights) run outside the
-    graph; forwards without grad (evaluation, generation) stay eager, as a few of them would not repay their graphs."""
+    """torch.compile each block's training forward: one graph for every block, dynamic shapes (no recompiling for other
+    document counts and lengths), the per-document attention an opaque op (no graph break). The block's call and its
+    hooks (FSDP's gathering of its weights) stay outside; forwards without grad (evaluation, generation) stay eager."""
     for block in model.model.layers:
         block.self_attn.varlen = compilable(block.self_attn.varlen)
-        # No shape padding: on CUDA, Inductor's choice whether to pad a half-precision matmul with an unaligned side
-        # (a LoRA rank such as 2 or 12) guards on the row width, which then recompiles for every new width.
+        # shape_padding off: on CUDA it recompiled for every new row width (docs/internals.md)
         compiled = torch.compile(block.forward, dynamic=True, options={"shape_padding": False})
         block.forward = functools.partial(compiled_in_training, compiled, block.forward)
 
@@ -366,16 +346,6 @@ def evaluate(model, valset, rows: int, micro_rows: int, place: Placement) -> flo
     return total.item() / max(1, count)
 
 
-def sample(model, tok, example, cfg: Config, place: Placement) -> str:
-    """The model's greedy answer to a held-out example's prompt, in eval mode (no dropout: the same on every rank)."""
-    text, _, bos = render(example, tok, cfg.template or None)
-    model.eval()
-    with place.autocast():
-        answer = tok.decode(generate(model, tok.encode(text, bos=bos), cfg.sample_tokens, eos_id=tok.eos_id))
-    model.train()
-    return answer
-
-
 # ----------------------------------------------------------------------------- the run
 @dataclass
 class Run:
@@ -410,7 +380,7 @@ def train(cfg: Config) -> list[dict]:
     place = setup(cfg)
     tok = Tokenizer(model_dir)
     trainset, valset, prompts = build_data(cfg, tok, files, architecture.max_position_embeddings, place)
-    rows = rows_per_rank(cfg.batch_tokens, trainset.context_length, place.world)
+    rows = ranks.rows_per_rank(cfg.batch_tokens, trainset.context_length, place.world)
     if cfg.preview:
         return []
     dtype = pick_precision(cfg.precision, place.device, architecture, place.main)
@@ -421,8 +391,8 @@ def train(cfg: Config) -> list[dict]:
     scaler = torch.amp.GradScaler("cuda", enabled=place.dtype == torch.float16)
     micro_rows = micro_batch_rows(cfg, place, model, trainset, rows, forward_loss)
     micro_rows = ranks.agreed_min(micro_rows, place.world, place.device)  # what each rank's memory allows: the least
-    context = trainset.context_length
-    estimated, peak_flops = progress.describe_step(cfg, place, model, context, rows, micro_rows, process_bytes)
+    context_length = trainset.context_length
+    estimated, peak_flops = progress.describe_step(cfg, place, model, context_length, rows, micro_rows, process_bytes)
     run = Run(model, opt, scaler, trainset, valset, tok, prompts, rows, micro_rows, estimated, peak_flops)
     run.tracker = trackers.open_tracker(cfg) if place.main else None
     if cfg.resume:
@@ -445,10 +415,8 @@ def evaluation(cfg: Config, place: Placement, run: Run) -> dict:
     """The validation loss, and the greedy answers to the held-out prompts (the same ones at every evaluation, so
     they show what the falling loss means), to go into the step's record."""
     val_loss = evaluate(run.model, run.valset, cfg.eval_rows, run.micro_rows, place)
-    answers = []
-    for example in run.prompts:
-        prompt = render(example, run.tok, cfg.template or None)[0]
-        answers.append(dict(prompt=prompt, answer=sample(run.model, run.tok, example, cfg, place)))
+    template, autocast = cfg.template or None, place.autocast
+    answers = [prompt_and_answer(run.model, run.tok, ex, template, cfg.sample_tokens, autocast) for ex in run.prompts]
     return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))} | ({"samples": answers} if answers else {})
 
 
@@ -470,7 +438,8 @@ def loop(cfg: Config, place: Placement, run: Run):
     """Optimizer steps from run.step to max_steps. Each turn first does, for the step just taken, what is done once in
     a while (evaluate, show, save), then takes one step. Ctrl-C stops after the step under way, with a checkpoint of
     exactly that step; twice, at once."""
-    first, sharded, record = run.step, fsdp.is_sharded(run.model), None  # sharded: every rank evaluates
+    first = run.step
+    record = None  # the record of the step just taken
     bar = tqdm(total=cfg.max_steps, initial=run.step, disable=not place.main, dynamic_ncols=True)
     with bar, stops.stop_requests() as asked, stops.abrupt_ends(cfg, run):
         stopping = functools.partial(stops.any_rank, asked, place.world, place.device)  # every rank agrees on it
@@ -479,7 +448,7 @@ def loop(cfg: Config, place: Placement, run: Run):
             # ---------------------------------------------- once in a while, for the step just taken
             if run.step > first:  # no evaluation when stopping: torchrun kills its workers 30 s after Ctrl-C
                 due = cfg.eval_every and (run.step % cfg.eval_every == 0 or run.step == cfg.max_steps)
-                if due and not stopping() and (place.main or sharded):
+                if due and not stopping() and (place.main or fsdp.is_sharded(run.model)):  # sharded: all compute
                     record |= evaluation(cfg, place, run)
                     progress.adapter_report(run.model, record, bar, place.main)
                 if place.main:
@@ -511,8 +480,9 @@ def optimizer_step(cfg: Config, place: Placement, run: Run) -> dict:
                                                          cfg, place)  # fmt: skip
     if not stops.finite(record, run.scaler):
         stops.stop_not_finite(cfg, run.history + [record], run.last_saved, place.main)
-    run.step, seconds, tokens = step + 1, time.perf_counter() - start, batch["input_ids"].numel() * place.world
-    record["tokens_per_s"] = tokens / seconds
+    run.step = step + 1
+    seconds = time.perf_counter() - start
+    record["tokens_per_s"] = batch["input_ids"].numel() * place.world / seconds
     record["supervised_per_s"] = record.pop("supervised") / seconds
     record["flops"] = batch_flops(run.model.config, batch["position_ids"])  # this rank's rows, per document
     record["mfu"] = record["flops"] / seconds / run.peak_flops  # over this rank's device
@@ -522,21 +492,9 @@ def optimizer_step(cfg: Config, place: Placement, run: Run) -> dict:
 
 
 def main(argv=None):
-    with ranks.sigterm_ends_this_rank() as ending:
-        try:
-            train(load_config(Config, sys.argv[1:] if argv is None else argv))
-            return
-        except (ValueError, OSError, ImportError, FloatingPointError) as e:  # ImportError: a missing optional package
-            ending()
-            lines = ranks.tell_the_others(str(e).splitlines())  # several mistakes in a config: one line each
-        except Exception as e:  # another rank failed: its line, or that it was lost
-            ending()
-            if not ranks.lost(e):
-                raise
-            lines = ranks.why_lost(e)
-        for line in lines:
-            print(f"error: {line}", file=sys.stderr)
-    raise SystemExit(2)
+    """The command: a config file and --key=value flags. A user's mistake, or another rank's, ends every rank in one
+    line (support/ranks.py)."""
+    ranks.one_line_errors(lambda: train(load_config(Config, sys.argv[1:] if argv is None else argv)))
 
 
 if __name__ == "__main__":

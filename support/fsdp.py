@@ -128,22 +128,6 @@ def add_adapters_(model, names, lora_kw):
         model.set_submodule(name, lora.with_lora(base, **lora_kw))
 
 
-def adapter_health(model) -> dict:
-    """lora.adapter_health of a sharded model, block by block: each block gathered on every rank, then freed; then the
-    root's own adapters (an adapted lm_head), the root gathered the same way."""
-    health = {}
-    for i, block in enumerate(model.model.layers):
-        block.unshard()
-        health |= {f"model.layers.{i}.{n}": h for n, h in lora.adapter_health(block).items()}
-        block.reshard()
-    outside = {n: m for n, m in lora.lora_modules(model).items() if not n.startswith("model.layers.")}
-    if outside:
-        model.unshard()
-        health |= {n: lora.adapter_health(m)[""] for n, m in outside.items()}
-        model.reshard()
-    return health
-
-
 def resident_bytes(model) -> tuple[int, int]:
     """(bytes of the parameters this rank holds now, bytes of the whole model's): a sharded parameter counts its local
     shard, a gathered one (a block in its forward) in full."""

@@ -302,7 +302,7 @@ def load_adapter_(model, adapter_dir):
         except ValueError as e:  # name the file whose target_modules do not fit the model
             raise ValueError(f"{cfg_path}: {e}") from None
         mods = lora.lora_modules(model)
-    scaling = lora.lora_scale(r, alpha, use_rslora)
+    scaling = alpha / math.sqrt(r) if use_rslora else alpha / r  # as lora.lora_linear scales
     for n, m in mods.items():
         if m.r != r or not math.isclose(m.scaling, scaling):
             raise ValueError(
