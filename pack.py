@@ -109,9 +109,10 @@ def tokenize_examples(examples, tokenizer, template=None, train_on_prompt=False,
     for first in range(0, len(examples), chunk):
         segmented, skipped = segment(examples[first : first + chunk], tokenizer, template, first, skip_bad_rows)
         bad += skipped
-        texts = [text for _, (pieces, _, _) in segmented for text, _ in pieces]
-        encoded, start = tokenizer.encode_batch(texts), 0
-        for _, seg in segmented:
+        docs = [seg for _, seg in segmented]  # each example's (pieces [(text, supervised)], add BOS?, add EOS?)
+        encoded = tokenizer.encode_batch([text for pieces, _, _ in docs for text, _ in pieces])  # every piece alone
+        start = 0  # the first piece of the next document in `encoded`
+        for seg in docs:
             ids, supervised = document(seg, encoded[start : start + len(seg[0])], tokenizer, train_on_prompt)
             start += len(seg[0])
             tokens.append(np.array(ids, dtype=np.uint32))
