@@ -223,7 +223,8 @@ def load_model(model_dir: str, dtype=None, device="cpu", quantize=False, add_lor
     #    chosen here too (on CUDA one Triton kernel with the reference's bits).
     if add_lora:
         lora.add_lora_(model, **add_lora, dropout_op=dropout_op_for(device))
-    if adapter:
+    if adapter:  # a saved adapter: the adapters its config describes, then its tensors into them
+        lora.add_lora_(model, **hf.adapter_settings(adapter, model), dropout_op=dropout_op_for(device))
         hf.load_adapter_(model, adapter)
     return model
 
