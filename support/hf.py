@@ -26,11 +26,10 @@ dtype dequantization produces), shape, nested_blocksize, nested_dtype and nested
 PEFT adapters
 -------------
 What transformers + PEFT load (and what vLLM's loader reads, though it has not run here): a directory with
-adapter_config.json (peft_type
-"LORA", task_type "CAUSAL_LM", r, lora_alpha, lora_dropout, use_rslora, target_modules, bias "none", ...) and
-adapter_model.safetensors holding `base_model.model.<module>.lora_A.weight` (r, in) and
-`base_model.model.<module>.lora_B.weight` (out, r), e.g. <module> = model.layers.0.self_attn.q_proj. PEFT itself may
-keep its adapter name in the key (`lora_A.default.weight`); both spellings load. `adapter_settings` reads the
+adapter_config.json (peft_type "LORA", task_type "CAUSAL_LM", r, lora_alpha, lora_dropout, use_rslora,
+target_modules, bias "none", ...) and adapter_model.safetensors holding `base_model.model.<module>.lora_A.weight`
+(r, in) and `base_model.model.<module>.lora_B.weight` (out, r), e.g. <module> = model.layers.0.self_attn.q_proj. PEFT
+itself may keep its adapter name in the key (`lora_A.default.weight`); both spellings load. `adapter_settings` reads the
 add_lora_ keywords from the config, and `load_adapter_` the tensors into the adapters added with them.
 
 Every file is written whole by support/atomic.py.
