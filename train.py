@@ -412,7 +412,7 @@ def train(cfg: Config) -> list[dict]:
     return run.history
 
 
-def evaluation(cfg: Config, place: Placement, run: Run) -> dict:
+def evaluation_record(cfg: Config, place: Placement, run: Run) -> dict:
     """The validation loss, and the greedy answers to the held-out prompts (the same ones at every evaluation, so
     they show what the falling loss means), to go into the step's record."""
     val_loss = evaluate(run.model, run.valset, cfg.eval_rows, run.micro_rows, place)
@@ -427,7 +427,7 @@ def before_training(cfg: Config, place: Placement, run: Run):
     if place.main and (errors := progress.nf4_error(run.model)):
         run.history.append({"step": 0, "nf4_error": errors})
     if cfg.eval_every and (place.main or fsdp.is_sharded(run.model)):
-        record = {"step": 0} | evaluation(cfg, place, run)
+        record = {"step": 0} | evaluation_record(cfg, place, run)
         run.history += [record] if place.main else []
         if place.main:
             print(f"step 0: val loss {record['val_loss']:.4f}")
@@ -450,7 +450,7 @@ def loop(cfg: Config, place: Placement, run: Run):
             if run.step > first:  # no evaluation when stopping: torchrun kills its workers 30 s after Ctrl-C
                 due = cfg.eval_every and (run.step % cfg.eval_every == 0 or run.step == cfg.max_steps)
                 if due and not stopping() and (place.main or fsdp.is_sharded(run.model)):  # sharded: all compute
-                    record |= evaluation(cfg, place, run)
+                    record |= evaluation_record(cfg, place, run)
                     progress.adapter_report(run.model, record, bar, place.main)
                 if place.main:
                     progress.show_step(bar, record, place, run.estimated, cfg.max_steps, run.tracker)
