@@ -292,7 +292,7 @@ class Llama(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)[:, :, None]  # (B, T, 1, D): broadcast over heads
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         for layer in self.model.layers:
-            if self.activation_checkpointing and self.training:  # only x is kept; backward runs the block again
+            if self.activation_checkpointing and self.training and cache is None:  # keep x only, recompute in backward
                 x = checkpoint(layer, x, cos, sin, docs, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, docs, cache)

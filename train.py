@@ -46,7 +46,7 @@ from tqdm import tqdm
 import lora
 import pack
 import quant
-from model import Llama
+from model import Block, Llama
 from support import checkpoint, dropout, examples, fsdp, hf, memory, nf4_cuda, preview, progress, ranks, stops, trackers
 from support.attention import compilable, varlen_attention
 from support.config import (
@@ -250,16 +250,16 @@ def compile_blocks(model):
     """torch.compile each block's training forward: one graph for every block, dynamic shapes (no recompiling for other
     document counts and lengths), the per-document attention an opaque op (no graph break). The block's call and its
     hooks (FSDP's gathering of its weights) stay outside; forwards without grad (evaluation, generation) stay eager."""
+    # shape_padding off: on CUDA it recompiled for every new row width (docs/internals.md)
+    compiled = torch.compile(Block.forward, dynamic=True, options={"shape_padding": False})  # the block is an input
     for block in model.model.layers:
         block.self_attn.varlen = compilable(block.self_attn.varlen)
-        # shape_padding off: on CUDA it recompiled for every new row width (docs/internals.md)
-        compiled = torch.compile(block.forward, dynamic=True, options={"shape_padding": False})
-        block.forward = functools.partial(compiled_in_training, compiled, block.forward)
+        block.forward = functools.partial(compiled_in_training, compiled, block)  # a copy of the model binds its own
 
 
-def compiled_in_training(compiled, eager, *args):
-    """A compiled block's forward: the graph where gradients are recorded, the plain forward elsewhere."""
-    return (compiled if torch.is_grad_enabled() else eager)(*args)
+def compiled_in_training(compiled, block, *args, **kwargs):
+    """A compiled block's forward: the graph where gradients are recorded, the plain Block.forward elsewhere."""
+    return (compiled if torch.is_grad_enabled() else Block.forward)(block, *args, **kwargs)
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -457,7 +457,7 @@ def loop(cfg: Config, place: Placement, run: Run):
                 if cfg.save_every and run.step % cfg.save_every == 0:
                     run.last_saved = checkpoint.save(cfg, run.model, run.opt, run.scaler, run.step, run.history,
                                                      place.main)  # fmt: skip
-            if run.step == cfg.max_steps or stopping():
+            if run.step >= cfg.max_steps or stopping():  # a run resumed with a lower max_steps is done
                 break
             # ---------------------------------------------- one optimizer step
             record = optimizer_step(cfg, place, run)

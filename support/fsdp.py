@@ -24,8 +24,8 @@ reduce-scattered after the last one only (`sync_gradients`).
 
 What needs every rank: a sharded model computes only when all ranks run the same forward, so evaluation, samples and
 adapter health run on every rank (rank 0 keeps the results); checkpoints gather full tensors so that a run resumes on
-any number of ranks, or on one process. torch.compile compiles each block's computation, which runs inside the
-block's own call (model.Block.forward), so FSDP's hooks gather and free its weights around the graph. A merged export
+any number of ranks, or on one process. torch.compile (train.compile_blocks) compiles each block's forward, which
+runs inside the block's own call, so FSDP's hooks gather and free its weights around the graph. A merged export
 is not offered with FSDP: it needs the whole model in one place.
 """
 

@@ -15,7 +15,7 @@ What this file proves:
   within the base's own quantization error of the adapter-on-NF4 model, and each module reports which weights it
   started from (original, or the exact merge into the dequantized copy);
 - fp32 LoRA parameters on a bf16 base (lora_dtype) give bf16 outputs and fp32 gradients on the LoRA parameters only;
-- an adapter loaded into a model in eval mode has no live dropout (PEFT's logits without calling eval again), and
+- an adapter loaded into a model in eval mode has no live dropout (PEFT's logits without calling eval again);
 - mismatched adapters (rank, unknown module, other base shapes, unsupported options, missing file) fail in one line,
   and so do an adapter's tensors loaded into a model without LoRA modules;
 - for Qwen2 (biased q/k/v), Qwen3 (q/k norms, biased o_proj) and Mistral bases, adapters load in PEFT on the

@@ -1,7 +1,8 @@
 """support/sampling.py: continuing a prompt through the model's KV cache.
 
-What this file proves: greedy generation through the cache equals recomputing the whole sequence for every token, the
-cache fed in two chunks gives the full pass's logits, generation stops at any of several eos ids, nucleus sampling
+What this file proves: greedy generation through the cache equals recomputing the whole sequence for every token (in
+training mode with activation checkpointing on too), the cache fed in two chunks gives the full pass's logits,
+generation stops at any of several eos ids, nucleus sampling
 with a vanishing top_p is greedy and a seed repeats a sample; and greedy generation equals transformers' generate on
 the same weights (the families' own cases, sliding windows included, are in tests/test_model.py).
 """
@@ -33,6 +34,9 @@ def test_kv_cache_generation_matches_full_recompute():
         chunked = torch.cat([first, model(seq[:, 9:], cache=cache)], dim=1)
         assert (chunked - model(seq)).abs().max() < 1e-5
     assert generate(model, prompt, 12, eos_id=[96, new[3]]) == new[: new.index(new[3]) + 1]
+    model.train().activation_checkpointing = True  # generation never recomputes: the cache is filled all the same
+    assert generate(model, prompt, 12) == new
+    model.eval()
     # nucleus sampling with a vanishing top_p keeps only the most likely token
     assert generate(model, prompt, 12, temperature=0.7, top_p=1e-9, seed=1) == new
     sampled = generate(model, prompt, 12, temperature=1.0, seed=3)
