@@ -5,9 +5,9 @@
     python generate.py --model checkpoints/Llama-3.1-8B --temperature 0.7 --top_p 0.9 "..."
 
 The prompt goes through the checkpoint's chat template when it has one (a single user turn plus the assistant
-header), else it is used as it is. Decoding is greedy at temperature 0, else temperature + nucleus sampling, with the
-KV cache of model.generate. With --adapter the base is built as in training (NF4 with --quantize) and the PEFT-format
-adapter is applied on top, so what you see is what the adapter does, not a merged approximation.
+header), else it is used as it is. Decoding is greedy at temperature 0, else temperature + nucleus sampling, through
+the KV cache (support/sampling.py). With --adapter the base is built as in training (NF4 with --quantize) and the
+PEFT-format adapter is applied on top, so what you see is what the adapter does, not a merged approximation.
 """
 
 import argparse
@@ -15,8 +15,8 @@ import os
 
 import torch
 
-from model import generate
 from support import atomic, gguf_read
+from support.sampling import generate
 from support.tokenizer import Tokenizer
 from train import load_model
 

@@ -42,11 +42,6 @@ from model import find_linears
 from support.dropout import KeyedDropout
 
 
-def lora_scale(r, alpha, use_rslora=False):
-    """alpha / r, or rsLoRA's rank-stable alpha / sqrt(r)."""
-    return alpha / math.sqrt(r) if use_rslora else alpha / r
-
-
 class LoRA:
     """What both LoRA linears add to their base class: the adapter lora_A (r, in), lora_B (out, r) and the dropout on
     its input (set by lora_linear), the forward `out = base(x) + scale * B(A(dropout(x)))` and the merged delta."""
@@ -89,7 +84,7 @@ def lora_linear(base, lora_A, lora_B, lora_dropout, alpha, use_rslora):
     layer.r = lora_A.out_features
     layer.lora_alpha = alpha
     layer.use_rslora = use_rslora
-    layer.scaling = lora_scale(layer.r, alpha, use_rslora)
+    layer.scaling = alpha / math.sqrt(layer.r) if use_rslora else alpha / layer.r  # rsLoRA: alpha / sqrt(r)
     return layer.train(base.training)
 
 
@@ -144,22 +139,6 @@ def add_lora_(model, targets, r, alpha, dropout, use_rslora=False, lora_dtype=No
         f"({100 * trainable / total:.3f}%)"
     )
     return trainable, total
-
-
-@torch.no_grad()
-def adapter_health(model):
-    """{module: (||scale * B A|| / ||W||, share of B's entries that moved from zero)}, Frobenius norms: how far each
-    adapter has moved its layer, and whether it is training at all (B starts at zero, so a B still all zero after
-    some steps means no gradient reaches it). ||B A||^2 = trace((B^T B)(A A^T)) is an (r, r) product, so no (out, in)
-    matrix is formed; ||W|| is computed once per module (W is frozen) and kept on it."""
-    health = {}
-    for name, m in lora_modules(model).items():
-        if not hasattr(m, "base_norm"):
-            m.base_norm = float((m.dequantize() if isinstance(m, quant.NF4Linear) else m.weight).float().norm())
-        a, b = m.lora_A.weight.float(), m.lora_B.weight.float()
-        delta = m.scaling * float(torch.trace((b.t() @ b) @ (a @ a.t())).clamp(min=0).sqrt())
-        health[name] = (delta / max(m.base_norm, 1e-30), float((b != 0).float().mean()))
-    return health
 
 
 @torch.no_grad()

@@ -48,8 +48,8 @@ exist, the forward pass also turns them into the gradient of the loss for the hi
 dL/dh = (softmax(h W^T) - onehot(y)) W, so the logits are dropped at once and the backward pass only scales that
 gradient. Full-vocabulary logits never exist for the whole batch, and no lm_head matmul is recomputed.
 
-Generation keeps a `KVCache`, a preallocated (layers, 1, max_len, Hkv, D) key and value buffer: the prompt runs once,
-then each new token costs one single-position forward that attends to the cached keys and values.
+Generation (support/sampling.py) keeps a `KVCache`, a preallocated (layers, 1, max_len, Hkv, D) key and value buffer:
+the prompt runs once, then each new token costs one single-position forward against the cached keys and values.
 
 Shapes: B batch rows, T tokens per row, N = B*T flattened tokens, H / Hkv query / key-value heads, D head size.
 """
@@ -62,7 +62,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from support.attention import Docs, causal_sdpa, compilable, pad_to_bucket, sdpa_varlen
+from support.attention import Docs, causal_sdpa, pad_to_bucket, sdpa_varlen
 
 LOSS_CHUNK = 1024  # supervised tokens per lm_head + cross-entropy chunk
 
@@ -206,15 +206,18 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg, layer_idx, varlen=sdpa_varlen):
         super().__init__()
-        self.head_dim, self.layer_idx, self.varlen = cfg.head_dim, layer_idx, varlen
+        assert cfg.num_attention_heads % cfg.num_key_value_heads == 0, "each key/value head serves whole query heads"
+        self.head_dim = d = cfg.head_dim
+        self.layer_idx = layer_idx
+        self.varlen = varlen
         self.window = cfg.window(layer_idx)
-        h, hkv, d = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=cfg.qkv_bias)
-        self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias)
-        self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias)
-        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=cfg.o_bias)
+        self.q_proj = nn.Linear(cfg.hidden_size, cfg.num_attention_heads * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(cfg.num_attention_heads * d, cfg.hidden_size, bias=cfg.o_bias)
         if cfg.qk_norm:  # one (D,) weight shared by every head, as Qwen3 has it
-            self.q_norm, self.k_norm = RMSNorm(d, cfg.rms_norm_eps), RMSNorm(d, cfg.rms_norm_eps)
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, docs=None, cache=None):
         B, T, _ = x.shape
@@ -252,15 +255,8 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg, layer_idx, varlen)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
-        self.compiled = None  # torch.compile of Block.compute, one for all blocks (Llama.compile_blocks)
 
     def forward(self, x, cos, sin, docs=None, cache=None):
-        # Training runs the compiled graph (evaluation and generation stay eager); either way it runs inside the
-        # module's call, so hooks on the block (FSDP's gathering of its weights) run around it.
-        compute = self.compiled if self.compiled is not None and torch.is_grad_enabled() else Block.compute
-        return compute(self, x, cos, sin, docs, cache)
-
-    def compute(self, x, cos, sin, docs=None, cache=None):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, docs, cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -270,7 +266,7 @@ class Llama(nn.Module):
         """varlen: the packed-document attention (see varlen_attention), fixed for the model's life."""
         super().__init__()
         self.config = config
-        self.activation_checkpointing = False
+        self.activation_checkpointing = False  # in training mode, recompute each block in backward (train.py sets it)
         self.loss_chunk = LOSS_CHUNK  # 0: full-vocabulary logits for every position at once (the naive baseline)
         embed = nn.Embedding(config.vocab_size, config.hidden_size)
         layers = nn.ModuleList(Block(config, i, varlen) for i in range(config.num_hidden_layers))
@@ -279,18 +275,6 @@ class Llama(nn.Module):
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
-
-    def compile_blocks(self):
-        """torch.compile the blocks' training forward (and so their backward). One graph serves every block; the
-        per-document SDPA loop becomes its opaque twin, so nothing in a block breaks the graph; shapes are dynamic, so
-        other document counts or lengths do not recompile. Evaluation and generation (no grad) stay eager."""
-        for block in self.model.layers:
-            block.self_attn.varlen = compilable(block.self_attn.varlen)
-        # No shape padding: on CUDA, Inductor's choice whether to pad a half-precision matmul with an unaligned side
-        # (a LoRA rank such as 2 or 12) guards on the row width, which then recompiles for every new width.
-        compiled = torch.compile(Block.compute, dynamic=True, options={"shape_padding": False})
-        for block in self.model.layers:
-            block.compiled = compiled
 
     def forward(self, input_ids, position_ids=None, labels=None, cache=None):
         """input_ids (B, T) -> logits (B, T, vocab), or (loss_sum, n_tokens) when labels (B, T) are given.
@@ -308,7 +292,7 @@ class Llama(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)[:, :, None]  # (B, T, 1, D): broadcast over heads
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
         for layer in self.model.layers:
-            if self.activation_checkpointing and torch.is_grad_enabled():
+            if self.activation_checkpointing and self.training and cache is None:  # keep x only, recompute in backward
                 x = checkpoint(layer, x, cos, sin, docs, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, docs, cache)
@@ -350,30 +334,3 @@ def find_linears(model, targets="all-linear", types=(nn.Linear,)):
         if not any(hit(n, t) for n in found):
             raise ValueError(f"target module {t!r} matches no linear layer of the model")
     return {n: m for n, m in found.items() if any(hit(n, t) for t in targets)}
-
-
-@torch.inference_mode()
-def generate(model, prompt_ids, max_new_tokens, temperature=0.0, top_p=1.0, eos_id=None, seed=None):
-    """Continue prompt_ids; returns the new tokens only (ending with the eos token if one was produced).
-
-    Greedy when temperature == 0, else softmax(logits / temperature) restricted to the smallest set of most likely
-    tokens whose probability reaches top_p (nucleus sampling, https://arxiv.org/abs/1904.09751).
-    """
-    weight = model.model.embed_tokens.weight
-    cache = KVCache(model.config, len(prompt_ids) + max_new_tokens, dtype=weight.dtype, device=weight.device)
-    stop = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
-    gen = None if seed is None else torch.Generator(weight.device).manual_seed(seed)
-    ids, out = torch.tensor([prompt_ids], device=weight.device), []
-    for _ in range(max_new_tokens):
-        logits = model(ids, cache=cache)[0, -1].float()  # (vocab,)
-        if temperature == 0:
-            tok = int(logits.argmax())
-        else:
-            probs, order = torch.softmax(logits / temperature, -1).sort(descending=True)
-            probs[probs.cumsum(0) - probs > top_p] = 0  # drop tokens once the mass before them exceeds top_p
-            tok = int(order[torch.multinomial(probs, 1, generator=gen)])
-        out.append(tok)
-        if tok in stop:
-            break
-        ids = torch.tensor([[tok]], device=weight.device)
-    return out

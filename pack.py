@@ -101,16 +101,18 @@ def tokenize_examples(examples, tokenizer, template=None, train_on_prompt=False,
     tokens[offsets[i]:offsets[i + 1]] (see `document`), mask 1 where a token is supervised."""
     if tokenizer.eos_id is None:
         raise ValueError(f"{tokenizer.path}: the tokenizer has no eos token, which ends every response")
-    tokens, mask, lengths = [], [], []  # per document: its ids, its mask, its length
+    tokens, mask = [], []  # per document: its ids (uint32) and its mask (uint8)
+    lengths = []
     bad = []  # the skipped examples
     # A chunk of examples at a time: its pieces go to the tokenizer in one batched call (its threads use every core),
     # and the Python lists (tens of bytes per token) never hold more than a chunk.
     for first in range(0, len(examples), chunk):
         segmented, skipped = segment(examples[first : first + chunk], tokenizer, template, first, skip_bad_rows)
         bad += skipped
-        texts = [text for _, (pieces, _, _) in segmented for text, _ in pieces]
-        encoded, start = tokenizer.encode_batch(texts), 0
-        for _, seg in segmented:
+        docs = [seg for _, seg in segmented]  # each example's (pieces [(text, supervised)], add BOS?, add EOS?)
+        encoded = tokenizer.encode_batch([text for pieces, _, _ in docs for text, _ in pieces])  # every piece alone
+        start = 0  # the first piece of the next document in `encoded`
+        for seg in docs:
             ids, supervised = document(seg, encoded[start : start + len(seg[0])], tokenizer, train_on_prompt)
             start += len(seg[0])
             tokens.append(np.array(ids, dtype=np.uint32))

@@ -34,26 +34,17 @@ and B2 = ceil(B / 256) nested blocks:
     nested_absmax  float32 (B2,)                absolute maximum of each block of 256 centred absmax
     offset         float32 ()                   mean of the fp32 absmax
 
-Checkpoints in the Hugging Face "bnb-4bit" format (what transformers + bitsandbytes write) hold exactly these buffers;
-support/hf.py reads and writes them, and `quantize_` takes such a pre-quantized weight as it is, skipping the
-quantization work.
+Checkpoints in the Hugging Face "bnb-4bit" format hold exactly these buffers (support/hf.py reads and writes them);
+`quantize_` takes such a pre-quantized weight as it is.
 
 Training. NF4Linear's forward dequantizes W into the compute dtype (bf16, fp16 or fp32) and multiplies; its backward
 dequantizes again and returns only the input gradient dL/dx = dL/dy W: the base is frozen, so nothing is stored but
 the 4-bit buffers.
 
-Where dequantization runs. `dequantize_nf4` below is the reference: a few PyTorch ops, fp32 math, one rounding, what
-runs on CPU. Each NF4Linear dequantizes with the op in its `dequantize_op`: the reference's, unless whoever builds the
-model hands it another. A model built on CUDA is handed a faster kernel with the same bits, chosen once then
-(support/nf4_cuda.py); this file knows nothing of it.
-
-torch.compile. To the compiler, dequantization is one opaque operator, `torch.ops.nanoqlora.dequantize_nf4`
-(`dequantize`, a torch.library custom op; the CUDA kernel's op alike), with a "fake" implementation that tells the
-compiler the output's shape and dtype without running anything. Dynamo does not trace into it (table lookups, optional
-imports and Triton launches stay out of the graph), and Inductor never fuses it into a form that would change its
-bits. The linear's autograd function saves only the four buffers and keeps plain values and the op on its context, so
-dynamo traces forward and backward of every NF4 linear without a graph break, and the compiled backward recomputes W
-from the 4-bit buffers as eager mode does.
+Where dequantization runs. `dequantize_nf4` below is the reference: a few PyTorch ops, fp32 math, one rounding. Each
+NF4Linear calls the op in its `dequantize_op`, the reference's unless the model's builder hands it a faster kernel
+with the same bits (on CUDA, support/nf4_cuda.py). To torch.compile the op is opaque, a torch.library custom op with
+a "fake" that gives its output's shape (docs/internals.md says why).
 
 Quantization error. quantize_ records on each layer it quantizes from 16-bit weights the relative error
 ||W - dequant(W)||_F / ||W||_F (`rel_error`); `error_summary` gives the mean and the worst layer. For Gaussian

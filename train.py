@@ -30,13 +30,14 @@ config files and checks, out_dir claims, checkpoints, stops (Ctrl-C, NaN), memor
 outputs. docs/ says what can go wrong and how the whole is proven correct.
 """
 
+import functools
 import itertools
 import math
 import os
 import sys
 import time
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -45,9 +46,9 @@ from tqdm import tqdm
 import lora
 import pack
 import quant
-from model import Llama, generate
+from model import Block, Llama
 from support import checkpoint, dropout, examples, fsdp, hf, memory, nf4_cuda, preview, progress, ranks, stops, trackers
-from support.attention import varlen_attention
+from support.attention import compilable, varlen_attention
 from support.config import (
     TARGETS,
     TEMPLATE,
@@ -69,7 +70,8 @@ from support.outputs import write_outputs
 from support.plan import plan_for
 from support.precision import agreed, pick_precision
 from support.run_dir import claim_inputs
-from support.tokenizer import Tokenizer, render
+from support.sampling import prompt_and_answer
+from support.tokenizer import Tokenizer
 
 
 @dataclass
@@ -185,11 +187,9 @@ def build_data(cfg: Config, tok, files, max_positions: int, place: Placement):
             " (positions it was never trained on); lower it or use 'auto'"
         )
     train_examples, val_examples = examples.train_and_val(cfg, files)
-    # fmt: off
     common = dict(template=cfg.template or None, train_on_prompt=cfg.train_on_prompt, truncate=cfg.truncate,
                   pack=cfg.pack, pad_to_max=cfg.pad_to_max, cache_dir=cfg.cache_dir, seed=cfg.seed,
-                  max_context=max_positions, skip_bad_rows=cfg.skip_bad_rows)
-    # fmt: on
+                  max_context=max_positions, skip_bad_rows=cfg.skip_bad_rows)  # fmt: skip
     trainset = pack.build_dataset(train_examples, tok, cfg.context_length, **common)
     valset = pack.build_dataset(val_examples, tok, trainset.context_length, **common)
     if place.main:
@@ -198,23 +198,6 @@ def build_data(cfg: Config, tok, files, max_positions: int, place: Placement):
             preview.show(train_examples, tok, cfg.template or None, cfg.train_on_prompt, cfg.skip_bad_rows)
     renders = (ex for ex in val_examples if pack.renders(ex, tok, cfg.template or None))
     return trainset, valset, list(itertools.islice(renders, cfg.eval_samples))
-
-
-def rows_per_rank(batch_tokens, context, world) -> int:
-    """This rank's rows per step: the global batch, batch_tokens // context rows, shared equally by the ranks (a
-    remainder would be dropped: it is refused, naming the nearest batches the ranks can share)."""
-    rows = batch_tokens // context
-    if rows % world == 0 and rows:
-        return rows // world
-    if world == 1:
-        raise ValueError(f"batch_tokens: {batch_tokens} is less than one row of {context} tokens; raise it or lower "
-                         "context_length")  # fmt: skip
-    fits = [r for r in (rows // world * world, (rows // world + 1) * world) if r]  # rows the ranks can share
-    use = " or ".join(f"--batch_tokens={r * context} ({r} rows)" for r in fits)
-    raise ValueError(
-        f"batch_tokens: {batch_tokens} makes {rows} row(s) of {context} tokens, which {world} ranks cannot share "
-        f"equally; use {use}"
-    )
 
 
 # ----------------------------------------------------------------------------- model
@@ -240,7 +223,8 @@ def load_model(model_dir: str, dtype=None, device="cpu", quantize=False, add_lor
     #    chosen here too (on CUDA one Triton kernel with the reference's bits).
     if add_lora:
         lora.add_lora_(model, **add_lora, dropout_op=dropout_op_for(device))
-    if adapter:
+    if adapter:  # a saved adapter: the adapters its config describes, then its tensors into them
+        lora.add_lora_(model, **hf.adapter_settings(adapter, model), dropout_op=dropout_op_for(device))
         hf.load_adapter_(model, adapter)
     return model
 
@@ -258,8 +242,24 @@ def build_model(cfg: Config, place: Placement, model_dir: str):
     model.activation_checkpointing = cfg.activation_checkpointing
     model.loss_chunk = model.loss_chunk if cfg.chunked_loss else 0
     if cfg.compile:
-        model.compile_blocks()
+        compile_blocks(model)
     return model
+
+
+def compile_blocks(model):
+    """torch.compile each block's training forward: one graph for every block, dynamic shapes (no recompiling for other
+    document counts and lengths), the per-document attention an opaque op (no graph break). The block's call and its
+    hooks (FSDP's gathering of its weights) stay outside; forwards without grad (evaluation, generation) stay eager."""
+    # shape_padding off: on CUDA it recompiled for every new row width (docs/internals.md)
+    compiled = torch.compile(Block.forward, dynamic=True, options={"shape_padding": False})  # the block is an input
+    for block in model.model.layers:
+        block.self_attn.varlen = compilable(block.self_attn.varlen)
+        block.forward = functools.partial(compiled_in_training, compiled, block)  # a copy of the model binds its own
+
+
+def compiled_in_training(compiled, block, *args, **kwargs):
+    """A compiled block's forward: the graph where gradients are recorded, the plain Block.forward elsewhere."""
+    return (compiled if torch.is_grad_enabled() else Block.forward)(block, *args, **kwargs)
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -275,16 +275,13 @@ def make_optimizer(cfg: Config, params, device):
     return (bnb.optim.PagedAdamW8bit if cfg.optimizer == "paged_adamw8bit" else bnb.optim.AdamW8bit)(params, **kw)
 
 
-def lr_factor(cfg: Config):
-    """step -> the share of cfg.lr: linear warmup over warmup_steps, then cosine decay to min_lr_ratio at max_steps."""
-
-    def factor(step):
-        if step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
-        return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
-
-    return factor
+def learning_rate(cfg: Config, step: int) -> float:
+    """Step `step`'s learning rate: linear warmup over warmup_steps, then cosine decay to lr * min_lr_ratio at
+    max_steps. A function of the step, like the data and the dropout: a resumed run takes up its own schedule."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * ((step + 1) / cfg.warmup_steps)
+    progress = (step - cfg.warmup_steps) / max(1, cfg.max_steps - cfg.warmup_steps)
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress))))
 
 
 # ----------------------------------------------------------------------------- the step
@@ -350,149 +347,155 @@ def evaluate(model, valset, rows: int, micro_rows: int, place: Placement) -> flo
     return total.item() / max(1, count)
 
 
-def sample(model, tok, example, cfg: Config, place: Placement) -> str:
-    """The model's greedy answer to a held-out example's prompt, in eval mode (no dropout: the same on every rank)."""
-    text, _, bos = render(example, tok, cfg.template or None)
-    model.eval()
-    with place.autocast():
-        answer = tok.decode(generate(model, tok.encode(text, bos=bos), cfg.sample_tokens, eos_id=tok.eos_id))
-    model.train()
-    return answer
-
-
-def evaluation(cfg: Config, place: Placement, model, tok, valset, prompts, micro_rows) -> dict:
-    """The validation loss, and the greedy answers to the held-out `prompts` (the same ones at every evaluation, so
-    they show what the falling loss means), to go into the step's record."""
-    val_loss = evaluate(model, valset, cfg.eval_rows, micro_rows, place)
-    answers = [dict(prompt=render(ex, tok, cfg.template or None)[0], answer=sample(model, tok, ex, cfg, place))
-               for ex in prompts]  # fmt: skip
-    return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))} | ({"samples": answers} if answers else {})
-
-
 # ----------------------------------------------------------------------------- the run
+@dataclass
+class Run:
+    """What the loop works with: the model and its optimizer state, the data, and where its records go."""
+
+    model: torch.nn.Module
+    opt: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    trainset: pack.PackedDataset
+    valset: pack.PackedDataset
+    tok: Tokenizer
+    prompts: list  # the held-out examples every evaluation answers
+    rows: int  # this rank's rows per optimizer step
+    micro_rows: int  # rows per forward/backward
+    estimated: int  # bytes: the memory estimate the first steps are checked against
+    peak_flops: float  # FLOP/s of this device: MFU's denominator
+    tracker: object = None  # TensorBoard or W&B, on rank 0
+    step: int = 0  # optimizer steps taken
+    last_saved: int | None = None  # the step of the last checkpoint written by this run
+    history: list = field(default_factory=list)  # rank 0's records: step 0's, then one per step
+
+
 def train(cfg: Config) -> list[dict]:
     """Fine-tune as `cfg` says; returns the metrics history (step 0's records, then one per step). --plan and
     --preview stop after printing, before any model is loaded."""
     check_config(cfg)
     model_dir, files = claim_inputs(cfg)
-    config = read_config(model_dir)[0]
+    architecture = read_config(model_dir)[0]
     if cfg.plan:  # for the machine it names, not this one: no device, no process group
-        print(plan_for(cfg, config))
+        print(plan_for(cfg, architecture))
         return []
     place = setup(cfg)
     tok = Tokenizer(model_dir)
-    trainset, valset, prompts = build_data(cfg, tok, files, config.max_position_embeddings, place)
-    rows = rows_per_rank(cfg.batch_tokens, trainset.context_length, place.world)
+    trainset, valset, prompts = build_data(cfg, tok, files, architecture.max_position_embeddings, place)
+    rows = ranks.rows_per_rank(cfg.batch_tokens, trainset.context_length, place.world)
     if cfg.preview:
         return []
-    place.dtype = agreed(pick_precision(cfg.precision, place.device, config, place.main), place.world, place.device)
+    dtype = pick_precision(cfg.precision, place.device, architecture, place.main)
+    place.dtype = agreed(dtype, place.world, place.device)  # every rank computes in rank 0's choice
     process_bytes = memory.process_rss() if place.device.type == "cpu" else 0  # on CPU the peak is the process's
     model = build_model(cfg, place, model_dir)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = make_optimizer(cfg, params, place.device)
+    opt = make_optimizer(cfg, [p for p in model.parameters() if p.requires_grad], place.device)
     scaler = torch.amp.GradScaler("cuda", enabled=place.dtype == torch.float16)
     micro_rows = micro_batch_rows(cfg, place, model, trainset, rows, forward_loss)
     micro_rows = ranks.agreed_min(micro_rows, place.world, place.device)  # what each rank's memory allows: the least
-    context = trainset.context_length
-    estimated, peak_flops = progress.describe_step(cfg, place, model, context, rows, micro_rows, process_bytes)
-    tracker = trackers.open_tracker(cfg) if place.main else None
+    context_length = trainset.context_length
+    estimated, peak_flops = progress.describe_step(cfg, place, model, context_length, rows, micro_rows, process_bytes)
+    run = Run(model, opt, scaler, trainset, valset, tok, prompts, rows, micro_rows, estimated, peak_flops)
+    run.tracker = trackers.open_tracker(cfg) if place.main else None
     if cfg.resume:
-        step = checkpoint.load_checkpoint(os.path.join(cfg.out_dir, "checkpoint.pt"), model, opt, scaler, cfg)
-        history = checkpoint.read_metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), step)
+        where = os.path.join(cfg.out_dir, "checkpoint.pt")
+        run.step = run.last_saved = checkpoint.load_checkpoint(where, model, opt, scaler, cfg)
+        run.history = checkpoint.read_metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), run.step)
     else:
-        step, history = 0, before_training(cfg, place, model, tok, valset, prompts, micro_rows, tracker)
-    # The schedule, like the data and the dropout, is a function of the step: a resumed run takes up its own.
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg), last_epoch=step - 1)
-    state = (model, opt, sched, scaler)
-    speed = (estimated, peak_flops)
-    loop(cfg, place, state, (trainset, valset, tok, prompts), step, history, (rows, micro_rows), speed, tracker)
+        before_training(cfg, place, run)
+    loop(cfg, place, run)
     adapter = {n: fsdp.full(p.detach()) for n, p in model.named_parameters() if p.requires_grad}  # gathered if sharded
     if place.main:
-        write_outputs(cfg, model, tok, prompts, history, adapter, model_dir, tracker)
+        write_outputs(cfg, model, tok, prompts, run.history, adapter, model_dir, run.tracker)
         print(f"peak {'RSS' if place.device.type == 'cpu' else 'GPU memory'}: {memory.fmt(memory.peak(place.device))}")
     if dist.is_initialized():
         dist.destroy_process_group()
-    return history
+    return run.history
 
 
-def before_training(cfg: Config, place: Placement, model, tok, valset, prompts, micro_rows, tracker) -> list[dict]:
+def evaluation_record(cfg: Config, place: Placement, run: Run) -> dict:
+    """The validation loss, and the greedy answers to the held-out prompts (the same ones at every evaluation, so
+    they show what the falling loss means), to go into the step's record."""
+    val_loss = evaluate(run.model, run.valset, cfg.eval_rows, run.micro_rows, place)
+    template, autocast = cfg.template or None, place.autocast
+    answers = [prompt_and_answer(run.model, run.tok, ex, template, cfg.sample_tokens, autocast) for ex in run.prompts]
+    return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))} | ({"samples": answers} if answers else {})
+
+
+def before_training(cfg: Config, place: Placement, run: Run):
     """A fresh run's first records, on rank 0: NF4's quantization error, and the step-0 evaluation (every rank of a
     sharded model evaluates with it: a sharded model computes only when all ranks do)."""
-    history = [{"step": 0, "nf4_error": errors}] if place.main and (errors := progress.nf4_error(model)) else []
-    if cfg.eval_every and (place.main or fsdp.is_sharded(model)):
-        history.append({"step": 0} | evaluation(cfg, place, model, tok, valset, prompts, micro_rows))
+    if place.main and (errors := progress.nf4_error(run.model)):
+        run.history.append({"step": 0, "nf4_error": errors})
+    if cfg.eval_every and (place.main or fsdp.is_sharded(run.model)):
+        record = {"step": 0} | evaluation_record(cfg, place, run)
+        run.history += [record] if place.main else []
         if place.main:
-            print(f"step 0: val loss {history[-1]['val_loss']:.4f}")
-    for record in history if tracker else []:
-        tracker.log(record)
-    return history if place.main else []
+            print(f"step 0: val loss {record['val_loss']:.4f}")
+    for record in run.history if run.tracker else []:
+        run.tracker.log(record)
 
 
-def loop(cfg: Config, place: Placement, state, data, step, history, rows, speed, tracker):
-    """Steps from `step` to max_steps, appending each step's record to `history` on rank 0; once in a while evaluate
-    and save. Ctrl-C stops after the step under way, with a checkpoint of exactly that step; twice, at once."""
-    (model, opt, sched, scaler), (trainset, valset, tok, prompts), (rows, micro_rows) = state, data, rows
-    estimated, peak_flops = speed
-    last_saved, everywhere = step if cfg.resume else None, fsdp.is_sharded(model)  # sharded: evaluate on every rank
-    memory.reset_peak(place.device)
-    bar = tqdm(total=cfg.max_steps, initial=step, disable=not place.main, dynamic_ncols=True)
-    try:
-        with stops.stop_requests() as stop_asked:
-            while step < cfg.max_steps and not stops.any_rank(stop_asked, place.world, place.device):
-                start, batch = time.perf_counter(), trainset.step_batch(step, rows, place.rank, place.world)
-                record = {"step": step + 1, "lr": sched.get_last_lr()[0]}
-                record |= train_step(model, opt, scaler, batch, micro_rows, step, cfg, place)
-                if not stops.finite(record, scaler):
-                    stops.stop_not_finite(cfg, history + [record], last_saved, place.main)
-                sched.step()
-                step, seconds, tokens = step + 1, time.perf_counter() - start, batch["input_ids"].numel() * place.world
-                record |= {"tokens_per_s": tokens / seconds, "supervised_per_s": record.pop("supervised") / seconds}
-                record["flops"] = batch_flops(model.config, batch["position_ids"])  # this rank's rows, per document
-                record["mfu"] = record["flops"] / seconds / peak_flops  # over this rank's device
+def loop(cfg: Config, place: Placement, run: Run):
+    """Optimizer steps from run.step to max_steps. Each turn first does, for the step just taken, what is done once in
+    a while (evaluate, show, save), then takes one step. Ctrl-C stops after the step under way, with a checkpoint of
+    exactly that step; twice, at once."""
+    first = run.step
+    record = None  # the record of the step just taken
+    bar = tqdm(total=cfg.max_steps, initial=run.step, disable=not place.main, dynamic_ncols=True)
+    with bar, stops.stop_requests() as asked, stops.abrupt_ends(cfg, run):
+        stopping = functools.partial(stops.any_rank, asked, place.world, place.device)  # every rank agrees on it
+        memory.reset_peak(place.device)
+        while True:
+            # ---------------------------------------------- once in a while, for the step just taken
+            if run.step > first:  # no evaluation when stopping: torchrun kills its workers 30 s after Ctrl-C
+                due = cfg.eval_every and (run.step % cfg.eval_every == 0 or run.step == cfg.max_steps)
+                if due and not stopping() and (place.main or fsdp.is_sharded(run.model)):  # sharded: all compute
+                    record |= evaluation_record(cfg, place, run)
+                    progress.adapter_report(run.model, record, bar, place.main)
                 if place.main:
-                    history.append(record)  # before the evaluation, which a second Ctrl-C may break into
-                # once in a while: evaluate (not when stopping: torchrun kills its workers 30 s after Ctrl-C)
-                due = cfg.eval_every and (step % cfg.eval_every == 0 or step == cfg.max_steps)
-                if due and not stops.any_rank(stop_asked, place.world, place.device) and (place.main or everywhere):
-                    record |= evaluation(cfg, place, model, tok, valset, prompts, micro_rows)
-                    progress.adapter_report(model, record, bar, place.main)
-                if place.main:
-                    progress.show_step(bar, record, place, estimated, cfg.max_steps, tracker)
-                if cfg.save_every and step % cfg.save_every == 0:  # once in a while: save
-                    last_saved = checkpoint.save(cfg, model, opt, scaler, step, history, place.main)
-    except KeyboardInterrupt:  # a second Ctrl-C, in the middle of a step: nothing of it is saved
-        print(f"\nstopped at once: {checkpoint.last_checkpoint(cfg, last_saved)}", file=sys.stderr)
-        raise SystemExit(130) from None
-    except Exception as e:  # another rank is gone: its step cannot finish (support/ranks.py)
-        if not ranks.lost(e):
-            raise
-        raise ranks.RankLost(ranks.lost_during(e, step + 1, checkpoint.last_checkpoint(cfg, last_saved))) from None
-    finally:
-        bar.close()  # so that an error message starts on a line of its own
-    if last_saved != step:  # first: the merged export changes the model (a save at this very step is not repeated)
-        checkpoint.save(cfg, model, opt, scaler, step, history, place.main)
-    if step < cfg.max_steps:  # Ctrl-C: stopped between two steps, so the checkpoint is exactly step `step`
+                    progress.show_step(bar, record, place, run.estimated, cfg.max_steps, run.tracker)
+                if cfg.save_every and run.step % cfg.save_every == 0:
+                    run.last_saved = checkpoint.save(cfg, run.model, run.opt, run.scaler, run.step, run.history,
+                                                     place.main)  # fmt: skip
+            if run.step >= cfg.max_steps or stopping():  # a run resumed with a lower max_steps is done
+                break
+            # ---------------------------------------------- one optimizer step
+            record = optimizer_step(cfg, place, run)
+    if run.last_saved != run.step:  # before the merged export changes the model (a save at this step is not repeated)
+        checkpoint.save(cfg, run.model, run.opt, run.scaler, run.step, run.history, place.main)
+    if run.step < cfg.max_steps:  # Ctrl-C: stopped between two steps, so the checkpoint is exactly that step
         if place.main:
-            print(f"interrupted: checkpoint at step {step} written; continue with --resume --out_dir={cfg.out_dir}")
+            print(f"interrupted: checkpoint at step {run.step} written; continue with --resume --out_dir={cfg.out_dir}")
         raise SystemExit(130)
 
 
+def optimizer_step(cfg: Config, place: Placement, run: Run) -> dict:
+    """Step run.step on its rows of the global batch, at the schedule's learning rate; its record (on rank 0 also
+    appended to run.history, before any evaluation a second Ctrl-C may break into)."""
+    start, step = time.perf_counter(), run.step
+    batch = run.trainset.step_batch(step, run.rows, place.rank, place.world)
+    lr = learning_rate(cfg, step)
+    for group in run.opt.param_groups:
+        group["lr"] = lr
+    record = {"step": step + 1, "lr": lr} | train_step(run.model, run.opt, run.scaler, batch, run.micro_rows, step,
+                                                         cfg, place)  # fmt: skip
+    if not stops.finite(record, run.scaler):
+        stops.stop_not_finite(cfg, run.history + [record], run.last_saved, place.main)
+    run.step = step + 1
+    seconds = time.perf_counter() - start
+    record["tokens_per_s"] = batch["input_ids"].numel() * place.world / seconds
+    record["supervised_per_s"] = record.pop("supervised") / seconds
+    record["flops"] = batch_flops(run.model.config, batch["position_ids"])  # this rank's rows, per document
+    record["mfu"] = record["flops"] / seconds / run.peak_flops  # over this rank's device
+    if place.main:
+        run.history.append(record)
+    return record
+
+
 def main(argv=None):
-    with ranks.sigterm_ends_this_rank() as ending:
-        try:
-            train(load_config(Config, sys.argv[1:] if argv is None else argv))
-            return
-        except (ValueError, OSError, ImportError, FloatingPointError) as e:  # ImportError: a missing optional package
-            ending()
-            lines = ranks.tell_the_others(str(e).splitlines())  # several mistakes in a config: one line each
-        except Exception as e:  # another rank failed: its line, or that it was lost
-            ending()
-            if not ranks.lost(e):
-                raise
-            lines = ranks.why_lost(e)
-        for line in lines:
-            print(f"error: {line}", file=sys.stderr)
-    raise SystemExit(2)
+    """The command: a config file and --key=value flags. A user's mistake, or another rank's, ends every rank in one
+    line (support/ranks.py)."""
+    ranks.one_line_errors(lambda: train(load_config(Config, sys.argv[1:] if argv is None else argv)))
 
 
 if __name__ == "__main__":

@@ -170,7 +170,7 @@ def ours_system(key, model, device, dtype, lr, compile=False):
     dropout_op = dropout_cuda.dropout_op_for(device)  # as train.load_model chooses it
     lora.add_lora_(model, "all-linear", *LORA.values(), lora_dtype=torch.float32, dropout_op=dropout_op)
     if compile:
-        model.compile_blocks()
+        train.compile_blocks(model)
     place = train.Placement(0, 1, device, dtype)
     params = [p for p in model.parameters() if p.requires_grad]
 

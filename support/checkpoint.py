@@ -86,8 +86,8 @@ def load_checkpoint(path, model, opt, scaler, cfg) -> int:
     load = StateDictOptions(full_state_dict=True, broadcast_from_rank0=dist.is_initialized(), strict=False)
     set_model_state_dict(model, state["lora"], options=load)
     saved = keyed_by_name(model, opt, state["optimizer"])
-    for group, saved_group in zip(opt.param_groups, saved["param_groups"], strict=True):  # LambdaLR's initial_lr:
-        group |= {k: v for k, v in saved_group.items() if k not in group}  # else set_ fails on it without a group
+    for group, saved_group in zip(opt.param_groups, saved["param_groups"], strict=True):  # initial_lr (of the LambdaLR
+        group |= {k: v for k, v in saved_group.items() if k not in group}  # older runs had): set_ fails without it
     set_optimizer_state_dict(model, opt, saved, options=load)
     if not state["optimizer"]["state"]:  # saved before any update: the zero state set_ made by a step with lr 0 goes
         opt.state.clear()

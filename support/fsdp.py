@@ -24,8 +24,8 @@ reduce-scattered after the last one only (`sync_gradients`).
 
 What needs every rank: a sharded model computes only when all ranks run the same forward, so evaluation, samples and
 adapter health run on every rank (rank 0 keeps the results); checkpoints gather full tensors so that a run resumes on
-any number of ranks, or on one process. torch.compile compiles each block's computation, which runs inside the
-block's own call (model.Block.forward), so FSDP's hooks gather and free its weights around the graph. A merged export
+any number of ranks, or on one process. torch.compile (train.compile_blocks) compiles each block's forward, which
+runs inside the block's own call, so FSDP's hooks gather and free its weights around the graph. A merged export
 is not offered with FSDP: it needs the whole model in one place.
 """
 
@@ -126,22 +126,6 @@ def add_adapters_(model, names, lora_kw):
     for name in names:
         base = model.get_submodule(name)
         model.set_submodule(name, lora.with_lora(base, **lora_kw))
-
-
-def adapter_health(model) -> dict:
-    """lora.adapter_health of a sharded model, block by block: each block gathered on every rank, then freed; then the
-    root's own adapters (an adapted lm_head), the root gathered the same way."""
-    health = {}
-    for i, block in enumerate(model.model.layers):
-        block.unshard()
-        health |= {f"model.layers.{i}.{n}": h for n, h in lora.adapter_health(block).items()}
-        block.reshard()
-    outside = {n: m for n, m in lora.lora_modules(model).items() if not n.startswith("model.layers.")}
-    if outside:
-        model.unshard()
-        health |= {n: lora.adapter_health(m)[""] for n, m in outside.items()}
-        model.reshard()
-    return health
 
 
 def resident_bytes(model) -> tuple[int, int]:

@@ -25,11 +25,12 @@ dtype dequantization produces), shape, nested_blocksize, nested_dtype and nested
 
 PEFT adapters
 -------------
-What transformers + PEFT, vLLM and other serving engines load: a directory with adapter_config.json (peft_type
-"LORA", task_type "CAUSAL_LM", r, lora_alpha, lora_dropout, use_rslora, target_modules, bias "none", ...) and
-adapter_model.safetensors holding `base_model.model.<module>.lora_A.weight` (r, in) and
-`base_model.model.<module>.lora_B.weight` (out, r), e.g. <module> = model.layers.0.self_attn.q_proj. PEFT itself may
-keep its adapter name in the key (`lora_A.default.weight`); both spellings load.
+What transformers + PEFT load (and what vLLM's loader reads, though it has not run here): a directory with
+adapter_config.json (peft_type "LORA", task_type "CAUSAL_LM", r, lora_alpha, lora_dropout, use_rslora,
+target_modules, bias "none", ...) and adapter_model.safetensors holding `base_model.model.<module>.lora_A.weight`
+(r, in) and `base_model.model.<module>.lora_B.weight` (out, r), e.g. <module> = model.layers.0.self_attn.q_proj. PEFT
+itself may keep its adapter name in the key (`lora_A.default.weight`); both spellings load. `adapter_settings` reads the
+add_lora_ keywords from the config, and `load_adapter_` the tensors into the adapters added with them.
 
 Every file is written whole by support/atomic.py.
 """
@@ -266,7 +267,7 @@ def _read_adapter(cfg_path, path):
     """(adapter_config dict, {"<module>.lora_A.weight": tensor, ...}) of a PEFT adapter's two files, checked."""
     for p in (cfg_path, path):
         if not os.path.isfile(p):
-            raise FileNotFoundError(f"load_adapter_: {p} not found")
+            raise FileNotFoundError(f"{p} not found (a PEFT adapter directory holds it)")
     cfg = read_json(cfg_path)
     if cfg.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"{cfg_path}: peft_type {cfg['peft_type']!r} is not LORA")
@@ -282,27 +283,40 @@ def _read_adapter(cfg_path, path):
     return cfg, state
 
 
+def adapter_files(adapter_dir):
+    """The paths of a PEFT adapter's two files: adapter_config.json and adapter_model.safetensors."""
+    return tuple(os.path.join(adapter_dir, f) for f in ("adapter_config.json", "adapter_model.safetensors"))
+
+
+def adapter_settings(adapter_dir, model) -> dict:
+    """lora.add_lora_'s keywords (targets, r, alpha, dropout, use_rslora) for the PEFT adapter in `adapter_dir`, its
+    targets checked against `model`'s linears: the first mistake in one line naming the file. target_modules absent,
+    or a regex: the modules the tensors name."""
+    cfg_path, path = adapter_files(adapter_dir)
+    cfg, state = _read_adapter(cfg_path, path)
+    targets = cfg.get("target_modules")
+    if targets is None or (isinstance(targets, str) and targets != "all-linear"):
+        targets = sorted({k.rsplit(".lora_", 1)[0] for k in state})
+    try:
+        find_linears(model, targets, (nn.Linear, quant.NF4Linear))
+    except ValueError as e:
+        raise ValueError(f"{cfg_path}: {e}") from None
+    settings = dict(targets=targets, r=cfg.get("r", 8), alpha=cfg.get("lora_alpha", 8))
+    return settings | dict(dropout=cfg.get("lora_dropout", 0.0), use_rslora=cfg.get("use_rslora", False))
+
+
 @torch.no_grad()
 def load_adapter_(model, adapter_dir):
-    """Load a PEFT-format LoRA adapter (ours or PEFT's own); returns its adapter_config as a dict.
-
-    A model without LoRA gets add_lora_ applied from adapter_config.json; a model that already has LoRA (e.g. when
-    resuming) must match the file's r and scaling and receives the weights.
-    """
-    cfg_path, path = (os.path.join(adapter_dir, f) for f in ("adapter_config.json", "adapter_model.safetensors"))
+    """A PEFT-format adapter's tensors (ours or PEFT's own) into `model`'s LoRA modules, which must match the file's
+    r, scaling, modules and shapes (add them first: lora.add_lora_(model, **adapter_settings(...))); returns the
+    adapter_config as a dict."""
+    cfg_path, path = adapter_files(adapter_dir)
     cfg, state = _read_adapter(cfg_path, path)
     r, alpha, use_rslora = cfg.get("r", 8), cfg.get("lora_alpha", 8), cfg.get("use_rslora", False)
-    targets = cfg.get("target_modules")
-    if targets is None or (isinstance(targets, str) and targets != "all-linear"):  # absent or a regex: use the file
-        targets = sorted({k.rsplit(".lora_", 1)[0] for k in state})
     mods = lora.lora_modules(model)
     if not mods:
-        try:
-            lora.add_lora_(model, targets, r, alpha, cfg.get("lora_dropout", 0.0), use_rslora)
-        except ValueError as e:  # name the file whose target_modules do not fit the model
-            raise ValueError(f"{cfg_path}: {e}") from None
-        mods = lora.lora_modules(model)
-    scaling = lora.lora_scale(r, alpha, use_rslora)
+        raise ValueError(f"{cfg_path}: the model has no LoRA modules to load it into (add them with lora.add_lora_)")
+    scaling = alpha / math.sqrt(r) if use_rslora else alpha / r  # as lora.lora_linear scales
     for n, m in mods.items():
         if m.r != r or not math.isclose(m.scaling, scaling):
             raise ValueError(

@@ -80,10 +80,42 @@ def nf4_error(model) -> dict | None:
     return errors
 
 
+@torch.no_grad()
+def adapter_health(model):
+    """{module: (||scale * B A|| / ||W||, share of B's entries that moved from zero)}, Frobenius norms: how far each
+    adapter has moved its layer, and whether it is training at all (B starts at zero, so a B still all zero after
+    some steps means no gradient reaches it). ||B A||^2 = trace((B^T B)(A A^T)) is an (r, r) product, so no (out, in)
+    matrix is formed; ||W|| is computed once per module (W is frozen) and kept on it."""
+    health = {}
+    for module, m in lora.lora_modules(model).items():
+        if not hasattr(m, "base_norm"):
+            m.base_norm = float((m.dequantize() if isinstance(m, quant.NF4Linear) else m.weight).float().norm())
+        a, b = m.lora_A.weight.float(), m.lora_B.weight.float()
+        delta = m.scaling * float(torch.trace((b.t() @ b) @ (a @ a.t())).clamp(min=0).sqrt())
+        health[module] = (delta / max(m.base_norm, 1e-30), float((b != 0).float().mean()))
+    return health
+
+
+def sharded_adapter_health(model) -> dict:
+    """adapter_health of a model sharded with FSDP2, block by block: each block gathered on every rank, then freed;
+    then the root's own adapters (an adapted lm_head), the root gathered the same way."""
+    health = {}
+    for i, block in enumerate(model.model.layers):
+        block.unshard()
+        health |= {f"model.layers.{i}.{n}": h for n, h in adapter_health(block).items()}
+        block.reshard()
+    outside = {n: m for n, m in lora.lora_modules(model).items() if not n.startswith("model.layers.")}
+    if outside:
+        model.unshard()
+        health |= {n: adapter_health(m)[""] for n, m in outside.items()}
+        model.reshard()
+    return health
+
+
 def adapter_report(model, record, bar, main=True):
     """Adapter health into `record` and one line (a warning when no B has moved: the adapters are not training). Every
     rank of a sharded model computes it (its blocks are gathered one by one); rank 0 writes."""
-    health = fsdp.adapter_health(model) if fsdp.is_sharded(model) else lora.adapter_health(model)
+    health = sharded_adapter_health(model) if fsdp.is_sharded(model) else adapter_health(model)
     updates = {n: u for n, (u, _) in health.items()}
     moved = sum(m for _, m in health.values()) / len(health)
     worst = max(updates, key=updates.get)

@@ -2,7 +2,8 @@
 
 Every rank must call the same collectives in the same order, or the others wait for it forever. So whatever a rank
 decides from what only it sees is agreed first: the dtype (rank 0's measurement, support/precision.py), the micro-batch
-(each rank reads its own free memory: all take the smallest, `agreed_min`), a stop (stops.any_rank).
+(each rank reads its own free memory: all take the smallest, `agreed_min`), a stop (stops.any_rank). The rows of a
+step are shared equally (`rows_per_rank`); a batch the ranks cannot share is refused before any model is loaded.
 
 A rank can still fail alone: a mistake only it meets (rank 0 alone writes the checkpoints and the outputs), or it is
 killed (SIGKILL, out of memory, its machine lost). Then:
@@ -125,3 +126,41 @@ def sigterm_ends_this_rank():
     finally:  # None: a handler set outside Python, which cannot be put back; the default takes its place
         if main and not any(ended):
             signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+def rows_per_rank(batch_tokens, context, world) -> int:
+    """This rank's rows per step: the global batch, batch_tokens // context rows, shared equally by the ranks (a
+    remainder would be dropped: it is refused, naming the nearest batches the ranks can share)."""
+    rows = batch_tokens // context
+    if rows % world == 0 and rows:
+        return rows // world
+    if world == 1:
+        raise ValueError(f"batch_tokens: {batch_tokens} is less than one row of {context} tokens; raise it or lower "
+                         "context_length")  # fmt: skip
+    fits = [r for r in (rows // world * world, (rows // world + 1) * world) if r]  # rows the ranks can share
+    use = " or ".join(f"--batch_tokens={r * context} ({r} rows)" for r in fits)
+    raise ValueError(
+        f"batch_tokens: {batch_tokens} makes {rows} row(s) of {context} tokens, which {world} ranks cannot share "
+        f"equally; use {use}"
+    )
+
+
+def one_line_errors(command):
+    """Run `command` (train.py's run) on this rank. A user's mistake (ValueError, OSError, ImportError: a missing
+    optional package; FloatingPointError: a NaN stop) ends it in one line, told to the other ranks; another rank's
+    mistake, or its loss, ends this one with that rank's line (`why_lost`). Exit code 2, no traceback."""
+    with sigterm_ends_this_rank() as ending:
+        try:
+            command()
+            return
+        except (ValueError, OSError, ImportError, FloatingPointError) as e:
+            ending()
+            lines = tell_the_others(str(e).splitlines())  # several mistakes in a config: one line each
+        except Exception as e:  # another rank failed: its line, or that it was lost
+            ending()
+            if not lost(e):
+                raise
+            lines = why_lost(e)
+        for line in lines:
+            print(f"error: {line}", file=sys.stderr)
+    raise SystemExit(2)

@@ -11,12 +11,14 @@ applied: the run stops before the update, writes the metrics up to it and says w
 import math
 import os
 import signal
+import sys
 import threading
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
+from support import ranks
 from support.checkpoint import last_checkpoint, save_metrics
 
 
@@ -71,3 +73,19 @@ def finite(record, scaler) -> bool:
     """Whether a step's loss and gradient norm are finite; fp16's scaler expects inf gradients now and then (it skips
     those steps and lowers its scale), so with it only the loss counts."""
     return math.isfinite(record["loss"]) and (math.isfinite(record["grad_norm"]) or scaler.is_enabled())
+
+
+@contextmanager
+def abrupt_ends(cfg, run):
+    """The loop's two abrupt ends, each in one line naming the checkpoint that is intact (run.last_saved): a second
+    Ctrl-C in the middle of a step, of which nothing is saved, and another rank lost, whose collective fails here
+    (support/ranks.py)."""
+    try:
+        yield
+    except KeyboardInterrupt:
+        print(f"\nstopped at once: {last_checkpoint(cfg, run.last_saved)}", file=sys.stderr)
+        raise SystemExit(130) from None
+    except Exception as e:
+        if not ranks.lost(e):
+            raise
+        raise ranks.RankLost(ranks.lost_during(e, run.step + 1, last_checkpoint(cfg, run.last_saved))) from None

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import generate
-from model import generate as model_generate
 from support import gguf_read
+from support.sampling import generate as model_generate
 from support.tokenizer import Tokenizer
 from train import load_model
 

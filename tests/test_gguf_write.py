@@ -32,9 +32,10 @@ from transformers import AutoModelForCausalLM
 
 import convert
 import lora
-from model import Llama, LlamaConfig, generate
+from model import Llama, LlamaConfig
 from support import atomic, gguf_read, gguf_write, hf, hf_config, tokenizer
 from support.hf_config import from_hf
+from support.sampling import generate
 from train import load_model
 
 # Descriptive general.* keys of the published file (from the model card) and add_space_prefix, which llama.cpp ignores

@@ -15,9 +15,9 @@ What this file proves:
   within the base's own quantization error of the adapter-on-NF4 model, and each module reports which weights it
   started from (original, or the exact merge into the dequantized copy);
 - fp32 LoRA parameters on a bf16 base (lora_dtype) give bf16 outputs and fp32 gradients on the LoRA parameters only;
-- an adapter loaded into a model in eval mode has no live dropout (PEFT's logits without calling eval again), and
-  adapter_health's norms equal the explicitly formed ||scale * B @ A|| / ||W||;
-- mismatched adapters (rank, unknown module, other base shapes, unsupported options, missing file) fail in one line;
+- an adapter loaded into a model in eval mode has no live dropout (PEFT's logits without calling eval again);
+- mismatched adapters (rank, unknown module, other base shapes, unsupported options, missing file) fail in one line,
+  and so do an adapter's tensors loaded into a model without LoRA modules;
 - for Qwen2 (biased q/k/v), Qwen3 (q/k norms, biased o_proj) and Mistral bases, adapters load in PEFT on the
   family's own transformers class with our logits and merged exports load in that class, from a QLoRA model whose
   biases stayed 16-bit and frozen.
@@ -38,7 +38,7 @@ from transformers import LlamaForCausalLM
 import lora
 import quant
 from model import Llama
-from support.hf import Checkpoint, export_merged, load_adapter_, save_adapter
+from support.hf import Checkpoint, adapter_settings, export_merged, load_adapter_, save_adapter
 from support.hf_config import from_hf
 from support.merge_check import merge_and_check_
 from train import load_model
@@ -77,6 +77,13 @@ def ours(base_dir):
 def hf_logits(model):
     with torch.no_grad():
         return model(input_ids=IDS).logits
+
+
+def attach(model, adapter_dir):
+    """A saved adapter on `model` as train.load_model puts it there: the adapters its config describes, then its
+    tensors; returns the adapter's config."""
+    lora.add_lora_(model, **adapter_settings(adapter_dir, model))
+    return load_adapter_(model, adapter_dir)
 
 
 @torch.no_grad()
@@ -219,7 +226,7 @@ def test_peft_adapter_loads_in_ours(base_dir, tmp_path, style):
     base, ref = save_peft_adapter(base_dir, tmp_path)
     model = ours(base_dir)
     if style == "into_eval":  # new adapter modules follow the model's mode: no live dropout in an eval model
-        load_adapter_(model.eval(), tmp_path)
+        attach(model.eval(), tmp_path)
         with torch.no_grad():
             assert (model(IDS) - ref).abs().max() < 1e-5
         return
@@ -232,7 +239,9 @@ def test_peft_adapter_loads_in_ours(base_dir, tmp_path, style):
         (tmp_path / "adapter_config.json").write_text(json.dumps({k: cfg[k] for k in keep}))
     if style == "lora_already_added":
         lora.add_lora_(model, ["k_proj", "o_proj", "up_proj"], r=4, alpha=16, dropout=0.2, use_rslora=True)
-    load_adapter_(model, tmp_path)
+        load_adapter_(model, tmp_path)
+    else:
+        attach(model, tmp_path)
     model.eval()
     with torch.no_grad():
         logits = model(IDS)
@@ -298,7 +307,7 @@ def test_nf4_merge_into_original_weights(base_dir, tmp_path):
         adapter4 = model(IDS)
     save_adapter(model, tmp_path)
     adapter16 = ours(base_dir)  # the same adapter on the unquantized base: what a merge into the original must equal
-    load_adapter_(adapter16, tmp_path)
+    attach(adapter16, tmp_path)
     with torch.no_grad():
         adapter16 = adapter16(IDS)
 
@@ -348,6 +357,7 @@ def edit_config(path, **changes):
         ("alora", ValueError, r"unsupported LoRA options \['alora_invocation_tokens'\]"),
         ("exclude", ValueError, r"unsupported LoRA options \['exclude_modules'\]"),
         ("missing_file", FileNotFoundError, "adapter_model.safetensors"),
+        ("no_adapters", ValueError, "adapter_config.json: the model has no LoRA modules to load it into"),
     ],
 )
 def test_mismatched_adapter_errors(base_dir, tmp_path, case, error, match):
@@ -368,29 +378,8 @@ def test_mismatched_adapter_errors(base_dir, tmp_path, case, error, match):
     if case == "missing_file":
         (path / "adapter_model.safetensors").unlink()
     with pytest.raises(error, match=match) as e:
-        load_adapter_(model, path)
+        (load_adapter_ if case == "no_adapters" else attach)(model, path)
     assert "\n" not in str(e.value)
-
-
-@pytest.mark.parametrize("nf4", [False, True])
-def test_adapter_health_equals_direct_norms(base_dir, nf4):
-    """adapter_health's (r, r) trace trick equals ||scale * B @ A|| / ||W|| formed explicitly, and B's moved share
-    is 0 at initialisation and the true fraction after some entries move."""
-    model = ours(base_dir)
-    if nf4:
-        quant.quantize_(model, compute_dtype=torch.float32)
-    lora.add_lora_(model, ["q_proj", "down_proj"], r=4, alpha=8, dropout=0.0)
-    assert all(v == (0.0, 0.0) for v in lora.adapter_health(model).values())
-    randomize_B(model)
-    with torch.no_grad():
-        model.model.layers[0].self_attn.q_proj.lora_B.weight[:10] = 0  # 10 of 64 rows still at zero
-    health = lora.adapter_health(model)
-    assert len(health) == 4
-    for name, m in lora.lora_modules(model).items():
-        w = m.dequantize() if nf4 else m.weight
-        want = (m.scaling * m.lora_B.weight @ m.lora_A.weight).norm() / w.norm()
-        assert abs(health[name][0] - want.item()) < 1e-5 * want.item()
-    assert health["model.layers.0.self_attn.q_proj"][1] == 1 - 10 / 64
 
 
 FAMILY = {
@@ -423,7 +412,7 @@ def test_family_adapter_and_merged_export(tmp_path, family):
     model.eval()
     save_adapter(model, tmp_path / "adapter")
     dense = load_model(tmp_path / "base").eval()  # the adapter on the 16-bit base, as PEFT will run it
-    load_adapter_(dense, tmp_path / "adapter")
+    attach(dense, tmp_path / "adapter")
     with torch.no_grad():
         ours16 = dense(IDS)
     peft = PeftModel.from_pretrained(ref_cls.from_pretrained(tmp_path / "base"), tmp_path / "adapter").eval()

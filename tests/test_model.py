@@ -32,11 +32,12 @@ import lora
 import model as M
 import quant
 import support.attention as A
-from model import KVCache, Llama, LlamaConfig, generate
+from model import Llama, LlamaConfig
 from support import dropout_cuda, nf4_cuda
 from support.dropout import dropout_rows, row_keys
 from support.hf_config import to_hf
-from train import load_model
+from support.sampling import generate
+from train import compile_blocks, load_model
 
 LLAMA3 = dict(
     rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16
@@ -311,25 +312,19 @@ def qlora_tiny(seed=0, dtype=torch.float32, dropout=0.0, device="cpu"):
     return model
 
 
-@pytest.mark.parametrize(
-    "device, dtype",
-    [
-        ("cpu", torch.float32),
-        ("cpu", torch.bfloat16),
-        pytest.param("cuda", torch.float32, marks=cuda),
-        pytest.param("cuda", torch.bfloat16, marks=cuda),
-    ],
-)
+COMPILED = [("cpu", torch.float32), ("cpu", torch.bfloat16)]
+COMPILED += [pytest.param("cuda", dtype, marks=cuda) for dtype in (torch.float32, torch.bfloat16)]
+
+
+@pytest.mark.parametrize("device, dtype", COMPILED)
 def test_compiled_training_step_has_no_breaks_and_no_recompiles(device, dtype):
-    """compile_blocks on packed QLoRA training steps with LoRA dropout live (inductor; also in bf16 autocast, on CUDA
-    with the attention kernel varlen_attention picks for the GPU): the compiled blocks run inside each block's call,
-    so hooks on a block (FSDP's gathering) run around them; no graph break anywhere in a block (NF4 dequantization and
-    the per-document attention are opaque ops), the graphs of the first step serve every later batch whatever its
-    document count and lengths, and loss and LoRA gradients equal eager, the same dropout masks included (Inductor
-    once drew other masks from a dtype view beside a matmul): within 1e-4 in fp32; in bf16, where the
-    compiled kernels round differently, each is no farther from the same step in fp32 than twice eager's distance
-    plus 1e-4 (gradients: 1.5x at most on CPU; the loss differs by about 1e-4 either way, so the 1e-4 bounds it);
-    evaluation and generation never reach the compiler."""
+    """train.compile_blocks on packed QLoRA training steps, LoRA dropout live (inductor; bf16 autocast too; on CUDA with
+    the attention varlen_attention picks there): the compiled blocks run inside each block's call, so hooks on a block
+    (FSDP's gathering) run around them; no graph break in a block (NF4 dequantization and the per-document attention
+    are opaque ops); the first step's graphs serve every later batch, whatever its document count and lengths; loss
+    and LoRA gradients equal eager's, dropout masks included: within 1e-4 in fp32; in bf16, where compiled kernels
+    round differently, each no farther from the fp32 step than twice eager's distance plus 1e-4 (gradients: 1.5x at
+    most on CPU; the loss differs by about 1e-4 either way); evaluation and generation never reach the compiler."""
     torch._dynamo.reset()
     counters.clear()
     torch.backends.cuda.matmul.fp32_precision = "ieee"  # the fp32 reference; conftest's autouse fixture restores it
@@ -344,7 +339,7 @@ def test_compiled_training_step_has_no_breaks_and_no_recompiles(device, dtype):
     for model in models:  # the kernels load_model would pick for the model's dtype
         for block in model.model.layers:
             block.self_attn.varlen = A.varlen_attention(device, kind(model), model.config.head_dim)
-    compiled.compile_blocks()
+    compile_blocks(compiled)
     calls = []
     for block in compiled.model.layers:
         block.register_forward_pre_hook(lambda *_: calls.append(1))
@@ -374,40 +369,6 @@ def test_compiled_training_step_has_no_breaks_and_no_recompiles(device, dtype):
         compiled(ids, pos)
     generate(compiled, [1, 2, 3], 3)
     assert counters["frames"]["total"] == frames
-
-
-def test_kv_cache_generation_matches_full_recompute():
-    model = Llama(tiny_config()).eval()
-    prompt = [5, 17, 3, 60, 8]
-    ids = list(prompt)
-    with torch.no_grad():
-        for _ in range(12):
-            ids.append(int(model(torch.tensor([ids]))[0, -1].argmax()))
-    new = ids[len(prompt) :]
-    assert generate(model, prompt, 12) == new
-    # the cache contract itself: a sequence fed in two chunks (the second after 9 cached tokens) gives the full-pass
-    # logits
-    cache = KVCache(model.config, 17)
-    seq = torch.tensor([ids])
-    with torch.no_grad():
-        first = model(seq[:, :9], cache=cache)
-        assert cache.length == 9
-        chunked = torch.cat([first, model(seq[:, 9:], cache=cache)], dim=1)
-        assert (chunked - model(seq)).abs().max() < 1e-5
-    assert generate(model, prompt, 12, eos_id=[96, new[3]]) == new[: new.index(new[3]) + 1]
-    # nucleus sampling with a vanishing top_p keeps only the most likely token
-    assert generate(model, prompt, 12, temperature=0.7, top_p=1e-9, seed=1) == new
-    sampled = generate(model, prompt, 12, temperature=1.0, seed=3)
-    assert sampled == generate(model, prompt, 12, temperature=1.0, seed=3) and len(sampled) == 12
-
-
-def test_greedy_generation_matches_transformers(tmp_path):
-    hf = hf_model(num_attention_heads=4, num_key_value_heads=2, eos_token_id=7)
-    hf.save_pretrained(tmp_path)
-    ours = load_model(tmp_path)
-    prompt = [1, 40, 41, 9, 13, 77]
-    ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, pad_token_id=0)[0, len(prompt) :]
-    assert generate(ours, prompt, 20, eos_id=ours.config.eos_token_id) == ref.tolist()
 
 
 @pytest.mark.parametrize("targets", ["all-linear", ["q_proj", "layers.1.mlp.up_proj"], ["o_proj", "lm_head"]])

@@ -135,12 +135,15 @@ def test_resume_is_step_exact(tiny_dir, tmp_path, monkeypatch, capsys):
 
 def test_a_resumed_run_takes_up_its_own_schedule(tiny_dir, tmp_path):
     """Resumed with a new max_steps, every later step's learning rate is the new schedule's, as a fresh run with that
-    max_steps has it: the schedule is a function of the step (the checkpoint holds none)."""
+    max_steps has it: the schedule is a function of the step (the checkpoint holds none). Resumed with a max_steps it
+    has passed already, it takes no step and ends."""
     run(args(tiny_dir, tmp_path / "a", "--max_steps=2", "--eval_every=0"))
     resumed = run(args(tiny_dir, tmp_path / "a", "--max_steps=6", "--eval_every=0", "--resume"))
     fresh = run(args(tiny_dir, tmp_path / "b", "--max_steps=6", "--eval_every=0"))
     lrs = lambda history: [(r["step"], r["lr"]) for r in history if "lr" in r and r["step"] > 2]  # noqa: E731
     assert lrs(resumed) == lrs(fresh) and len(lrs(fresh)) == 4
+    done = run(args(tiny_dir, tmp_path / "a", "--max_steps=4", "--eval_every=0", "--resume"))
+    assert [r["step"] for r in done if "loss" in r] == [1, 2, 3, 4, 5, 6]
 
 
 def test_mfu_counts_attention_per_document(tiny_dir, tmp_path, monkeypatch):
