@@ -65,7 +65,7 @@ from support.dropout_cuda import dropout_op_for
 from support.flops import batch_flops
 from support.gguf_write import FILE_TYPES
 from support.hf_config import read_config
-from support.micro_batch import micro_batch_rows
+from support.micro_batch import cpu_heap, micro_batch_rows
 from support.outputs import write_outputs
 from support.plan import plan_for
 from support.precision import agreed, pick_precision
@@ -170,8 +170,6 @@ def setup(cfg: Config) -> Placement:
     if use_cuda:
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.fp32_precision = "tf32" if cfg.tf32 else "ieee"
-    else:
-        memory.mmap_large_blocks()  # freed activations leave the resident set at once (support/memory.py)
     if world > 1 or cfg.parallel == "fsdp":  # FSDP needs a process group, one process or many
         ranks.init_process_group("nccl" if use_cuda else "gloo", rank, world, cfg.rank_timeout)
     return Placement(rank, world, device)
@@ -386,14 +384,15 @@ def train(cfg: Config) -> list[dict]:
         return []
     dtype = pick_precision(cfg.precision, place.device, architecture, place.main)
     place.dtype = agreed(dtype, place.world, place.device)  # every rank computes in rank 0's choice
-    process_bytes = memory.process_rss() if place.device.type == "cpu" else 0  # on CPU the peak is the process's
+    measured = {"process": memory.process_rss()} if place.device.type == "cpu" else {}  # CPU: the peak is the process's
     model = build_model(cfg, place, model_dir)
     opt = make_optimizer(cfg, [p for p in model.parameters() if p.requires_grad], place.device)
     scaler = torch.amp.GradScaler("cuda", enabled=place.dtype == torch.float16)
     micro_rows = micro_batch_rows(cfg, place, model, trainset, rows, forward_loss)
     micro_rows = ranks.agreed_min(micro_rows, place.world, place.device)  # what each rank's memory allows: the least
+    measured |= cpu_heap(cfg, place, model, trainset, micro_rows, forward_loss)  # CPU: what malloc keeps, probed
     context_length = trainset.context_length
-    estimated, peak_flops = progress.describe_step(cfg, place, model, context_length, rows, micro_rows, process_bytes)
+    estimated, peak_flops = progress.describe_step(cfg, place, model, context_length, rows, micro_rows, measured)
     run = Run(model, opt, scaler, trainset, valset, tok, prompts, rows, micro_rows, estimated, peak_flops)
     run.tracker = trackers.open_tracker(cfg) if place.main else None
     if cfg.resume:

@@ -38,14 +38,14 @@ logits, and beside them the matmul's 16-bit output, logsumexp's scratch copy or 
 Beyond torch's own count: a GPU holds the CUDA context and kernels (about 1 GiB, which torch.cuda.max_memory_allocated
 does not see but the card's capacity must; support/plan.py takes it off the card). On CPU, peak RSS also holds the
 process itself (Python, torch, the tokenizer, the data), which train.py measures before building the model once the heap
-that conversion and tokenization freed is handed back (malloc_trim). And it would hold a heap: glibc's malloc serves
+that conversion and tokenization freed is handed back (malloc_trim). And it holds a heap: glibc's malloc serves
 mid-sized blocks from arenas and keeps what is freed for reuse, and the holes a forward's freed temporaries (norm
-statistics, projection sums, RoPE pieces) leave between the saved tensors are rarely the right size for what comes next,
-so the resident set grew by about one more copy of the activations (in fp32; two thirds of one in bf16), an amount no
-shape formula derives. train.py therefore asks malloc, on CPU, to serve every block of 128 KiB or more (every activation
-of a real model) by its own mmap, returned to the OS when the tensor is freed (mallopt's M_MMAP_THRESHOLD, fixed;
-glibc's default moves it up to 32 MiB as blocks are freed): the resident set is then what is live, the CPU estimate
-counts the same parts as the GPU's, and the peak itself is lower (docs/performance.md).
+statistics, projection sums, RoPE pieces) leave between the saved tensors are rarely the right size for what comes
+next, so the resident set grows by a share of the activations (about a half to one more copy) that no shape formula
+derives. train.py measures it instead (`micro_batch.cpu_heap`: one forward and backward of the micro-batch before
+training, the peak resident set's growth less what this estimate counts) and adds it as the "heap" part. Serving every
+large block by its own mmap would leave only live tensors resident, but re-faulting every activation's pages each step
+made CPU steps 2.4 times slower (docs/performance.md).
 
 The measurement
 ---------------
@@ -211,18 +211,6 @@ def process_rss() -> int:
     gc.collect()
     trim_heap()
     return psutil.Process().memory_info().rss
-
-
-def mmap_large_blocks(threshold=128 * 1024):
-    """On CPU: glibc's malloc serves every block of `threshold` bytes or more by its own mmap, unmapped when freed, so
-    that freed activations leave the resident set at once instead of as holes in its arenas (see the file docstring);
-    mallopt(M_MMAP_THRESHOLD) with a fixed value also stops glibc raising it as blocks are freed. Nothing where the C
-    library has no mallopt (macOS's allocator already maps large blocks on its own)."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (AttributeError, OSError, TypeError):  # TypeError: Windows' ctypes cannot open the process itself
-        return
-    mallopt(-3, threshold)  # -3: M_MMAP_THRESHOLD in malloc.h
 
 
 def trim_heap():

@@ -5,11 +5,14 @@ fit, probed on the longest rows while the optimizer state (allocated at the firs
 (FSDP), the largest that support/memory.py's estimate fits, since a probe that ran out of memory on one rank only would
 leave the others waiting in a collective. On CPU memory comes first: CPU_MICRO_TOKENS tokens per micro-batch, fewer
 rows if the estimate says they would not fit. A micro_batch_tokens setting that is a number overrides all of it.
+
+On CPU the same kind of probe measures what the estimate cannot derive: the heap glibc's malloc keeps beside the live
+tensors (`cpu_heap`, support/memory.py says why), one forward and backward of the chosen micro-batch before training.
 """
 
 import torch
 
-from support.memory import optimizer_bytes, reset_peak, run_estimate
+from support.memory import optimizer_bytes, reset_peak, run_estimate, vm_hwm
 
 CPU_MICRO_TOKENS = 512  # tokens per micro-batch on CPU when micro_batch_tokens is "auto"
 
@@ -43,10 +46,36 @@ def micro_batch_rows(cfg, place, model, trainset, rows_per_rank, forward_loss) -
     return rows
 
 
+def longest_rows(trainset) -> list[int]:
+    """The dataset's rows, the most tokens first: what a probe's worst case runs on."""
+    return sorted(range(len(trainset)), key=lambda r: -sum(trainset.lens[d] for d in trainset.rows[r]))
+
+
+def cpu_heap(cfg, place, model, trainset, micro_rows, forward_loss) -> dict:
+    """On CPU, {"heap": bytes}: what glibc's malloc keeps resident beyond the tensors the estimate counts, measured by
+    one forward and backward of the longest micro-batch: the growth of the process's peak resident set (VmHWM, reset
+    first) over its resident set before, less the activations, transient and gradients support/memory.py gives that
+    micro-batch. {} on a GPU, whose allocator the estimate describes, and where VmHWM cannot be read (not Linux)."""
+    if place.device.type != "cpu" or not vm_hwm():
+        return {}
+    import psutil
+
+    reset_peak(place.device)
+    before = psutil.Process().memory_info().rss
+    try:
+        loss, _ = forward_loss(model, trainset.collate(longest_rows(trainset)[:micro_rows]), place)
+        loss.backward()
+    finally:
+        model.zero_grad(set_to_none=True)
+    counted = run_estimate(cfg, model.config, micro_rows * trainset.context_length, place)
+    counted = counted["activations"] + counted["transient"] + counted["gradients"]
+    return {"heap": max(0, vm_hwm() - before - counted)}
+
+
 def probe_cuda_rows(cfg, place, model, trainset, rows_per_rank, forward_loss) -> int:
     """The largest micro-batch whose forward and backward on the longest rows fit, the optimizer state held in
     reserve (see probe_micro_rows)."""
-    longest = sorted(range(len(trainset)), key=lambda r: -sum(trainset.lens[d] for d in trainset.rows[r]))
+    longest = longest_rows(trainset)
 
     def attempt(rows):
         try:
