@@ -390,7 +390,7 @@ def train(cfg: Config) -> list[dict]:
     scaler = torch.amp.GradScaler("cuda", enabled=place.dtype == torch.float16)
     micro_rows = micro_batch_rows(cfg, place, model, trainset, rows, forward_loss)
     micro_rows = ranks.agreed_min(micro_rows, place.world, place.device)  # what each rank's memory allows: the least
-    measured |= cpu_heap(cfg, place, model, trainset, micro_rows, forward_loss)  # CPU: what malloc keeps, probed
+    measured |= cpu_heap(cfg, place, model, trainset, rows, micro_rows, forward_loss)  # CPU: what malloc keeps
     context_length = trainset.context_length
     estimated, peak_flops = progress.describe_step(cfg, place, model, context_length, rows, micro_rows, measured)
     run = Run(model, opt, scaler, trainset, valset, tok, prompts, rows, micro_rows, estimated, peak_flops)

@@ -42,10 +42,11 @@ that conversion and tokenization freed is handed back (malloc_trim). And it hold
 mid-sized blocks from arenas and keeps what is freed for reuse, and the holes a forward's freed temporaries (norm
 statistics, projection sums, RoPE pieces) leave between the saved tensors are rarely the right size for what comes
 next, so the resident set grows by a share of the activations (about a half to one more copy) that no shape formula
-derives. train.py measures it instead (`micro_batch.cpu_heap`: one forward and backward of the micro-batch before
-training, the peak resident set's growth less what this estimate counts) and adds it as the "heap" part. Serving every
-large block by its own mmap would leave only live tensors resident, but re-faulting every activation's pages each step
-made CPU steps 2.4 times slower (docs/performance.md).
+derives. train.py measures it instead (`micro_batch.cpu_heap`: a probe step's forward and backward passes before
+training, the peak resident set's growth less what this estimate counts) and adds it as the "heap" part; glibc's mmap
+threshold is fixed for it (`steady_heap`), so that the probe and the steps allocate alike. Serving every large block
+by its own mmap would leave only live tensors resident, but re-faulting every activation's pages each step made CPU
+steps 2.4 times slower (docs/performance.md).
 
 The measurement
 ---------------
@@ -211,6 +212,18 @@ def process_rss() -> int:
     gc.collect()
     trim_heap()
     return psutil.Process().memory_info().rss
+
+
+def steady_heap(threshold=32 * 2**20):
+    """Fix glibc's mmap threshold at `threshold` (its own ceiling): blocks below it come from the heap from the first
+    step on. Left dynamic, it starts at 128 KiB and rises as mapped blocks are freed, so the first forward (mapped,
+    resident only while live) and the later ones (heap, with holes) would use memory differently, and a probe of the
+    first could not speak for the rest. Nothing where the C library has no mallopt."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (AttributeError, OSError, TypeError):  # TypeError: Windows' ctypes cannot open the process itself
+        return
+    mallopt(-3, threshold)  # -3: M_MMAP_THRESHOLD in malloc.h
 
 
 def trim_heap():

@@ -7,12 +7,12 @@ leave the others waiting in a collective. On CPU memory comes first: CPU_MICRO_T
 rows if the estimate says they would not fit. A micro_batch_tokens setting that is a number overrides all of it.
 
 On CPU the same kind of probe measures what the estimate cannot derive: the heap glibc's malloc keeps beside the live
-tensors (`cpu_heap`, support/memory.py says why), one forward and backward of the chosen micro-batch before training.
+tensors (`cpu_heap`, support/memory.py says why), a step's forward and backward passes before training.
 """
 
 import torch
 
-from support.memory import optimizer_bytes, reset_peak, run_estimate, vm_hwm
+from support.memory import optimizer_bytes, reset_peak, run_estimate, steady_heap, vm_hwm
 
 CPU_MICRO_TOKENS = 512  # tokens per micro-batch on CPU when micro_batch_tokens is "auto"
 
@@ -51,20 +51,25 @@ def longest_rows(trainset) -> list[int]:
     return sorted(range(len(trainset)), key=lambda r: -sum(trainset.lens[d] for d in trainset.rows[r]))
 
 
-def cpu_heap(cfg, place, model, trainset, micro_rows, forward_loss) -> dict:
+def cpu_heap(cfg, place, model, trainset, rows, micro_rows, forward_loss) -> dict:
     """On CPU, {"heap": bytes}: what glibc's malloc keeps resident beyond the tensors the estimate counts, measured by
-    one forward and backward of the longest micro-batch: the growth of the process's peak resident set (VmHWM, reset
-    first) over its resident set before, less the activations, transient and gradients support/memory.py gives that
-    micro-batch. {} on a GPU, whose allocator the estimate describes, and where VmHWM cannot be read (not Linux)."""
+    a probe step: the forward and backward passes of one step's micro-batches (`rows` rows, `micro_rows` at a time) on
+    the longest rows, gradients accumulating as in training; the growth of the process's peak resident set (VmHWM,
+    reset first) over its resident set before, less the activations, transient and gradients support/memory.py gives
+    a micro-batch. The heap's mmap threshold is fixed first (steady_heap), so the probe and the steps allocate alike.
+    {} on a GPU, whose allocator the estimate describes, and where VmHWM cannot be read (not Linux)."""
     if place.device.type != "cpu" or not vm_hwm():
         return {}
     import psutil
 
+    steady_heap()
     reset_peak(place.device)
     before = psutil.Process().memory_info().rss
+    longest = longest_rows(trainset)[:rows]
     try:
-        loss, _ = forward_loss(model, trainset.collate(longest_rows(trainset)[:micro_rows]), place)
-        loss.backward()
+        for i in range(0, rows, micro_rows):
+            loss, _ = forward_loss(model, trainset.collate(longest[i : i + micro_rows]), place)
+            loss.backward()
     finally:
         model.zero_grad(set_to_none=True)
     counted = run_estimate(cfg, model.config, micro_rows * trainset.context_length, place)

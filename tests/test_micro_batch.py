@@ -36,10 +36,10 @@ def test_micro_batch_probe_under_simulated_oom(monkeypatch, fit_up_to, max_rows)
 
 
 def test_the_cpu_heap_probe_measures_what_the_estimate_leaves_out(tiny_dir, tmp_path, monkeypatch):
-    """cpu_heap runs one forward and backward of the micro-batch on the longest rows and leaves no gradient behind;
-    the heap it reports is the peak resident growth it read less the activations, transient and gradients the
-    estimate counts for that micro-batch (here, a growth set by hand: 300 MiB), never below zero; on a GPU it reports
-    nothing."""
+    """cpu_heap runs one step's forward and backward passes (4 rows, 2 a micro-batch: two passes) on the longest rows
+    and leaves no gradient behind; the heap it reports is the peak resident growth it read less the activations,
+    transient and gradients the estimate counts for a micro-batch (here, a growth set by hand: 300 MiB), never below
+    zero; on a GPU it reports nothing."""
     import train
     from support.memory import run_estimate
 
@@ -58,11 +58,11 @@ def test_the_cpu_heap_probe_measures_what_the_estimate_leaves_out(tiny_dir, tmp_
         rows.append(len(batch["labels"]))
         return train.forward_loss(model, batch, place)
 
-    heap = micro_batch.cpu_heap(cfg, place, model, trainset, 2, forward_loss)["heap"]
+    heap = micro_batch.cpu_heap(cfg, place, model, trainset, 4, 2, forward_loss)["heap"]
     parts = run_estimate(cfg, model.config, 2 * trainset.context_length, place)
-    assert rows == [2] and all(p.grad is None for p in model.parameters())
+    assert rows == [2, 2] and all(p.grad is None for p in model.parameters())
     assert heap == 300 * 2**20 - parts["activations"] - parts["transient"] - parts["gradients"] > 0
     monkeypatch.setattr(micro_batch, "vm_hwm", lambda: 1)  # no growth: no heap, not a negative one
-    assert micro_batch.cpu_heap(cfg, place, model, trainset, 2, forward_loss) == {"heap": 0}
+    assert micro_batch.cpu_heap(cfg, place, model, trainset, 4, 2, forward_loss) == {"heap": 0}
     gpu = train.Placement(0, 1, torch.device("cuda"))
-    assert micro_batch.cpu_heap(cfg, gpu, model, trainset, 2, forward_loss) == {}
+    assert micro_batch.cpu_heap(cfg, gpu, model, trainset, 4, 2, forward_loss) == {}
