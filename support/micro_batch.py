@@ -12,6 +12,7 @@ tensors (`cpu_heap`, support/memory.py says why), a step's forward and backward 
 
 import torch
 
+from support.fsdp import sync_gradients
 from support.memory import optimizer_bytes, reset_peak, run_estimate, steady_heap, vm_hwm
 
 CPU_MICRO_TOKENS = 512  # tokens per micro-batch on CPU when micro_batch_tokens is "auto"
@@ -68,6 +69,7 @@ def cpu_heap(cfg, place, model, trainset, rows, micro_rows, forward_loss) -> dic
     longest = longest_rows(trainset)[:rows]
     try:
         for i in range(0, rows, micro_rows):
+            sync_gradients(model, i + micro_rows >= rows)  # sharded: reduce-scattered after the last, as in a step
             loss, _ = forward_loss(model, trainset.collate(longest[i : i + micro_rows]), place)
             loss.backward()
     finally:

@@ -105,10 +105,11 @@ def test_compiled_blocks_under_fsdp_equal_one_process(tiny_dir, steps, one_proce
 
 
 def test_gradients_are_reduce_scattered_once_a_step(tiny_dir, steps, tmp_path, monkeypatch):
-    """Sharded over the one rank of this process, 2 steps with 2 micro-batches a step and with 4 start the same number
-    of gradient reduce-scatters, one a step for each sharded group holding adapters: after the last micro-batch only
-    (set_requires_gradient_sync). Without it, 4 micro-batches would reduce twice as often as 2. Counted where FSDP2
-    starts each group's reduce-scatter (foreach_reduce)."""
+    """Sharded over the one rank of this process, 2 steps with 2 micro-batches a step and with 4 (after the CPU heap
+    probe's step, which reduces as a step does) start the same number of gradient reduce-scatters, one a step for each
+    sharded group holding adapters: after the last micro-batch only (set_requires_gradient_sync). Without it, 4
+    micro-batches would reduce twice as often as 2. Counted where FSDP2 starts each group's reduce-scatter
+    (foreach_reduce)."""
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group as group
 
     calls, start = [], group.foreach_reduce
