@@ -66,10 +66,10 @@ def cpu_heap(cfg, place, model, trainset, rows, micro_rows, forward_loss) -> dic
     steady_heap()
     reset_peak(place.device)
     before = psutil.Process().memory_info().rss
-    longest = longest_rows(trainset)[:rows]
+    longest = longest_rows(trainset)[:rows]  # fewer where the dataset holds fewer rows than a step takes
     try:
-        for i in range(0, rows, micro_rows):
-            sync_gradients(model, i + micro_rows >= rows)  # sharded: reduce-scattered after the last, as in a step
+        for i in range(0, len(longest), micro_rows):
+            sync_gradients(model, i + micro_rows >= len(longest))  # sharded: reduce-scattered after the last, as a step
             loss, _ = forward_loss(model, trainset.collate(longest[i : i + micro_rows]), place)
             loss.backward()
     finally:
