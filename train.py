@@ -406,9 +406,10 @@ def train(cfg: Config) -> list[dict]:
     if place.main:
         write_outputs(cfg, model, tok, prompts, run.history, adapter, model_dir, run.tracker)
         print(f"peak {'RSS' if place.device.type == 'cpu' else 'GPU memory'}: {memory.fmt(memory.peak(place.device))}")
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    return run.history
+    history = run.history
+    del run, model, opt  # a sharded model holds the process group until it is freed (ranks.end_process_group)
+    ranks.end_process_group()
+    return history
 
 
 def evaluation_record(cfg: Config, place: Placement, run: Run) -> dict:

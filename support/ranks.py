@@ -17,6 +17,7 @@ killed (SIGKILL, out of memory, its machine lost). Then:
   long enough for the slowest rank to finish loading or for rank 0 to evaluate alone, short of holding GPUs for hours.
 """
 
+import gc
 import os
 import signal
 import sys
@@ -47,6 +48,17 @@ def init_process_group(backend, rank, world, timeout_minutes):
         store = dist.HashStore()
     dist.init_process_group(backend, store=dist.PrefixStore("default_pg", store), rank=rank, world_size=world,
                             timeout=timeout)  # fmt: skip
+
+
+def end_process_group():
+    """Destroy the default process group while the interpreter is whole. A sharded model holds its group in reference
+    cycles that only the garbage collector frees: left to the interpreter's exit, a gloo worker thread could free its
+    last finished collective after Python began shutting down, and a finished run would abort (SIGABRT, "terminate
+    called without an active exception"). So the cycles are freed first and the group's threads joined here. The
+    caller drops its own references to the model and optimizer before calling."""
+    gc.collect()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def agreed_min(value: int, world: int, device) -> int:

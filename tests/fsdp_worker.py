@@ -11,14 +11,13 @@ import os
 import sys
 
 import torch
-import torch.distributed as dist
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import quant  # noqa: E402
 import train  # noqa: E402
-from support import fsdp, hf  # noqa: E402
+from support import fsdp, hf, ranks  # noqa: E402
 
 
 def tensor_bytes(module):
@@ -57,7 +56,7 @@ def main(out, model_dir=None):
         line |= load_and_step(cfg, place, model_dir)
     with open(out, "a") as f:
         f.write(json.dumps(line) + "\n")
-    dist.destroy_process_group()
+    ranks.end_process_group()  # the model above is freed with the group, before the interpreter exits
 
 
 def load_and_step(cfg, place, model_dir) -> dict:
