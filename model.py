@@ -48,6 +48,17 @@ exist, the forward pass also turns them into the gradient of the loss for the hi
 dL/dh = (softmax(h W^T) - onehot(y)) W, so the logits are dropped at once and the backward pass only scales that
 gradient. Full-vocabulary logits never exist for the whole batch, and no lm_head matmul is recomputed.
 
+Memory for long sequences
+-------------------------
+Autograd keeps what each block's backward reads, about 16h + 6i bytes a token and block in bf16 (h hidden, i
+intermediate; support/memory.py counts it, LoRA's share too). Activation checkpointing (Chen et al. 2016,
+https://arxiv.org/abs/1604.06174) keeps only each block's input, 2h bytes, and recomputes the block in backward: one
+more forward for a memory that no longer grows with depth. What still grows with the sequence is the one block alive
+in backward, mostly its MLP (three (T, i) tensors), and the inputs kept for all blocks. A tiled MLP (as in Arctic Long
+Sequence Training, https://arxiv.org/abs/2506.13996) runs the MLP over tiles of `mlp_tile` tokens, each recomputed in
+backward on its own, so the (T, i) tensors exist for one tile; offloading keeps the checkpointed inputs in CPU memory
+instead of the GPU's (support/long_context.py, both).
+
 Generation (support/sampling.py) keeps a `KVCache`, a preallocated (layers, 1, max_len, Hkv, D) key and value buffer:
 the prompt runs once, then each new token costs one single-position forward against the cached keys and values.
 
@@ -55,6 +66,7 @@ Shapes: B batch rows, T tokens per row, N = B*T flattened tokens, H / Hkv query 
 """
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -63,6 +75,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from support.attention import Docs, causal_sdpa, pad_to_bucket, sdpa_varlen
+from support.long_context import OffloadedSaves, tiled_mlp
 
 LOSS_CHUNK = 1024  # supervised tokens per lm_head + cross-entropy chunk
 
@@ -256,9 +269,10 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, docs=None, cache=None):
+    def forward(self, x, cos, sin, docs=None, cache=None, mlp_tile=0):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, docs, cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (tiled_mlp(self.mlp, h, mlp_tile) if mlp_tile else self.mlp(h))  # tiles: support/long_context.py
 
 
 class Llama(nn.Module):
@@ -267,6 +281,8 @@ class Llama(nn.Module):
         super().__init__()
         self.config = config
         self.activation_checkpointing = False  # in training mode, recompute each block in backward (train.py sets it)
+        self.offload_checkpoints = False  # ... and keep the block inputs it saves in CPU memory (train.py sets it)
+        self.mlp_tile = 0  # in training, each MLP over tiles of this many tokens of a row (0: all; train.py sets it)
         self.loss_chunk = LOSS_CHUNK  # 0: full-vocabulary logits for every position at once (the naive baseline)
         embed = nn.Embedding(config.vocab_size, config.hidden_size)
         layers = nn.ModuleList(Block(config, i, varlen) for i in range(config.num_hidden_layers))
@@ -291,11 +307,15 @@ class Llama(nn.Module):
         angles = position_ids[..., None].float() * rope_inv_freq(self.config, input_ids.device)  # (B, T, D/2)
         angles = torch.cat((angles, angles), dim=-1)[:, :, None]  # (B, T, 1, D): broadcast over heads
         cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-        for layer in self.model.layers:
-            if self.activation_checkpointing and self.training and cache is None:  # keep x only, recompute in backward
-                x = checkpoint(layer, x, cos, sin, docs, use_reentrant=False)
-            else:
-                x = layer(x, cos, sin, docs, cache)
+        training = self.training and cache is None and torch.is_grad_enabled()
+        tile = self.mlp_tile if training and self.mlp_tile < T else 0
+        checkpointing = self.activation_checkpointing and training
+        with OffloadedSaves(x.device) if checkpointing and self.offload_checkpoints else nullcontext():
+            for layer in self.model.layers:
+                if checkpointing:  # keep the block's input x only (in CPU memory when offloaded), recompute in backward
+                    x = checkpoint(layer, x, cos, sin, docs, None, tile, use_reentrant=False)
+                else:
+                    x = layer(x, cos, sin, docs, cache, tile)
         if cache is not None:
             cache.length += T
         x = self.model.norm(x)

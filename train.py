@@ -65,7 +65,7 @@ from support.dropout_cuda import dropout_op_for
 from support.flops import batch_flops
 from support.gguf_write import FILE_TYPES
 from support.hf_config import read_config
-from support.micro_batch import cpu_heap, micro_batch_rows
+from support.micro_batch import cpu_heap, micro_batch_rows, mlp_tile_tokens
 from support.outputs import write_outputs
 from support.plan import plan_for
 from support.precision import agreed, pick_precision
@@ -113,6 +113,8 @@ class Config:
     tf32: bool = setting(False)  # CUDA rounds fp32 matmul inputs to TF32 (10-bit mantissa, faster); False: fp32 is fp32
     compile: bool = setting(False)  # torch.compile the blocks' training forward/backward (slow to start; best on CUDA)
     activation_checkpointing: bool = setting(False)  # recompute each block in backward to save memory
+    offload_checkpoints: bool = setting(False)  # the block inputs checkpointing keeps, in CPU memory (for long rows)
+    mlp_tile_tokens: int | str = setting("auto", auto_or_at_least(0))  # a row's tokens per MLP tile; auto: if needed
     chunked_loss: bool = setting(True)  # lm_head + cross-entropy in chunks; False = full-vocabulary fp32 logits
     seed: int = setting(1337, resume=True)  # seeds data order, adapter init and dropout
     # --- evaluation, logging, checkpoints ---
@@ -238,6 +240,7 @@ def build_model(cfg: Config, place: Placement, model_dir: str):
     else:
         model = load_model(model_dir, place.dtype, place.device, quantize=cfg.quantize, add_lora=adapters)
     model.activation_checkpointing = cfg.activation_checkpointing
+    model.offload_checkpoints = cfg.offload_checkpoints
     model.loss_chunk = model.loss_chunk if cfg.chunked_loss else 0
     if cfg.compile:
         compile_blocks(model)
@@ -386,6 +389,7 @@ def train(cfg: Config) -> list[dict]:
     place.dtype = agreed(dtype, place.world, place.device)  # every rank computes in rank 0's choice
     measured = {"process": memory.process_rss()} if place.device.type == "cpu" else {}  # CPU: the peak is the process's
     model = build_model(cfg, place, model_dir)
+    model.mlp_tile = mlp_tile_tokens(cfg, place, model.config, trainset.context_length)  # 0 unless a row needs it
     opt = make_optimizer(cfg, [p for p in model.parameters() if p.requires_grad], place.device)
     scaler = torch.amp.GradScaler("cuda", enabled=place.dtype == torch.float16)
     micro_rows = micro_batch_rows(cfg, place, model, trainset, rows, forward_loss)

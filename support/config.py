@@ -156,6 +156,9 @@ def check_config(cfg):
     if cfg.log and not optional.installed(cfg.log):  # the package is named as the tracker is
         errors.append(f"log: {cfg.log} needs the {cfg.log} package (pip install {cfg.log}); or leave log empty")
     errors += [f"{key}: not with parallel=fsdp ({why})" for key, why in fsdp_conflicts(cfg)]
+    if cfg.offload_checkpoints and not cfg.activation_checkpointing:
+        errors.append("offload_checkpoints: needs activation_checkpointing=True (it offloads the block inputs that "
+                      "checkpointing keeps)")  # fmt: skip
     if cfg.cpu_offload and cfg.parallel != "fsdp":
         errors.append("cpu_offload: needs parallel=fsdp (it keeps the shards of a sharded model in CPU memory)")
     if errors:

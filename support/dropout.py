@@ -83,6 +83,7 @@ class KeyedDropout(nn.Module):
         self.p = p
         self.op = op or keyed_dropout
         self.keys = None  # (rows,) int64 while dropout_rows is in effect
+        self.first_token = 0  # x's first token's place in its rows, while tile_of_rows is in effect
 
     def forward(self, x):  # x (rows, ..., in) -> the same shape and dtype
         if not self.training:
@@ -90,10 +91,32 @@ class KeyedDropout(nn.Module):
         keys = self.keys
         if keys is None:  # outside dropout_rows: a key per row from torch's generator
             keys = torch.randint(-(2**63), 2**63 - 1, x.shape[:1], dtype=torch.int64, device=x.device)
+        elif self.first_token:  # a tile of the rows: its elements' hashes continue the row's (see tile_of_rows)
+            first = self.first_token * x[0, 0].numel()  # the tile's first element's place in its row
+            if first % 4:
+                raise ValueError(f"keyed dropout: a tile starting at element {first} of its rows, not a multiple of 4")
+            keys = keys + _signed(first // 4 * GOLDEN % 2**64)
         return self.op(x, self.p, keys)
 
     def extra_repr(self):
         return f"p={self.p}"
+
+
+@contextmanager
+def tile_of_rows(module, first_token):
+    """Within the block, the KeyedDropouts of `module` see tiles of their rows (x (rows, tile, in), tokens first_token..
+    of each row; support/long_context.py's tiled MLP) and drop what they would drop in the whole rows. A row's element
+    e takes its draw from hash number e // 4 of the row, hash c being mix64(key + c * GOLDEN); a tile whose first
+    element is e0 = first_token * in starts at hash e0 // 4, so its key is the row's plus (e0 // 4) * GOLDEN (exact
+    when e0 is a multiple of 4, as it is for tiles of a multiple of 4 tokens; otherwise an error)."""
+    dropouts = [m for m in module.modules() if isinstance(m, KeyedDropout)]
+    for dropout in dropouts:
+        dropout.first_token = first_token
+    try:
+        yield
+    finally:
+        for dropout in dropouts:
+            dropout.first_token = 0
 
 
 @contextmanager

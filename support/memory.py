@@ -31,9 +31,12 @@ backward); each adapted linear keeps r numbers of its LoRA branch, and with drop
 byte mask per element ((A + 1) times its input size), without dropout only down_proj's input (Ai), the others sharing
 tensors already kept. The full-vocabulary loss (chunked_loss=False) keeps all (tokens, V) fp32 logits, and its transient
 below spans every token, not one chunk: 12 bytes per logit in all. Activation checkpointing keeps only each block's
-input (Ah) and recomputes one block at a time in backward. The loss works on c = min(tokens, 1024) rows (zero-padded to
-attention.bucket(c)) of the vocabulary V at a time, at the end of forward when everything else is alive: its fp32
-logits, and beside them the matmul's 16-bit output, logsumexp's scratch copy or the 16-bit gradient, 8 bytes per logit.
+input (Ah) and recomputes one block at a time in backward; offloaded, those inputs are in CPU memory (`offloaded_bytes`)
+and one comes back while its block is recomputed. A tiled MLP keeps the MLP's part (3Ai and its LoRA branches') for
+one tile of tokens only, never for the whole sequence (support/long_context.py). The loss works on c = min(tokens,
+1024) rows (zero-padded to attention.bucket(c)) of the vocabulary V at a time, at the end of forward when everything
+else is alive: its fp32 logits, and beside them the matmul's 16-bit output, logsumexp's scratch copy or the 16-bit
+gradient, 8 bytes per logit.
 
 Beyond torch's own count: a GPU holds the CUDA context and kernels (about 1 GiB, which torch.cuda.max_memory_allocated
 does not see but the card's capacity must; support/plan.py takes it off the card). On CPU, peak RSS also holds the
@@ -66,6 +69,7 @@ from model import LOSS_CHUNK, Llama, find_linears
 
 GIB = 2**30
 MIB = 2**20
+MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")  # what a tiled MLP recomputes tile by tile
 
 
 def nf4_bytes(n):
@@ -94,12 +98,14 @@ def model_sizes(config, targets) -> dict:
 
 
 def estimate(config, tokens, dtype, quantize, lora, opt_bytes, checkpointing, chunked=True, shards=0, offload=False,
-             sizes=None):  # fmt: skip
+             sizes=None, tile_tokens=0, offload_checkpoints=False):  # fmt: skip
     """Bytes by part for a micro-batch of `tokens` tokens, on one rank: weights, adapters, gradients, optimizer,
     activations, transient, and when sharded what is gathered (see the file docstring). lora: the LoRA
     settings (train.Config.adapters: targets as model.find_linears, r, dropout); chunked=False is the full-vocabulary
     loss, whose (tokens, V) fp32 logits are kept for backward; shards: FSDP over that many ranks (0: not sharded),
-    offload: its shards kept in CPU memory; sizes: model_sizes(config, lora targets), when the caller has it."""
+    offload: its shards kept in CPU memory; sizes: model_sizes(config, lora targets), when the caller has it;
+    tile_tokens: the tokens of one tile of a tiled MLP (every row's share; 0 or >= tokens: not tiled);
+    offload_checkpoints: the block inputs checkpointing keeps are in CPU memory (offloaded_bytes), not here."""
     lora_r = lora["r"]
     dropout = lora["dropout"]
     sizes = sizes or model_sizes(config, lora["targets"])
@@ -113,25 +119,33 @@ def estimate(config, tokens, dtype, quantize, lora, opt_bytes, checkpointing, ch
     heads = config.num_attention_heads
     q = heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
-    per_block = 2 * (4 * h + a * h) + a * (2 * q + 2 * kv) + 4 * heads + 3 * a * i
     first = sizes["first_block"]  # {kind: in_features} of the adapted linears of a block
-    per_block += sum(a * lora_r + ((a + 1) * n_in if dropout > 0 else 0) for n_in in first.values())
-    per_block += a * i if dropout == 0 and "down_proj" in first else 0  # silu(gate) * up, kept for down's LoRA
+    lora_kept = {kind: a * lora_r + ((a + 1) * n_in if dropout > 0 else 0) for kind, n_in in first.items()}
+    mlp = 3 * a * i + sum(v for kind, v in lora_kept.items() if kind in MLP_LINEARS)  # gate, silu(gate), up, LoRA's
+    mlp += a * i if dropout == 0 and "down_proj" in first else 0  # silu(gate) * up, kept for down's LoRA
+    rest = 2 * (4 * h + a * h) + a * (2 * q + 2 * kv) + 4 * heads  # the norms, attention
+    rest += sum(v for kind, v in lora_kept.items() if kind not in MLP_LINEARS)
+    tile = tile_tokens if 0 < tile_tokens < tokens else 0  # tiled MLP: its intermediates live for one tile at a time
     # the loss's fp32 logits beside the matmul's output, logsumexp's scratch or the gradient: 8 bytes a logit, of one
     # chunk, or of every token for the full-vocabulary loss (on top of the logits it keeps)
     transient = (min(tokens, LOSS_CHUNK) if chunked else tokens) * config.vocab_size * 8
     transient += max(linears) * a if quantize else 0  # W dequantized in backward
     layers = config.num_hidden_layers
-    kept = tokens * a * h * layers if checkpointing else tokens * per_block * layers  # saved by the forward
+    live = tokens * rest + (tile or tokens) * mlp  # a block while it is differentiated (tiled: one tile's MLP)
+    if checkpointing:  # kept: the block inputs (in CPU memory when offloaded); the block recomputed in backward
+        kept = 0 if offload_checkpoints else tokens * a * h * layers
+        transient += live + (tokens * a * h if offload_checkpoints else 0)  # + its input, back from CPU memory
+    else:  # kept: what each block saves (tiled: not its MLP's intermediates, each tile recomputed in backward)
+        kept = (tokens * rest + (0 if tile else tokens * mlp)) * layers
+        transient += tile * mlp
     kept += 0 if chunked else tokens * config.vocab_size * 4  # the full loss keeps every fp32 logit
-    transient += tokens * per_block if checkpointing else 0  # the block recomputed in backward
     parts = {
         "weights": weights,
         "adapters": 4 * lora_numbers,
         "gradients": 4 * lora_numbers,
         "optimizer": opt_bytes * lora_numbers,
-        "activations": kept
-        + tokens * (4 * h + 2 * a * config.head_dim),  # + the final norm's fp32 input, RoPE's cos/sin
+        "activations": kept  # + the final norm's fp32 input, RoPE's cos/sin (offloaded with the block inputs)
+        + tokens * (4 * h + (0 if checkpointing and offload_checkpoints else 2 * a * config.head_dim)),
         "transient": transient,
     }
     if shards:
@@ -149,18 +163,26 @@ def sharded(parts, root, layers, shards, offload) -> dict:
     return held | {"gathered": int(root + 2 * block)}
 
 
+def offloaded_bytes(config, tokens, dtype) -> int:
+    """CPU memory offloaded checkpoints take: every block's input, and RoPE's cos and sin once."""
+    a = torch.finfo(dtype).bits // 8
+    return tokens * a * (config.hidden_size * config.num_hidden_layers + 2 * config.head_dim)
+
+
 def optimizer_bytes(optimizer) -> int:
     """Optimizer state per trainable parameter: AdamW's two fp32 moments, or two 8-bit ones."""
     return 2 if "8bit" in optimizer else 8
 
 
-def run_estimate(cfg, config, tokens, place) -> dict:
+def run_estimate(cfg, config, tokens, place, tile_tokens=0) -> dict:
     """estimate for a run's settings (a train.Config) in its dtype on its device: bytes by part for a micro-batch of
-    `tokens` tokens, on one rank."""
+    `tokens` tokens, on one rank; tile_tokens: as estimate (the model's mlp_tile times the micro-batch's rows).
+    Offloaded checkpoints leave a CPU run's memory as it is: they are copied within it."""
     return estimate(
         config, tokens, place.dtype, cfg.quantize, cfg.adapters(), optimizer_bytes(cfg.optimizer),
         cfg.activation_checkpointing, chunked=cfg.chunked_loss,
-        shards=place.world if cfg.parallel == "fsdp" else 0, offload=cfg.cpu_offload,
+        shards=place.world if cfg.parallel == "fsdp" else 0, offload=cfg.cpu_offload, tile_tokens=tile_tokens,
+        offload_checkpoints=cfg.offload_checkpoints and place.device.type == "cuda",
     )  # fmt: skip
 
 

@@ -6,6 +6,9 @@ fit, probed on the longest rows while the optimizer state (allocated at the firs
 leave the others waiting in a collective. On CPU memory comes first: CPU_MICRO_TOKENS tokens per micro-batch, fewer
 rows if the estimate says they would not fit. A micro_batch_tokens setting that is a number overrides all of it.
 
+Before that, `mlp_tile_tokens` decides whether the MLP runs in tiles (support/long_context.py): where the estimate says
+that one row of the context would not fit without them.
+
 On CPU the same kind of probe measures what the estimate cannot derive: the heap glibc's malloc keeps beside the live
 tensors (`cpu_heap`, support/memory.py says why), a step's forward and backward passes before training.
 """
@@ -29,22 +32,40 @@ def micro_batch_rows(cfg, place, model, trainset, rows_per_rank, forward_loss) -
         return max(1, min(rows_per_rank, cfg.micro_batch_tokens // context))
     if place.device.type == "cuda" and cfg.parallel != "fsdp":
         return probe_cuda_rows(cfg, place, model, trainset, rows_per_rank, forward_loss)
+
+    def fits(rows):
+        return fits_in_memory(run_estimate(cfg, model.config, rows * context, place, model.mlp_tile * rows), place)
+
     if place.device.type == "cuda":
-        budget = 0.9 * torch.cuda.mem_get_info(place.device)[1]
         rows = rows_per_rank
-        while rows > 1 and sum(run_estimate(cfg, model.config, rows * context, place).values()) > budget:
+        while rows > 1 and not fits(rows):
             rows -= 1
         return rows
     # CPU: memory first. Several rows per micro-batch buy a little speed for a much larger resident set (the CPU
     # ladder measures both); set micro_batch_tokens to trade the other way.
-    import psutil
-
-    budget = 0.6 * psutil.virtual_memory().available
     rows = min(rows_per_rank, max(1, CPU_MICRO_TOKENS // context))
-    grows = lambda parts: parts["activations"] + parts["transient"]  # noqa: E731  (the rest is loaded)
-    while rows > 1 and grows(run_estimate(cfg, model.config, rows * context, place)) > budget:
+    while rows > 1 and not fits(rows):
         rows //= 2
     return rows
+
+
+def fits_in_memory(parts, place) -> bool:
+    """Whether the estimate's `parts` fit this device: on a GPU in 90% of its memory, on CPU what grows during a step
+    (activations and transient: the rest is loaded already) in 60% of the memory available."""
+    if place.device.type == "cuda":
+        return sum(parts.values()) <= 0.9 * torch.cuda.mem_get_info(place.device)[1]
+    import psutil
+
+    return parts["activations"] + parts["transient"] <= 0.6 * psutil.virtual_memory().available
+
+
+def mlp_tile_tokens(cfg, place, config, context) -> int:
+    """Tokens of each row per MLP tile (0: the MLP over whole rows): the setting, or for "auto" the hidden size (a tile
+    of intermediates about the size of the MLP's weights) where one row of `context` tokens would not fit untiled."""
+    if isinstance(cfg.mlp_tile_tokens, int):
+        return cfg.mlp_tile_tokens
+    tile = config.hidden_size
+    return tile if context > tile and not fits_in_memory(run_estimate(cfg, config, context, place), place) else 0
 
 
 def longest_rows(trainset) -> list[int]:
@@ -74,7 +95,7 @@ def cpu_heap(cfg, place, model, trainset, rows, micro_rows, forward_loss) -> dic
             loss.backward()
     finally:
         model.zero_grad(set_to_none=True)
-    counted = run_estimate(cfg, model.config, micro_rows * trainset.context_length, place)
+    counted = run_estimate(cfg, model.config, micro_rows * trainset.context_length, place, model.mlp_tile * micro_rows)
     counted = counted["activations"] + counted["transient"] + counted["gradients"]
     return {"heap": max(0, vm_hwm() - before - counted)}
 

@@ -10,7 +10,7 @@ card's memory less the CUDA context, which torch's allocator does not see.
 
 import torch
 
-from support.memory import GIB, MIB, estimate, fmt, model_sizes
+from support.memory import GIB, MIB, estimate, fmt, model_sizes, offloaded_bytes, optimizer_bytes
 
 CUDA_CONTEXT = GIB  # the CUDA context and kernels, outside torch's allocator
 GPU_MIB = {  # each card's total as nvidia-smi reports it (often less than the GB it is sold as), for --plan=NAME
@@ -78,16 +78,18 @@ def plan(config, budget, context, max_rows, dtype, lora, chunked=True, shards=0,
     return table, (*base, ckpt, rows)
 
 
-def report(config, spec, context, max_rows, dtype, lora, chunked=True):
-    """The plan as text: the table of estimates, then the choice and the tree's reasons. On several GPUs the tree
-    first tries replicating the model on each (DDP), then sharding it (FSDP), then sharding and offloading to CPU."""
+def report(config, spec, context, max_rows, dtype, lora, chunked=True, base=(True, 8)):
+    """The plan as text: the longest single row for `base` (quantize, optimizer bytes), the table of estimates, then
+    the choice and the tree's reasons. On several GPUs the tree first tries replicating the model on each (DDP), then
+    sharding it (FSDP), then sharding and offloading to CPU."""
     gpus = gpu_count(spec)
     budget = budget_bytes(spec)
     loss = "chunked" if chunked else "full-vocabulary"
     lines = [
         f"memory plan for {spec} ({fmt(budget)}{' per GPU' * (gpus > 1)} after the CUDA context), rows of {context} "
         f"tokens, LoRA "
-        f"r={lora['r']}, {loss} loss"
+        f"r={lora['r']}, {loss} loss",
+        longest_row(config, budget, dtype, lora, chunked, *base),
     ]
     ways = [("", 0, False)] + ([("FSDP", gpus, False), ("FSDP, CPU offload", gpus, True)] if gpus > 1 else [])
     for way, shards, offload in ways:
@@ -99,6 +101,34 @@ def report(config, spec, context, max_rows, dtype, lora, chunked=True):
             return "\n".join(lines)
     lines.append("nothing fits: even an NF4 base with 8-bit AdamW and checkpointing needs more at one row")
     return "\n".join(lines)
+
+
+def longest_row(config, budget, dtype, lora, chunked, quantize, opt_bytes) -> str:
+    """The longest single row (in tokens, a multiple of 256) that one GPU of `budget` bytes trains by the estimate,
+    with checkpointing; with a tiled MLP too (tiles of hidden_size tokens, as mlp_tile_tokens="auto" takes); and with
+    offloaded checkpoints too, with the CPU memory those take."""
+    sizes = model_sizes(config, lora["targets"])
+
+    def longest(tiled, offloaded):
+        def fits(tokens):
+            kw = dict(sizes=sizes, tile_tokens=config.hidden_size if tiled else 0, offload_checkpoints=offloaded)
+            return (
+                sum(estimate(config, tokens, dtype, quantize, lora, opt_bytes, True, chunked, **kw).values()) <= budget
+            )
+
+        low, high = 0, 2**16  # in units of 256 tokens: up to 16M tokens
+        while low < high:  # the largest that fits (the estimate grows with tokens)
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if fits(256 * mid) else (low, mid - 1)
+        return 256 * low
+
+    plain, tiled, offloaded = longest(False, False), longest(True, False), longest(True, True)
+    base = f"{'NF4' if quantize else '16-bit'} base, {'AdamW' if opt_bytes == 8 else '8-bit AdamW'}"
+    return (
+        f"longest single row ({base}, checkpointing): {plain:,} tokens; with a tiled MLP {tiled:,}; and offloaded "
+        f"checkpoints {offloaded:,} (their CPU memory {fmt(offloaded_bytes(config, offloaded, dtype))}); the model "
+        f"was trained on {config.max_position_embeddings:,} positions"
+    )
 
 
 def plan_table(table, budget) -> list[str]:
@@ -134,4 +164,5 @@ def plan_for(cfg, config) -> str:
     context = cfg.context_length if isinstance(cfg.context_length, int) else min(2048, config.max_position_embeddings)
     dtype = torch.float32 if cfg.precision == "fp32" else torch.bfloat16
     rows = max(1, cfg.batch_tokens // context // gpu_count(cfg.plan))  # a rank's share of a step's rows
-    return report(config, cfg.plan, context, rows, dtype, cfg.adapters(), chunked=cfg.chunked_loss)
+    base = (cfg.quantize, optimizer_bytes(cfg.optimizer))  # the run's own, for its longest row
+    return report(config, cfg.plan, context, rows, dtype, cfg.adapters(), chunked=cfg.chunked_loss, base=base)

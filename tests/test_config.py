@@ -2,7 +2,8 @@
 
 A config file and flags load (a flag wins wherever it stands); a typo names the nearest valid key; a wrong type is
 refused; "--data path" (a space, not =) is refused before path is read as a config file; a mistake inside a config file
-names its line; every config file in configs/ is valid. (Range and choice errors through train.py: test_train.py.)
+names its line; every config file in configs/ is valid; offloaded checkpoints without checkpointing are refused in
+one line. (Range and choice errors through train.py: test_train.py.)
 """
 
 import os
@@ -58,3 +59,17 @@ def test_every_config_file_is_valid(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     for path in sorted(os.listdir(os.path.join(ROOT, "configs"))):
         check_config(load_config(train.Config, [os.path.join(ROOT, "configs", path)]))
+
+
+def test_offloaded_checkpoints_need_checkpointing():
+    """offload_checkpoints moves what checkpointing keeps: without it there is nothing to move, which is said in one
+    line; with it the settings pass, and a tile size is a number of tokens or "auto"."""
+    with pytest.raises(ValueError) as refused:
+        check_config(train.Config(offload_checkpoints=True))
+    assert str(refused.value) == (
+        "offload_checkpoints: needs activation_checkpointing=True (it offloads the block inputs that checkpointing "
+        "keeps)"
+    )
+    check_config(train.Config(offload_checkpoints=True, activation_checkpointing=True, mlp_tile_tokens=512))
+    with pytest.raises(ValueError, match="mlp_tile_tokens: -1 is out of range"):
+        check_config(train.Config(mlp_tile_tokens=-1))

@@ -3,7 +3,8 @@
 What this file proves: dropout drops p of each row and keeps the mean; its mask is a function of (seed, step, row) and
 the element's place only, each adapted linear drawing its own; rows split into micro-batches, with activation
 checkpointing or without, give the same loss and gradients (what lets a run resume on another number of ranks); the
-module is chosen when the layer is built (none at p = 0) and is the identity in eval mode.
+module is chosen when the layer is built (none at p = 0) and is the identity in eval mode; a tiled MLP's tiles of the
+rows drop exactly what the whole rows drop.
 """
 
 import pytest
@@ -12,7 +13,7 @@ from conftest import TINY
 
 import lora
 from model import Llama, LlamaConfig
-from support.dropout import KeyedDropout, dropout_rows, keyed_dropout, row_keys
+from support.dropout import KeyedDropout, dropout_rows, keyed_dropout, row_keys, tile_of_rows
 
 IDS = torch.tensor([[1, 5, 9, 17, 33, 2, 60, 7, 100, 3], [4, 4, 8, 15, 16, 23, 42, 0, 99, 1]])
 CONFIG = LlamaConfig(vocab_size=128, head_dim=16, max_position_embeddings=64, **TINY)
@@ -106,3 +107,22 @@ def test_live_dropout_gives_the_same_gradients_however_the_rows_are_split(checkp
     with torch.no_grad():  # and the masks are live: another step's keys give another loss
         with dropout_rows(model, row_keys(7, 1, [0, 1])):
             assert model(IDS, labels=labels)[0].item() != pytest.approx(results[1][0], rel=1e-4)
+
+
+def test_tiles_of_the_rows_drop_what_the_whole_rows_drop():
+    """Keyed by dropout_rows, a KeyedDropout applied to tiles of its rows (tile_of_rows: 12, 8 and 20 tokens, features
+    6 a token) gives, tile by tile, the bits of the whole rows' dropout; a tile whose first element is not a multiple
+    of 4 of its row is refused in one line (its hashes would not line up)."""
+    model = adapted_llama(r=2, dropout=0.3)
+    dropout = next(m for m in model.modules() if isinstance(m, KeyedDropout)).train()
+    x = torch.randn(2, 40, 6)
+    with dropout_rows(model, row_keys(3, 5, [0, 1])):
+        whole = dropout(x)
+        tiles = []
+        for first, tile in ((0, x[:, :12]), (12, x[:, 12:20]), (20, x[:, 20:])):
+            with tile_of_rows(model, first):
+                tiles.append(dropout(tile))
+        assert torch.equal(torch.cat(tiles, dim=1), whole) and (whole == 0).any()
+        with tile_of_rows(model, 3), pytest.raises(ValueError, match="starting at element 18 of its rows, not a"):
+            dropout(x[:, 3:])
+    assert dropout.first_token == 0

@@ -3,7 +3,8 @@
 - the weight bytes equal a real QLoRA model's NF4 buffers plus its 16-bit tensors, and the adapter bytes its trainable
   parameters, for several targets and a tied and an untied head;
 - the activation bytes equal (within 10%) the bytes autograd really saves for backward in a forward pass, with and
-  without LoRA dropout and with activation checkpointing, counted with saved-tensor hooks;
+  without LoRA dropout, with activation checkpointing (its block inputs offloaded or not) and with a tiled MLP, counted
+  with saved-tensor hooks;
 - sharded over N ranks, each holds 1/N of the weights and the adapters' state (none when offloaded) and gathers the
   root and two blocks.
 
@@ -73,19 +74,24 @@ def saved_bytes(model, ids, pos, labels):
 
 
 @pytest.mark.parametrize(
-    "dropout, checkpointing, chunked", [(0.0, False, True), (0.1, False, True), (0.1, True, True), (0.0, False, False)]
-)
-def test_activations_equal_what_autograd_saves(dropout, checkpointing, chunked):
+    "dropout, checkpointing, chunked, tile, offload",
+    [(0.0, False, True, 0, False), (0.1, False, True, 0, False), (0.1, True, True, 0, False),
+     (0.0, False, False, 0, False), (0.1, False, True, 64, False), (0.1, True, True, 0, True)],
+)  # fmt: skip
+def test_activations_equal_what_autograd_saves(dropout, checkpointing, chunked, tile, offload):
     """The activations part is what the hooks see (the transient part, the loss chunk, a dequantized weight and the
-    block checkpointing recomputes, lives only while its step runs); the full-vocabulary loss keeps its logits."""
+    block checkpointing recomputes, lives only while its step runs); the full-vocabulary loss keeps its logits; a
+    tiled MLP (64-token tiles) keeps none of the MLP's intermediates; offloaded checkpoints none of the block inputs
+    (the model's own saved-tensor hooks take them, not the test's)."""
     cfg, tokens = config(num_hidden_layers=4, vocab_size=2048), 256
     model = qlora(cfg, "all-linear", dropout).train()
     model.activation_checkpointing, model.loss_chunk = checkpointing, model.loss_chunk if chunked else 0
+    model.mlp_tile, model.offload_checkpoints = tile, offload
     pos = torch.cat([torch.arange(n) for n in (100, 60, 96)])[None]
     ids, labels = torch.randint(0, 128, (1, tokens)), torch.randint(0, 128, (1, tokens))
     got, loss = saved_bytes(model, ids, pos, labels)
     args = (cfg, tokens, torch.bfloat16, True, adapters(4, "all-linear", dropout), 8, checkpointing)
-    want = memory.estimate(*args, chunked=chunked)["activations"]
+    want = memory.estimate(*args, chunked=chunked, tile_tokens=tile, offload_checkpoints=offload)["activations"]
     assert abs(got - want) <= 0.1 * got, (got, want)
     loss.backward()  # the model really trains from what was saved
 

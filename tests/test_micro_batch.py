@@ -1,7 +1,8 @@
 """support/micro_batch.py: the micro-batch probe finds the largest size that fits under a simulated out-of-memory
 allocator, frees each failed attempt before the next and resets the peak statistics (on a GPU, test_train.py runs the
-probe under a capped memory fraction); the CPU heap probe reports the resident growth the estimate leaves out. (That
-the estimate with it holds within 15% of the measured peak is test_train.py's memory test, on the default run.)
+probe under a capped memory fraction); the CPU heap probe reports the resident growth the estimate leaves out; the MLP
+is tiled where one row of the context does not fit untiled, and only there. (That the estimate with the heap holds
+within 15% of the measured peak is test_train.py's memory test, on the default run.)
 """
 
 import weakref
@@ -66,3 +67,23 @@ def test_the_cpu_heap_probe_measures_what_the_estimate_leaves_out(tiny_dir, tmp_
     assert micro_batch.cpu_heap(cfg, place, model, trainset, 4, 2, forward_loss) == {"heap": 0}
     gpu = train.Placement(0, 1, torch.device("cuda"))
     assert micro_batch.cpu_heap(cfg, gpu, model, trainset, 4, 2, forward_loss) == {}
+
+
+def test_the_mlp_is_tiled_where_one_row_does_not_fit_untiled(monkeypatch):
+    """mlp_tile_tokens: a number is taken as it is; "auto" tiles in hidden_size tokens where the estimate of one row of
+    the context fits no memory budget (here the budget answers by hand), never for a row shorter than a tile, and
+    not where the row fits."""
+    import train
+    from model import LlamaConfig
+
+    config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
+    place = train.Placement(0, 1, torch.device("cpu"))
+    asked = []
+    monkeypatch.setattr(micro_batch, "fits_in_memory", lambda parts, place: asked.append(parts) or False)
+    assert micro_batch.mlp_tile_tokens(train.Config(mlp_tile_tokens=96), place, config, 4096) == 96
+    auto = train.Config()
+    assert micro_batch.mlp_tile_tokens(auto, place, config, 64) == 0 and not asked  # one tile holds the row
+    assert micro_batch.mlp_tile_tokens(auto, place, config, 4096) == 64 and len(asked) == 1
+    monkeypatch.setattr(micro_batch, "fits_in_memory", lambda parts, place: True)
+    assert micro_batch.mlp_tile_tokens(auto, place, config, 4096) == 0

@@ -4,15 +4,19 @@
   NF4, then 8-bit AdamW, checkpointing only when one row does not fit without it, and the largest micro-batch that
   fits; a budget below everything gets no choice; unknown GPU names are one line;
 - on several GPUs it tries DDP, then FSDP (NF4 first: the base travels every step), then FSDP with CPU offload, and
-  names the torchrun command.
+  names the torchrun command;
+- the longest single row it prints, with checkpointing, then also a tiled MLP, then also offloaded checkpoints, is
+  the longest whose estimate fits.
 """
+
+import re
 
 import pytest
 import torch
 from test_memory import adapters, config
 
 from model import LOSS_CHUNK
-from support import plan
+from support import memory, plan
 
 
 def test_plan_follows_the_decision_tree():
@@ -66,3 +70,26 @@ def test_the_plan_on_several_gpus():
         "--nproc_per_node=2 train.py: --quantize=True --optimizer=adamw --activation_checkpointing=True "
         "--micro_batch_tokens=512 --parallel=fsdp --cpu_offload=False)"
     )
+
+
+def test_the_longest_single_row_is_the_longest_that_fits():
+    """Each of the three lengths fits the budget by the estimate and 256 tokens more do not; each setting trains a
+    longer row than the one before; the offloaded checkpoints' CPU memory is every block's input and RoPE's once; the
+    report carries the line below its title."""
+    cfg = config(num_hidden_layers=8, hidden_size=256, intermediate_size=704, max_position_embeddings=4096)
+    lora, budget = adapters(8, "all-linear", 0.05), 2**30
+    line = plan.longest_row(cfg, budget, torch.bfloat16, lora, True, True, 8)
+    found = re.search(r"\): ([\d,]+) tokens; with a tiled MLP ([\d,]+); and offloaded checkpoints ([\d,]+)", line)
+    plain, tiled, offloaded = (int(n.replace(",", "")) for n in found.groups())
+
+    def fits(tokens, tile, offload):
+        parts = memory.estimate(cfg, tokens, torch.bfloat16, True, lora, 8, True, tile_tokens=tile,
+                                offload_checkpoints=offload)  # fmt: skip
+        return sum(parts.values()) <= budget
+
+    for tokens, tile, offload in [(plain, 0, False), (tiled, 256, False), (offloaded, 256, True)]:
+        assert tokens % 256 == 0 and fits(tokens, tile, offload) and not fits(tokens + 256, tile, offload)
+    assert plain < tiled < offloaded
+    assert f"their CPU memory {memory.fmt(offloaded * 2 * (256 * 8 + 2 * 16))}" in line
+    text = plan.report(cfg, "2GB", 512, 8, torch.bfloat16, lora)
+    assert text.splitlines()[1] == plan.longest_row(cfg, plan.budget_bytes("2GB"), torch.bfloat16, lora, True, True, 8)
