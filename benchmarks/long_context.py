@@ -10,8 +10,10 @@ train.py would pick on this CPU, then one forward and backward pass of one row o
 document (past the model's 8,192 positions: RoPE extends, and the memory is what is measured). The peak resident set
 of that pass (VmHWM, reset after loading) is printed beside support/memory.py's estimate for it, the process's own
 resident bytes before the model was built added as train.py adds them ("process"); train.py's measured heap part is
-not, so the gap is what glibc keeps beyond the live tensors. The tiled MLP takes tiles of hidden_size tokens, as
-mlp_tile_tokens="auto" does.
+not, so the gap is what glibc keeps beyond the live tensors. A second pair of processes has glibc map every block of
+128 KiB or more on its own (mmap threshold), so that a freed tensor leaves the resident set at once: their peak is the
+live tensors', what the estimate describes. The tiled MLP takes tiles of hidden_size tokens, as mlp_tile_tokens="auto"
+does.
 """
 
 import json
@@ -27,22 +29,30 @@ from support import memory
 
 def bench_long_context(tokens=16384):
     rows = []
-    for tiled in (False, True):
-        out = subprocess.run([sys.executable, "-m", "benchmarks.long_context", str(tokens), str(int(tiled))], cwd=REPO,
-                             capture_output=True, text=True)  # fmt: skip
-        if out.returncode:
-            print(out.stdout + out.stderr)
-            raise SystemExit(f"the {'tiled' if tiled else 'checkpointing'} run failed")
-        r = json.loads(out.stdout.strip().splitlines()[-1])
-        setting = "checkpointing" + (f" + MLP tiles of {r['tile']}" if tiled else "")
-        rows.append([setting, r["precision"], fmt_gb(r["peak"]), fmt_gb(r["estimate"]),
-                     f"{r['peak'] / r['estimate']:.2f}", fmt_gb(r["step_peak"]), f"{r['seconds']:.0f}"])  # fmt: skip
+    for live in (False, True):
+        for tiled in (False, True):
+            rows.append(measured_row(tokens, tiled, live))
     print(f"SmolLM2-135M QLoRA, one {tokens:,}-token row, forward + backward on {cpu_name()} "
           f"({torch.get_num_threads()} threads)")  # fmt: skip
-    print_table(["setting", "precision", "peak RSS", "estimate", "peak / estimate", "step's growth", "s"], rows)
+    headers = ["setting", "heap", "precision", "peak RSS", "estimate", "peak / estimate", "step's growth", "s"]
+    print_table(headers, rows)
 
 
-def measure(tokens, tiled) -> dict:
+def measured_row(tokens, tiled, live) -> list:
+    """One setting's table row, measured in a process of its own."""
+    args = [sys.executable, "-m", "benchmarks.long_context", str(tokens), str(int(tiled)), str(int(live))]
+    out = subprocess.run(args, cwd=REPO, capture_output=True, text=True)
+    if out.returncode:
+        print(out.stdout + out.stderr)
+        raise SystemExit(f"the {'tiled' if tiled else 'checkpointing'} run failed")
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    setting = "checkpointing" + (f" + MLP tiles of {r['tile']}" if tiled else "")
+    heap = "blocks >= 128 KiB mapped" if live else "glibc's, as train.py"
+    return [setting, heap, r["precision"], fmt_gb(r["peak"]), fmt_gb(r["estimate"]),
+            f"{r['peak'] / r['estimate']:.2f}", fmt_gb(r["step_peak"]), f"{r['seconds']:.0f}"]  # fmt: skip
+
+
+def measure(tokens, tiled, live) -> dict:
     """One forward and backward of one `tokens`-token row in this process (see the file docstring)."""
     import train
     from support.precision import pick_precision
@@ -58,7 +68,7 @@ def measure(tokens, tiled) -> dict:
     torch.manual_seed(0)
     batch = dict(input_ids=torch.randint(0, config.vocab_size, (1, tokens)), position_ids=torch.arange(tokens)[None])
     batch["labels"] = batch["input_ids"].roll(-1, 1)
-    memory.steady_heap()
+    memory.steady_heap(128 * 2**10 if live else 32 * 2**20)  # live: every block of 128 KiB or more mapped on its own
     memory.reset_peak(place.device)
     before = memory.vm_hwm()
     start = time.perf_counter()
@@ -71,5 +81,5 @@ def measure(tokens, tiled) -> dict:
                 tile=model.mlp_tile, precision=str(place.dtype).removeprefix("torch."))  # fmt: skip
 
 
-if __name__ == "__main__":  # a setting's own process: python -m benchmarks.long_context TOKENS TILED
-    print(json.dumps(measure(int(sys.argv[1]), bool(int(sys.argv[2])))))
+if __name__ == "__main__":  # a setting's own process: python -m benchmarks.long_context TOKENS TILED LIVE
+    print(json.dumps(measure(int(sys.argv[1]), bool(int(sys.argv[2])), bool(int(sys.argv[3])))))
