@@ -104,7 +104,7 @@ def supervised_targets(mask, starts):
     return np.add.reduceat(mask, starts, dtype=np.int64) - mask[starts] if len(starts) else np.zeros(0, np.int64)
 
 
-def tokenize_chunks(examples, tokenizer, template=None, train_on_prompt=False, chunk=8192, skip_bad_rows=False):
+def tokenize_chunks(examples, tokenizer, template=None, train_on_prompt=False, chunk=4096, skip_bad_rows=False):
     """Yields, for each chunk of `chunk` examples (any iterable: a file read row by row), its documents (see
     `document`) as a dict of arrays: tokens uint32 (n,), mask uint8 (n,) 1 where a token is supervised, lengths,
     example (the index of each document's example) and supervised (targets) int64 (docs,); "skipped", the
@@ -134,7 +134,7 @@ def tokenize_chunks(examples, tokenizer, template=None, train_on_prompt=False, c
                    read=read)  # fmt: skip
 
 
-def tokenize_examples(examples, tokenizer, template=None, train_on_prompt=False, chunk=8192, skip_bad_rows=False):
+def tokenize_examples(examples, tokenizer, template=None, train_on_prompt=False, chunk=4096, skip_bad_rows=False):
     """Flat token stream in memory (tokens uint32 (N,), mask uint8 (N,), offsets int64 (docs + 1,)): document i is
     tokens[offsets[i]:offsets[i + 1]] (see `document`), mask 1 where a token is supervised. (build_dataset streams
     the same arrays to disk instead: support/token_cache.py.)"""
