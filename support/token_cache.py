@@ -125,8 +125,7 @@ def tokenize_cached(
 ):  # fmt: skip
     """tokenize_chunks (pack.py's) over files (a path, or paths read one after the other, row by row) or a list of
     examples, through the disk cache: {tokens, mask, offsets, example, supervised: memory maps, read: examples read,
-    entry: the entry's directory}.
-    Without cache_dir the entry goes to a temporary directory, removed once mapped."""
+    entry: the entry's directory}. Without cache_dir the entry goes to a temporary directory, removed once mapped."""
     paths = [data] if isinstance(data, str | os.PathLike) else data if data and not isinstance(data[0], dict) else None
     said = []  # what reading the rows says (bad rows skipped), kept for cache hits
 
@@ -162,7 +161,9 @@ def cached_packer(entry, packer):
         path = os.path.join(entry, f"rows-{capacity}-{key}.npy")  # int64: rows + 1 offsets, then the documents
         if not os.path.exists(path):
             rows = packer(lengths, capacity)
-            table = np.concatenate([[len(rows)], np.cumsum([0] + [len(r) for r in rows]), *rows]).astype(np.int64)
+            sizes = np.array([len(r) for r in rows], dtype=np.int64)
+            docs = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(sizes.sum()))
+            table = np.concatenate([[len(rows), 0], np.cumsum(sizes), docs])
             atomic_write(path, lambda tmp: _save(tmp, table))
         table = np.load(path)
         offsets, docs = table[1 : table[0] + 2].tolist(), table[table[0] + 2 :].tolist()
