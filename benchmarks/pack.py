@@ -15,6 +15,7 @@ not measured). Each measurement is a fresh process, so that its peak resident se
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -66,18 +67,23 @@ def bench_pack(rows=75_000):
         print(f"{rows:,} rows ({os.path.getsize(path) / 2**30:.2f} GiB of JSONL); cache {fmt_gb(size)}\n{report}\n")
         print_table(["build", "time", "peak RSS", "rows", "packed efficiency"], table)
         print()
-        print_table(["process", "RSS added by the data", "of the cache's size"],
-                    [[who, fmt_gb(added), f"{added / size:.1%}"] for who, added in data])  # fmt: skip
+        print_table(["process", "RSS added by the data", "of the cache's size", "of it private"],
+                    [[who, fmt_gb(g["added"]), f"{g['added'] / size:.1%}", fmt_gb(g["stepped_private"])]
+                     for who, g in data])  # fmt: skip
 
 
 def _training_data(path, cache):
-    """[(who, resident bytes added)]: one process, then each rank of two under torchrun, as train.build_data."""
+    """[(who, {added, private, ...} resident bytes)]: one process, then each rank of two under torchrun, as
+    train.build_data."""
     out = os.path.join(cache, "train.json")
     code, _, _ = run_child(["-m", "benchmarks.pack", "train", path, cache, out], os.path.join(cache, "log"))
     if code:
         raise SystemExit(f"the training data failed:\n{Path(cache, 'log').read_text()[-3000:]}")
-    found = [("one process", json.loads(Path(out).read_text())["added"])]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29533"]
+    found = [("one process", json.loads(Path(out).read_text()))]
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}"]
     cmd += ["-m", "benchmarks.pack", "train", path, cache, os.path.join(cache, "rank{}.json")]
     with open(os.path.join(cache, "log"), "w") as log:
         proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
@@ -85,7 +91,7 @@ def _training_data(path, cache):
     if proc.returncode:
         raise SystemExit(f"the 2 ranks failed:\n{Path(cache, 'log').read_text()[-3000:]}")
     for r in (0, 1):
-        found.append((f"rank {r} of 2", json.loads(Path(cache, f"rank{r}.json").read_text())["added"]))
+        found.append((f"rank {r} of 2", json.loads(Path(cache, f"rank{r}.json").read_text())))
     return found
 
 
@@ -96,7 +102,7 @@ def _child(mode, path, cache, out):
 
     import pack
     import train
-    from support import gguf_read, memory, ranks
+    from support import gguf_read, ranks
     from support.preview import packing_report
     from support.tokenizer import Tokenizer
 
@@ -110,15 +116,31 @@ def _child(mode, path, cache, out):
         rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         if world > 1:
             ranks.init_process_group("gloo", rank, world, timeout_minutes=30)
-        before = memory.process_rss()
+        before = _resident()
         cfg = train.Config(data=path, cache_dir=cache, context_length=CONTEXT)
         place = train.Placement(rank, world, torch.device("cpu"))
         trainset, _, _ = train.build_data(cfg, tok, {"data": [path], "val_data": []}, 8192, place)
+        built = _resident()
         for step in range(50):
             trainset.step_batch(step, 8, rank, world)
-        got = dict(added=memory.process_rss() - before)
+        stepped = _resident()
+        got = dict(added=stepped["all"] - before["all"], private=built["anon"] - before["anon"],
+                   built=built["all"] - before["all"], stepped_private=stepped["anon"] - before["anon"])  # fmt: skip
     with open(out.format(os.environ.get("RANK", 0)), "w") as f:
         json.dump(got, f)
+    with open(os.path.join(OUT_DIR, "pack_results.jsonl"), "a") as f:  # every measurement, kept for the docs
+        f.write(json.dumps(dict(mode=mode, path=path, rank=os.environ.get("RANK", 0), **got)) + "\n")
+
+
+def _resident():
+    """{"all": resident bytes, "anon": its private (anonymous) part}: the rest is file pages, such as the token cache's
+    memory maps, which the kernel keeps once for every process that maps them."""
+    from support import memory
+
+    memory.process_rss()  # collects garbage and trims the heap first
+    with open("/proc/self/status") as f:
+        kib = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f if line.startswith("Rss"))}
+    return {"all": (kib["RssAnon"] + kib["RssFile"] + kib["RssShmem"]) * 1024, "anon": kib["RssAnon"] * 1024}
 
 
 if __name__ == "__main__":
