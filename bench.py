@@ -12,7 +12,9 @@ what its numbers mean.
     python bench.py train --only=padded-fp32,ladder --steps=6      pieces of it
     python bench.py train --repeat=3   every run three times, interleaved; ratios are medians of per-round ratios
     python bench.py train --tables     print the tables of out/bench/results.json again
-    python bench.py pack               tokenize + pack 75,000 Magicoder-sized examples, then again from the cache
+    python bench.py pack               tokenize + pack 75,000 Magicoder-sized examples, then again from the cache,
+                                       and the memory the data adds to a training process (one, and 2 ranks)
+    python bench.py pack --rows=1000000                    the same for a million examples (minutes)
     python bench.py first-run          the default `python train.py` as a newcomer runs it: wall time, steps,
                                        validation loss before and after, peak RSS, the CPU kind and the precision
     python bench.py fsdp               DDP vs FSDP over 2 CPU ranks, interleaved: step time, per-rank peak RSS
@@ -56,7 +58,8 @@ def main():
     t.add_argument("--tables", action="store_true", help="only print the tables of out/bench/results.json again")
     t.add_argument("--only", default="", help="comma-separated: compare, ladder, padded-fp32, ..., NAME/ours, ladder/3")
     t.add_argument("--repeat", type=int, default=1, help="rounds of the whole plan, interleaved (default 1)")
-    sub.add_parser("pack", help="tokenizing and packing 75,000 Magicoder-sized examples, then the cache hit")
+    k = sub.add_parser("pack", help="tokenizing and packing Magicoder-sized examples, the cache hit, the training data")
+    k.add_argument("--rows", type=int, default=75_000, help="examples in the dataset (default 75,000)")
     f = sub.add_parser("first-run", help="the default python train.py as a newcomer runs it: wall time, losses, memory")
     f.add_argument("--repeat", type=int, default=1, help="runs, one after the other (default 1)")
     p = sub.add_parser("peer")  # one transformers + PEFT run, started by `train` in a child process
@@ -73,7 +76,7 @@ def main():
     elif args.command == "quant":
         bench_quant(args.size, args.repeat, args.smollm2)
     elif args.command == "pack":
-        bench_pack()
+        bench_pack(args.rows)
     elif args.command == "first-run":
         bench_first_run(args.repeat)
     elif args.command == "fsdp":

@@ -38,17 +38,19 @@ pad_to_max), for comparison. Length policy: context_length "auto" is the 95th pe
 up to 64 and capped by the model's maximum; longer examples are truncated (or dropped with truncate=False), and both
 are counted in the report.
 
-Tokenizing happens once per dataset; support/token_cache.py keeps the arrays on disk.
+Tokenizing happens once per dataset, a chunk of examples at a time (tokenize_chunks), streamed from the files to disk
+by support/token_cache.py, which keeps the arrays there and maps them back.
 """
 
 import bisect
+import itertools
 import sys
 
 import numpy as np
 import torch
 from jinja2 import TemplateError
 
-from support.token_cache import tokenize_cached
+from support.token_cache import cached_packer, chunks, prefetch, tokenize_cached
 from support.tokenizer import segments
 
 
@@ -77,13 +79,13 @@ def document(segmented, piece_ids, tokenizer, train_on_prompt=False):
 
 
 def segment(examples, tokenizer, template, first=0, skip_bad_rows=False):
-    """([(label, segmented)], skipped): tokenizer.segments of each example with its label (file:line, stdlib function
-    or position), and "label: why" of each example the template rejects, which stops the run unless skip_bad_rows.
-    first: the index of examples[0]."""
+    """([(index, label, segmented)], skipped): tokenizer.segments of each example with its index (counting from
+    `first`) and label (file:line, stdlib function or position), and "label: why" of each example the template
+    rejects, which stops the run unless skip_bad_rows."""
     segmented, skipped = [], []
     for i, ex in enumerate(examples, first):
         try:
-            segmented.append((_label(ex, i), segments(ex, tokenizer, template)))
+            segmented.append((i, _label(ex, i), segments(ex, tokenizer, template)))
         except (ValueError, TemplateError) as e:
             if not skip_bad_rows:
                 raise ValueError(f"{_label(ex, i)}: {e}") from None
@@ -96,33 +98,54 @@ def renders(ex, tokenizer, template=None):
     return bool(segment([ex], tokenizer, template, skip_bad_rows=True)[0])
 
 
-def tokenize_examples(examples, tokenizer, template=None, train_on_prompt=False, chunk=4096, skip_bad_rows=False):
-    """Flat token stream (tokens uint32 (N,), mask uint8 (N,), offsets int64 (docs + 1,)): document i is
-    tokens[offsets[i]:offsets[i + 1]] (see `document`), mask 1 where a token is supervised."""
+def supervised_targets(mask, starts):
+    """Each document's supervised targets (int64 (docs,)): its supervised tokens but the first, which has no
+    predecessor in it and is nobody's target. np.add.reduceat sums mask[starts[i]:starts[i + 1]] in one pass."""
+    return np.add.reduceat(mask, starts, dtype=np.int64) - mask[starts] if len(starts) else np.zeros(0, np.int64)
+
+
+def tokenize_chunks(examples, tokenizer, template=None, train_on_prompt=False, chunk=4096, skip_bad_rows=False):
+    """Yields, for each chunk of `chunk` examples (any iterable: a file read row by row), its documents (see
+    `document`) as a dict of arrays: tokens uint32 (n,), mask uint8 (n,) 1 where a token is supervised, lengths,
+    example (the index of each document's example) and supervised (targets) int64 (docs,); "skipped", the
+    "label: why" of the examples the template rejects; "read", the examples read so far."""
     if tokenizer.eos_id is None:
         raise ValueError(f"{tokenizer.path}: the tokenizer has no eos token, which ends every response")
-    tokens, mask = [], []  # per document: its ids (uint32) and its mask (uint8)
-    lengths = []
-    bad = []  # the skipped examples
-    # A chunk of examples at a time: its pieces go to the tokenizer in one batched call (its threads use every core),
-    # and the Python lists (tens of bytes per token) never hold more than a chunk.
-    for first in range(0, len(examples), chunk):
-        segmented, skipped = segment(examples[first : first + chunk], tokenizer, template, first, skip_bad_rows)
-        bad += skipped
-        docs = [seg for _, seg in segmented]  # each example's (pieces [(text, supervised)], add BOS?, add EOS?)
-        encoded = tokenizer.encode_batch([text for pieces, _, _ in docs for text, _ in pieces])  # every piece alone
-        start = 0  # the first piece of the next document in `encoded`
-        for seg in docs:
-            ids, supervised = document(seg, encoded[start : start + len(seg[0])], tokenizer, train_on_prompt)
+
+    def encode(first, part):  # runs a chunk ahead in a thread: the template, then the tokenizer's batched call
+        segmented, skipped = segment(part, tokenizer, template, first, skip_bad_rows)
+        texts = [text for *_, seg in segmented for text, _ in seg[0]]
+        return segmented, skipped, tokenizer.encode_batch(texts), first + len(part)
+
+    # The tokenizer's native threads use every core and release the GIL, so the next chunk is encoded while this one
+    # becomes arrays; the Python lists (tens of bytes per token) never hold more than two chunks.
+    for segmented, skipped, encoded, read in prefetch(itertools.starmap(encode, chunks(examples, chunk))):
+        ids, mask, lengths, start = [], [], [], 0  # start: the first piece of the next document in `encoded`
+        for *_, seg in segmented:  # seg: (pieces [(text, supervised)], add BOS?, add EOS?)
+            doc, doc_mask = document(seg, encoded[start : start + len(seg[0])], tokenizer, train_on_prompt)
             start += len(seg[0])
-            tokens.append(np.array(ids, dtype=np.uint32))
-            mask.append(np.array(supervised, dtype=np.uint8))
-            lengths.append(len(ids))
+            ids += doc
+            mask += doc_mask
+            lengths.append(len(doc))
+        tokens, mask = np.array(ids, dtype=np.uint32), np.array(mask, dtype=np.uint8)
+        lengths, example = np.array(lengths, dtype=np.int64), np.array([i for i, *_ in segmented], dtype=np.int64)
+        supervised = supervised_targets(mask, np.cumsum(lengths) - lengths)
+        yield dict(tokens=tokens, mask=mask, lengths=lengths, example=example, supervised=supervised, skipped=skipped,
+                   read=read)  # fmt: skip
+
+
+def tokenize_examples(examples, tokenizer, template=None, train_on_prompt=False, chunk=4096, skip_bad_rows=False):
+    """Flat token stream in memory (tokens uint32 (N,), mask uint8 (N,), offsets int64 (docs + 1,)): document i is
+    tokens[offsets[i]:offsets[i + 1]] (see `document`), mask 1 where a token is supervised. (build_dataset streams
+    the same arrays to disk instead: support/token_cache.py.)"""
+    parts = list(tokenize_chunks(examples, tokenizer, template, train_on_prompt, chunk, skip_bad_rows))
+    bad = [why for p in parts for why in p["skipped"]]
     if bad:
         print(f"skipped {len(bad)} examples the template cannot render (first: {bad[0]})", file=sys.stderr)
-    if not lengths:
+    lengths = np.concatenate([np.zeros(1, np.int64)] + [p["lengths"] for p in parts])
+    if len(lengths) == 1:
         raise ValueError("no examples to tokenize" + (" (every one skipped)" if bad else ""))
-    return np.concatenate(tokens), np.concatenate(mask), np.concatenate([[0], np.cumsum(lengths)])
+    return tuple(np.concatenate([p[k] for p in parts]) for k in ("tokens", "mask")) + (np.cumsum(lengths),)
 
 
 def pack_bfd(lengths, capacity):
@@ -153,16 +176,17 @@ def pack_bfd(lengths, capacity):
 class PackedDataset:
     """Documents laid out in rows of context_length (packed, or one per row with pack=False); see the docstring."""
 
-    def __init__(
-        self, tokens, mask, offsets, context_length, pack=True, truncate=True, pad_to_max=False, seed=0, pad_id=0
-    ):
+    def __init__(self, tokens, mask, offsets, context_length, pack=True, truncate=True, pad_to_max=False, seed=0,
+                 pad_id=0, docs=None, supervised=None, packer=pack_bfd):  # fmt: skip
+        """docs: which documents of the stream to use, in order (default all); supervised: each document's
+        supervised targets (default counted from the mask: the token cache keeps them, so that a memory-mapped mask
+        is not read whole); packer: pack_bfd, or the token cache's copy of what it packed before."""
         C = context_length
+        docs = slice(None) if docs is None else docs
         starts = np.asarray(offsets[:-1])  # (docs,) where each document begins in the token stream
-        doc_lens = np.diff(offsets)  # (docs,)
+        supervised = supervised_targets(mask, starts) if supervised is None else supervised
+        starts, doc_lens, supervised = starts[docs], np.diff(offsets)[docs], np.array(supervised[docs])  # (docs,)
         lens = np.minimum(doc_lens, C)  # what a row keeps of each: a longer document is truncated to C
-        # Supervised targets per document: a document's token 0 has no predecessor in it, so it is nobody's target.
-        # np.add.reduceat sums mask[starts[i]:starts[i + 1]], each document's supervised tokens, in one pass.
-        supervised = np.add.reduceat(mask, starts, dtype=np.int64) - mask[starts]
         for i in np.flatnonzero(doc_lens > C):  # a truncated document keeps the targets of its first C tokens
             supervised[i] = int(mask[starts[i] + 1 : starts[i] + C].sum())
         keep = (doc_lens <= C) | (truncate & (supervised > 0))  # truncated, unless nothing supervised is left
@@ -187,7 +211,9 @@ class PackedDataset:
         self.pad_to_max = pad_to_max
         self.seed = seed
         self.pad_id = pad_id
-        self.rows = pack_bfd(self.lens, C) if pack else [[i] for i in range(len(self.lens))]  # document indices
+        self.rows = (
+            (packer or pack_bfd)(self.lens, C) if pack else [[i] for i in range(len(self.lens))]
+        )  # document indices
         if not self.rows:
             raise ValueError(f"no examples left: all {len(doc_lens)} are longer than context_length {C}")
 
@@ -242,12 +268,22 @@ def auto_context_length(lengths, max_context=None, multiple=64):
 
 def build_dataset(data, tokenizer, context_length="auto", *, pack=True, truncate=True, pad_to_max=False, seed=0,
                   template=None, train_on_prompt=False, cache_dir=None, max_context=None, fmt="auto",
-                  skip_bad_rows=False):  # fmt: skip
-    """A path or a list of example dicts -> PackedDataset, tokenized once through the cache."""
+                  skip_bad_rows=False, keep=None):  # fmt: skip
+    """Files (a path, or paths read one after the other) or a list of example dicts -> PackedDataset, tokenized once
+    through the cache. keep(n): which of the n examples read the dataset takes (bool (n,); default all), as
+    examples.train_and_val splits them; the dataset's `kept` says so after."""
     tokenize = dict(template=template, train_on_prompt=train_on_prompt, fmt=fmt, skip_bad_rows=skip_bad_rows)
-    tokens, mask, offsets = tokenize_cached(tokenize_examples, data, tokenizer, cache_dir, **tokenize)
+    stream = tokenize_cached(tokenize_chunks, data, tokenizer, cache_dir, **tokenize)  # memory maps (token_cache.py)
+    kept = keep(stream["read"]) if keep else np.ones(stream["read"], dtype=bool)
+    docs = np.flatnonzero(kept[stream["example"]])  # the documents of the kept examples, in order
+    if not len(docs):
+        raise ValueError("no examples to tokenize (every one skipped)")
     if context_length == "auto":
-        context_length = auto_context_length(np.diff(offsets), max_context)
+        context_length = auto_context_length(np.diff(stream["offsets"])[docs], max_context)
     elif not isinstance(context_length, int) or context_length <= 0:
         raise ValueError(f"context_length must be a positive int or 'auto', got {context_length!r}")
-    return PackedDataset(tokens, mask, offsets, context_length, pack, truncate, pad_to_max, seed, tokenizer.pad_id)
+    arrays = [stream[k] for k in ("tokens", "mask", "offsets")]
+    ds = PackedDataset(*arrays, context_length, pack, truncate, pad_to_max, seed, tokenizer.pad_id, docs=docs,
+                       supervised=stream["supervised"], packer=cached_packer(stream["entry"], pack_bfd))  # fmt: skip
+    ds.kept = kept
+    return ds

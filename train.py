@@ -186,17 +186,20 @@ def build_data(cfg: Config, tok, files, max_positions: int, place: Placement):
             f"context_length: {cfg.context_length} is beyond the model's max_position_embeddings {max_positions}"
             " (positions it was never trained on); lower it or use 'auto'"
         )
-    train_examples, val_examples = examples.train_and_val(cfg, files)
+    (train_data, train_keep), (val_data, val_keep) = examples.train_and_val(cfg, files)
     common = dict(template=cfg.template or None, train_on_prompt=cfg.train_on_prompt, truncate=cfg.truncate,
                   pack=cfg.pack, pad_to_max=cfg.pad_to_max, cache_dir=cfg.cache_dir, seed=cfg.seed,
-                  max_context=max_positions, skip_bad_rows=cfg.skip_bad_rows)  # fmt: skip
-    trainset = pack.build_dataset(train_examples, tok, cfg.context_length, **common)
-    valset = pack.build_dataset(val_examples, tok, trainset.context_length, **common)
+                  max_context=max_positions, fmt=cfg.data_format, skip_bad_rows=cfg.skip_bad_rows)  # fmt: skip
+    trainset = pack.build_dataset(train_data, tok, cfg.context_length, keep=train_keep, **common)
+    valset = pack.build_dataset(val_data, tok, trainset.context_length, keep=val_keep, **common)
+    read = dict(fmt=cfg.data_format, skip_bad_rows=cfg.skip_bad_rows)  # the files again, only as far as needed
     if place.main:
         print(preview.packing_report(trainset))
         if cfg.preview:  # the first examples shown, then the same checks over every training example
+            train_examples = list(examples.selected(train_data, trainset.kept, **read))
             preview.show(train_examples, tok, cfg.template or None, cfg.train_on_prompt, cfg.skip_bad_rows)
-    renders = (ex for ex in val_examples if pack.renders(ex, tok, cfg.template or None))
+    held_out = examples.selected(val_data, valset.kept, **read)
+    renders = (ex for ex in held_out if pack.renders(ex, tok, cfg.template or None))
     return trainset, valset, list(itertools.islice(renders, cfg.eval_samples))
 
 

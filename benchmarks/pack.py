@@ -1,44 +1,147 @@
-"""How long do tokenizing and packing a Magicoder-sized dataset take, and reading it back from the token cache?
+"""How long do tokenizing and packing a Magicoder-sized dataset take, how much memory, and reading it back after?
 
-    python bench.py pack               tokenize + pack 75,000 Magicoder-sized examples, then again from the cache
+    python bench.py pack                  75,000 Magicoder-sized examples: first build, cache hit, training data
+    python bench.py pack --rows=1000000   a million (an OpenHermes-2.5-sized dataset; the JSONL is 1.6 GB)
 
-The data is written once to out/bench (problem -> solution pairs cut from stdlib code and docstrings); both builds go
-through pack.build_dataset with the SmolLM2 chat template, the second one a cache hit (support/token_cache.py).
+The JSONL is written once to out/bench (problem -> solution pairs cut from stdlib code and docstrings; its writing is
+not measured). Each measurement is a fresh process, so that its peak resident set (VmHWM) is its own:
+- first build: pack.build_dataset over the file with the SmolLM2 chat template, context 2048, into an empty cache;
+- cache hit: the same again;
+- training data: what train.build_data does on a hit (val_fraction 0.02 held out, both splits packed, the held-out
+  prompt read) and 50 steps of 8 rows collated, beside the same process before it: the resident memory the data adds;
+- 2 ranks: the same in both ranks of a torchrun: each rank's resident memory added, against the cache's size (the
+  ranks map the same files, so a rank adds only what is its own).
 """
 
 import json
 import os
+import socket
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import OUT_DIR
-from pack import build_dataset
-from support import atomic
-from support.examples import stdlib_examples
-from support.preview import packing_report
-from support.tokenizer import Tokenizer
+from benchmarks.common import OUT_DIR, REPO, fmt_gb, peaks_while_running, print_table, run_child
+
+CONTEXT = 2048
 
 
-def bench_pack(n=75_000, context=2048):
-    """A Magicoder-OSS-Instruct-sized JSONL (problem -> solution pairs cut from stdlib code and docstrings), tokenized
-    and packed with the SmolLM2 chat template, then built a second time from the token cache."""
-    from support import gguf_read
+def write_dataset(rows):
+    """out/bench/magicoder<rows/1000>k.jsonl, written once, a row at a time; the 75K file is the one this benchmark
+    has always used."""
+    from support import atomic
+    from support.examples import stdlib_examples
 
-    path = os.path.join(OUT_DIR, f"magicoder{n // 1000}k.jsonl")
-    if not os.path.exists(path):
-        examples = stdlib_examples("train")
-        os.makedirs(OUT_DIR, exist_ok=True)
-        lines = []
-        for i in range(n):  # Magicoder's problems and solutions run to a few hundred tokens each
-            a, b = examples[i % len(examples)], examples[(7 * i + 1) % len(examples)]
-            row = {"problem": f"{i}: " + a["instruction"], "solution": a["response"] + b["response"]}
-            lines.append(json.dumps(row) + "\n")
-        atomic.atomic_write(path, lambda tmp: Path(tmp).write_text("".join(lines)))
-    tok = Tokenizer(gguf_read.smollm2_dir())
+    path = os.path.join(OUT_DIR, f"magicoder{rows // 1000}k.jsonl")
+    if os.path.exists(path):
+        return path
+    examples = stdlib_examples("train")
+    os.makedirs(OUT_DIR, exist_ok=True)
+
+    def write(tmp):
+        with open(tmp, "w") as f:
+            for i in range(rows):  # Magicoder's problems and solutions run to a few hundred tokens each
+                a, b = examples[i % len(examples)], examples[(7 * i + 1) % len(examples)]
+                f.write(json.dumps({"problem": f"{i}: " + a["instruction"], "solution": a["response"] + b["response"]}))
+                f.write("\n")
+
+    atomic.atomic_write(path, write)
+    return path
+
+
+def bench_pack(rows=75_000):
+    path = write_dataset(rows)
     with tempfile.TemporaryDirectory(dir=OUT_DIR) as cache:
-        for label in ("first run (tokenize + pack)", "second run (cache hit)"):
-            t = time.perf_counter()
-            ds = build_dataset(path, tok, context, cache_dir=cache)
-            print(f"{label}: {time.perf_counter() - t:.1f} s")
-    print(packing_report(ds))
+        table, report = [], ""
+        for label in ("first build", "cache hit"):
+            out = os.path.join(cache, "out.json")
+            code, peak, _ = run_child(["-m", "benchmarks.pack", "build", path, cache, out], os.path.join(cache, "log"))
+            if code:
+                raise SystemExit(f"the {label} failed:\n{Path(cache, 'log').read_text()[-3000:]}")
+            got = json.loads(Path(out).read_text())
+            table.append([label, f"{got['seconds']:.1f} s", fmt_gb(peak), f"{got['rows']:,}", got["efficiency"]])
+            report = got["report"]
+        size = sum(f.stat().st_size for f in Path(cache).glob("*/*.npy"))
+        data = _training_data(path, cache)
+        print(f"{rows:,} rows ({os.path.getsize(path) / 2**30:.2f} GiB of JSONL); cache {fmt_gb(size)}\n{report}\n")
+        print_table(["build", "time", "peak RSS", "rows", "packed efficiency"], table)
+        print()
+        print_table(["process", "RSS added by the data", "of the cache's size", "of it private"],
+                    [[who, fmt_gb(g["added"]), f"{g['added'] / size:.1%}", fmt_gb(g["stepped_private"])]
+                     for who, g in data])  # fmt: skip
+
+
+def _training_data(path, cache):
+    """[(who, {added, private, ...} resident bytes)]: one process, then each rank of two under torchrun, as
+    train.build_data."""
+    out = os.path.join(cache, "train.json")
+    code, _, _ = run_child(["-m", "benchmarks.pack", "train", path, cache, out], os.path.join(cache, "log"))
+    if code:
+        raise SystemExit(f"the training data failed:\n{Path(cache, 'log').read_text()[-3000:]}")
+    found = [("one process", json.loads(Path(out).read_text()))]
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}"]
+    cmd += ["-m", "benchmarks.pack", "train", path, cache, os.path.join(cache, "rank{}.json")]
+    with open(os.path.join(cache, "log"), "w") as log:
+        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        peaks_while_running(proc, descendants=True)
+    if proc.returncode:
+        raise SystemExit(f"the 2 ranks failed:\n{Path(cache, 'log').read_text()[-3000:]}")
+    for r in (0, 1):
+        found.append((f"rank {r} of 2", json.loads(Path(cache, f"rank{r}.json").read_text())))
+    return found
+
+
+def _child(mode, path, cache, out):
+    """`build`: pack.build_dataset over `path`, timed; `train`: what train.build_data does, then 50 steps of rows,
+    with the resident memory before and after. One JSON object to `out` ({} in it: this rank under torchrun)."""
+    import torch
+
+    import pack
+    import train
+    from support import gguf_read, ranks
+    from support.preview import packing_report
+    from support.tokenizer import Tokenizer
+
+    tok = Tokenizer(gguf_read.smollm2_dir())
+    if mode == "build":
+        t = time.perf_counter()
+        ds = pack.build_dataset(path, tok, CONTEXT, cache_dir=cache)
+        seconds, report = time.perf_counter() - t, packing_report(ds)
+        got = dict(seconds=seconds, rows=len(ds), report=report, efficiency=report.rsplit("packed ", 1)[1][:5])
+    else:
+        rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+        if world > 1:
+            ranks.init_process_group("gloo", rank, world, timeout_minutes=30)
+        before = _resident()
+        cfg = train.Config(data=path, cache_dir=cache, context_length=CONTEXT)
+        place = train.Placement(rank, world, torch.device("cpu"))
+        trainset, _, _ = train.build_data(cfg, tok, {"data": [path], "val_data": []}, 8192, place)
+        built = _resident()
+        for step in range(50):
+            trainset.step_batch(step, 8, rank, world)
+        stepped = _resident()
+        got = dict(added=stepped["all"] - before["all"], private=built["anon"] - before["anon"],
+                   built=built["all"] - before["all"], stepped_private=stepped["anon"] - before["anon"])  # fmt: skip
+    with open(out.format(os.environ.get("RANK", 0)), "w") as f:
+        json.dump(got, f)
+    with open(os.path.join(OUT_DIR, "pack_results.jsonl"), "a") as f:  # every measurement, kept for the docs
+        f.write(json.dumps(dict(mode=mode, path=path, rank=os.environ.get("RANK", 0), **got)) + "\n")
+
+
+def _resident():
+    """{"all": resident bytes, "anon": its private (anonymous) part}: the rest is file pages, such as the token cache's
+    memory maps, which the kernel keeps once for every process that maps them."""
+    from support import memory
+
+    memory.process_rss()  # collects garbage and trims the heap first
+    with open("/proc/self/status") as f:
+        kib = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f if line.startswith("Rss"))}
+    return {"all": (kib["RssAnon"] + kib["RssFile"] + kib["RssShmem"]) * 1024, "anon": kib["RssAnon"] * 1024}
+
+
+if __name__ == "__main__":
+    _child(*sys.argv[1:])

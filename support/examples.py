@@ -1,12 +1,18 @@
 """Training examples: instruction datasets read from files, and a real code dataset that ships with Python.
 
 An example is an {"instruction", "response"} pair or a chat {"messages": [{"role", "content"}, ...]} conversation
-ending with the assistant's turn (every assistant turn is trained on, see tokenizer.py). `load_examples` reads JSON
+ending with the assistant's turn (every assistant turn is trained on, see tokenizer.py). `read_examples` reads JSON
 lines, a JSON array or Parquet and recognises the common layouts by their keys: Magicoder (problem, solution), Alpaca
-(instruction, input, output), plain pairs (instruction, response) and chat messages. A malformed row stops the run
-with one line naming the file and line (or is skipped and counted with skip_bad_rows); a JSON array is walked item by
-item so that its errors name a line too. Each example keeps its "file:line" as "source", so that what tokenizing it
-finds later (a chat template that rejects it, a warning of the preview) names the line as well.
+(instruction, input, output), plain pairs (instruction, response) and chat messages. It yields one example at a time:
+JSON lines are read 16 MiB of whole lines at a time and Parquet 4,096 rows at a time, so a file of millions of rows
+never sits in memory (a JSON array is read whole). A malformed row stops the run with one line naming the file and line
+(or is skipped and counted with skip_bad_rows), the first one in the file; a JSON array is walked item by item so that
+its errors name a line too. Each example keeps its "file:line" as "source", so that what tokenizing it finds later (a
+chat template that rejects it, a warning of the preview) names the line as well.
+
+Validation is held out by index: `held_out(n)` marks a seeded random val_fraction of the n examples a file holds, so
+the files are tokenized whole, once, and each split takes its examples' documents (train_and_val's keep);
+`split_examples` is the same split of a list in memory.
 
 The stdlib dataset is the default: every documented function and method of this Python's standard library becomes a
 "complete this function" example, signature + docstring -> body, verbatim from the source. The body is answered in a
@@ -28,6 +34,8 @@ from pathlib import Path
 
 import numpy as np
 
+BLOCK_BYTES = 16 << 20  # JSON lines are read 16 MiB at a time
+BLOCK_ROWS = 4096  # and Parquet 4,096 rows at a time
 FORMATS = {
     "magicoder": ("problem", "solution"),
     "alpaca": ("instruction", "output"),
@@ -36,36 +44,65 @@ FORMATS = {
 
 
 def _rows(path):
-    """(line, row or ValueError) pairs from JSON lines, a JSON array, or Parquet."""
+    """(line, row or ValueError) pairs from JSON lines, a JSON array, or Parquet: JSON lines and Parquet a block at a
+    time (memory bounded by the block, not the file), a JSON array whole."""
     if path.suffix == ".parquet":
         try:
             import pyarrow.parquet  # optional: only Parquet inputs need it
         except ImportError:
             raise ValueError(f"{path}: reading Parquet needs pyarrow (pip install pyarrow)") from None
-        yield from enumerate(pyarrow.parquet.read_table(path).to_pylist(), 1)
+        batches = pyarrow.parquet.ParquetFile(path).iter_batches(batch_size=BLOCK_ROWS)
+        yield from enumerate((row for batch in batches for row in batch.to_pylist()), 1)
         return
-    raw = path.read_bytes()
+    with open(path, "rb") as f:
+        head = f.read(BLOCK_BYTES)
+        if head.removeprefix(b"\xef\xbb\xbf").lstrip().startswith(b"["):
+            yield from _array(path, _decode(path, head + f.read(), 0).removeprefix("\ufeff"))
+            return
+        yield from _json_lines(path, f, head)
+
+
+def _decode(path, raw, lines_before):
+    """raw (whole lines of the file, after `lines_before` of them) as text; not UTF-8: one line naming the line."""
     try:
-        text = raw.decode("utf-8").removeprefix("\ufeff")  # a byte-order mark, as Windows editors write, is no text
+        return raw.decode("utf-8")
     except UnicodeDecodeError as e:  # name the line, not just a byte offset into the file
-        line, column = raw.count(b"\n", 0, e.start) + 1, e.start - raw.rfind(b"\n", 0, e.start)
+        line, column = lines_before + raw.count(b"\n", 0, e.start) + 1, e.start - raw.rfind(b"\n", 0, e.start)
         raise ValueError(
             f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at byte {column} of the line); "
             "save the file as UTF-8"
         ) from None
-    if text.lstrip().startswith("["):
-        yield from _array(path, text)
-        return
-    # Line ends only: splitlines() would also cut at U+2028, U+0085 and others, which JSON strings may hold unescaped
-    lines = [(line, s) for line, s in enumerate(re.split(r"\r\n|\r|\n", text), 1) if s.strip()]
-    for line, s in lines:
-        try:
-            row = json.loads(s)
-        except json.JSONDecodeError as e:
-            if line == lines[0][0] and _is_one_object(text):  # a pretty-printed object fails on its first line
-                raise ValueError(f"{path}: one JSON object, not rows; expected JSON lines or an array") from None
-            row = ValueError(f"{path}:{line}: invalid JSON ({e.msg}: column {e.colno})")
-        yield line, row
+
+
+def _json_lines(path, f, block):
+    """(line, row or ValueError) of each non-blank line, reading `f` a block of whole lines at a time."""
+    breaks, newlines, first = 0, 0, None  # line ends so far (any of them), b"\n"s so far, the first non-blank line
+    while block:
+        more = f.read(BLOCK_BYTES)
+        cut = len(block) if not more else block.rfind(b"\n") + 1  # whole lines only: a "\r\n" is never cut in two
+        if cut == 0:  # no line end in the block yet: read on
+            block += more
+            continue
+        text = _decode(path, block[:cut], newlines)
+        if newlines == 0:
+            text = text.removeprefix("\ufeff")  # a byte-order mark, as Windows editors write, is no text
+        # Line ends only: splitlines() would also cut at U+2028, U+0085 and others, which JSON strings may hold
+        pieces = re.split(r"\r\n|\r|\n", text)
+        for line, s in enumerate(pieces[:-1] if more else pieces, breaks + 1):
+            if not s.strip():
+                continue
+            first = first or line
+            yield line, _parse(path, line, s, first)
+        breaks, newlines, block = breaks + len(pieces) - 1, newlines + block.count(b"\n", 0, cut), block[cut:] + more
+
+
+def _parse(path, line, s, first):
+    try:
+        return json.loads(s)
+    except json.JSONDecodeError as e:
+        if line == first and _is_one_object(path.read_bytes().decode("utf-8", "replace").removeprefix("\ufeff")):
+            raise ValueError(f"{path}: one JSON object, not rows; expected JSON lines or an array") from None
+        return ValueError(f"{path}:{line}: invalid JSON ({e.msg}: column {e.colno})")
 
 
 def _is_one_object(text):
@@ -137,34 +174,53 @@ def _detect(row, where):
     return found[0]
 
 
+def read_examples(paths, fmt="auto", skip_bad_rows=False, said=None):
+    """The examples of one file or of several read one after the other, a row at a time: {"instruction",
+    "response"} or {"messages"} dicts, each with its "source" ("file:line", for messages about it later). fmt is
+    "auto" (each file's own, from its first row), "magicoder", "alpaca", "pairs" or "messages". What is said about
+    the rows (bad ones skipped) goes to stderr, or to the list `said` when given."""
+    for path in [paths] if isinstance(paths, str | os.PathLike) else paths:
+        path, count, bad, form = Path(path), 0, [], fmt
+        if not path.exists():
+            raise FileNotFoundError(f"{path}: no such data file")
+        for line, row in _rows(path):
+            try:
+                if form == "auto" and not isinstance(row, Exception):
+                    form = _detect(row, f"{path}:{line}")
+                example = _example(row, form, f"{path}:{line}") | {"source": f"{path}:{line}"}
+            except ValueError as e:
+                if not skip_bad_rows:
+                    raise
+                bad.append(str(e))
+                continue
+            count += 1
+            yield example
+        if bad:
+            note = f"{path}: skipped {len(bad)} bad rows (first: {bad[0]})"
+            print(note, file=sys.stderr) if said is None else said.append(note)
+        if not count:
+            raise ValueError(f"{path}: no examples (empty file{' or only bad rows' if bad else ''})")
+
+
 def load_examples(path, fmt="auto", skip_bad_rows=False):
-    """Rows of a .jsonl / .json (array) / .parquet file as {"instruction", "response"} or {"messages"} dicts, each
-    with its "source" ("file:line", for messages about it later); fmt is "auto", "magicoder", "alpaca", "pairs" or
-    "messages"."""
-    path, examples, bad = Path(path), [], []
-    if not path.exists():
-        raise FileNotFoundError(f"{path}: no such data file")
-    for line, row in _rows(path):
-        try:
-            if fmt == "auto" and not isinstance(row, Exception):
-                fmt = _detect(row, f"{path}:{line}")
-            examples.append(_example(row, fmt, f"{path}:{line}") | {"source": f"{path}:{line}"})
-        except ValueError as e:
-            if not skip_bad_rows:
-                raise
-            bad.append(str(e))
-    if bad:
-        print(f"{path}: skipped {len(bad)} bad rows (first: {bad[0]})", file=sys.stderr)
-    if not examples:
-        raise ValueError(f"{path}: no examples (empty file{' or only bad rows' if bad else ''})")
-    return examples
+    """Every example of a .jsonl / .json (array) / .parquet file in a list (see read_examples)."""
+    return list(read_examples(path, fmt, skip_bad_rows))
+
+
+def held_out(n, val_fraction, seed=0):
+    """Which of n examples are held out for validation (bool (n,)): a seeded random `val_fraction` of them."""
+    order = np.random.default_rng(seed).permutation(n)
+    val = np.zeros(n, dtype=bool)
+    val[order[: int(round(n * val_fraction))]] = True
+    return val
 
 
 def split_examples(examples, val_fraction, seed=0):
     """(train, val): a seeded random `val_fraction` of the examples held out, both in their original order."""
-    order = np.random.default_rng(seed).permutation(len(examples))
-    n_val = int(round(len(examples) * val_fraction))
-    return [examples[i] for i in sorted(order[n_val:])], [examples[i] for i in sorted(order[:n_val])]
+    val = held_out(len(examples), val_fraction, seed)
+    return [ex for ex, v in zip(examples, val, strict=True) if not v], [
+        ex for ex, v in zip(examples, val, strict=True) if v
+    ]
 
 
 def _functions(body, lines, prefix):
@@ -216,23 +272,43 @@ def stdlib_examples(split="train"):
     return out
 
 
-def train_and_val(cfg, files) -> tuple[list, list]:
-    """The training and validation examples a train.Config asks for, from its data files (`files`: {"data": paths,
-    "val_data": paths}, several files read one after the other): val_data's, or val_fraction of data held out; without
-    data the stdlib dataset's two splits. At most max_examples for training."""
-    read = lambda paths: [ex for p in paths for ex in load_examples(p, cfg.data_format, cfg.skip_bad_rows)]  # noqa: E731
-    if files["data"]:
-        train_examples = read(files["data"])
-        if files["val_data"]:
-            val_examples = read(files["val_data"])
-        else:
-            n = len(train_examples)
-            train_examples, val_examples = split_examples(train_examples, cfg.val_fraction, seed=cfg.seed)
-            if not (val_examples and train_examples):
-                left = "holds out none" if not val_examples else "leaves none to train on"
-                raise ValueError(f"val_fraction: {cfg.val_fraction} of the {n} examples in {cfg.data} {left}")
-    else:
-        train_examples, val_examples = stdlib_examples("train"), stdlib_examples("val")
-    if cfg.max_examples:
-        train_examples = train_examples[: cfg.max_examples]
-    return train_examples, val_examples
+def first(kept, limit):
+    """`kept` (bool (n,)) with only its first `limit` True (0: all)."""
+    if limit:
+        kept = kept.copy()
+        kept[np.flatnonzero(kept)[limit:]] = False
+    return kept
+
+
+def train_and_val(cfg, files):
+    """The training and validation examples a train.Config asks for, as (data, keep) each: `data` the files to read
+    one after the other (files: {"data": paths, "val_data": paths}) or, without data, the stdlib dataset's split as
+    a list; keep(n) which of the n examples `data` holds it takes (bool (n,)), so that the files are tokenized whole
+    once and the split needs no second reading. Validation is val_data's, or val_fraction of data held out; training
+    at most the first max_examples of the rest."""
+
+    def everything(n):
+        return np.ones(n, dtype=bool)
+
+    def train(n):
+        return first(everything(n) if not held else ~val(n), cfg.max_examples)
+
+    def val(n):
+        out = held_out(n, cfg.val_fraction, cfg.seed)
+        if out.all() or not out.any():
+            left = "holds out none" if not out.any() else "leaves none to train on"
+            raise ValueError(f"val_fraction: {cfg.val_fraction} of the {n} examples in {cfg.data} {left}")
+        return out
+
+    if not files["data"]:
+        held = False
+        return (stdlib_examples("train"), train), (stdlib_examples("val"), everything)
+    held = not files["val_data"]  # val_fraction of data held out, else val_data's examples
+    return (files["data"], train), (files["data"], val) if held else (files["val_data"], everything)
+
+
+def selected(data, kept, fmt="auto", skip_bad_rows=False):
+    """The examples of `data` (files, or a list) that `kept` (bool (n,)) takes, read lazily: the first few cost the
+    reading of the rows before them only. The files were read before: what is said about their rows is not again."""
+    rows = data if data and isinstance(data[0], dict) else read_examples(data, fmt, skip_bad_rows, said=[])
+    return (ex for ex, k in zip(rows, kept, strict=False) if k)  # stops early: not strict

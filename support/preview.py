@@ -51,10 +51,10 @@ def documents(examples, tokenizer, template=None, first=0, skip_bad_rows=False):
     """[(label, parts)] of the examples the template renders: each document's parts in order as (token ids, text,
     supervised), BOS and EOS (text None) where pack.document adds them, each text piece tokenized on its own."""
     segmented, _ = segment(examples, tokenizer, template, first, skip_bad_rows)
-    encoded = tokenizer.encode_batch([text for _, (pieces, _, _) in segmented for text, _ in pieces])
+    encoded = tokenizer.encode_batch([text for *_, (pieces, _, _) in segmented for text, _ in pieces])
     bos, eos = ([tokenizer.bos_id], None, False), ([tokenizer.eos_id], None, True)
     out, start = [], 0
-    for label, (pieces, add_bos, add_eos) in segmented:
+    for _, label, (pieces, add_bos, add_eos) in segmented:
         parts = [bos] if add_bos else []
         for (text, supervised), ids in zip(pieces, encoded[start : start + len(pieces)], strict=True):
             parts.append((ids, text, supervised))

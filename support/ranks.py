@@ -61,6 +61,19 @@ def end_process_group():
         dist.destroy_process_group()
 
 
+def local_first(work):
+    """work() on each machine's first rank (LOCAL_RANK 0, as torchrun numbers them) while the machine's other ranks
+    wait, then on those, which find on disk what the first one wrote (the token cache) instead of doing it again.
+    Every rank calls it alike: the wait is a barrier of the process group, bounded by rank_timeout, and a first rank
+    that fails ends the others with its line (one_line_errors: its connection closes, they read the store)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return work()
+    first = int(os.environ.get("LOCAL_RANK", 0)) == 0
+    done = work() if first else None
+    dist.barrier()
+    return done if first else work()
+
+
 def agreed_min(value: int, world: int, device) -> int:
     """The smallest of every rank's `value`."""
     if world == 1:

@@ -165,3 +165,41 @@ def _resolve(name):
     for a in attrs:
         obj = getattr(obj, a, None)
     return obj if inspect.isfunction(obj) else None
+
+
+def test_json_lines_read_in_small_blocks_are_the_whole_file_read_at_once(tmp_path, monkeypatch):
+    """Read a few bytes at a time (blocks cut through rows, CR LF pairs and UTF-8 characters), a file gives the same
+    examples, lines and errors as read in one block: lone CRs, CR LFs, blank lines, a BOM, a bad row, non-ASCII text;
+    a byte that is not UTF-8 names its line and column either way."""
+    rows = [{"problem": f"é{i}\u2028" * (i % 5), "solution": "s" * i} for i in range(40)]
+    text = "\ufeff" + "".join(json.dumps(r, ensure_ascii=False) + ("\r\n", "\n", "\r", "\n\n")[i % 4] for i, r in
+                              enumerate(rows))  # fmt: skip
+    (path := tmp_path / "b.jsonl").write_text(text.replace(json.dumps(rows[7], ensure_ascii=False), "{oops"))
+    (bad := tmp_path / "u.jsonl").write_bytes(text.encode().replace(b"s" * 30, b"s" * 29 + b"\xff"))
+    whole = load_examples(path, skip_bad_rows=True), _error(bad)
+    for size in (7, 64, 1000):
+        monkeypatch.setattr(examples, "BLOCK_BYTES", size)
+        assert (load_examples(path, skip_bad_rows=True), _error(bad)) == whole
+    assert len(whole[0]) == 39 and whole[0][8]["source"] == f"{path}:12" and "not UTF-8 text (byte 0xff" in whole[1]
+
+
+def _error(path):
+    with pytest.raises(ValueError) as e:
+        load_examples(path)
+    return str(e.value)
+
+
+def test_the_split_by_index_is_the_split_of_the_examples(tmp_path):
+    """train_and_val's keep(n) takes, of the n examples read, exactly what split_examples holds out of them in memory
+    (the same seeded permutation), and max_examples the first of the rest."""
+    rows = [{"problem": f"p{i}", "solution": "s"} for i in range(50)]
+    path = _write(tmp_path / "d.jsonl", rows)
+    cfg = type("Config", (), dict(val_fraction=0.2, seed=3, max_examples=0, data=str(path)))
+    (data, train), (_, val) = examples.train_and_val(cfg, {"data": [path], "val_data": []})
+    in_memory = split_examples(load_examples(path), 0.2, seed=3)
+    assert [list(examples.selected(data, keep(50))) for keep in (train, val)] == list(in_memory)
+    cfg.max_examples = 7
+    assert list(examples.selected(data, train(50))) == in_memory[0][:7]
+    cfg.val_fraction = 0.001
+    with pytest.raises(ValueError, match=r"^val_fraction: 0.001 of the 50 examples in .* holds out none$"):
+        val(50)
