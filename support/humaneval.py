@@ -25,6 +25,8 @@ import os
 import re
 from contextlib import nullcontext
 
+from tqdm import tqdm
+
 from support import sandbox
 from support.sampling import dense_weights, generate_batch
 from support.tokenizer import render
@@ -171,3 +173,19 @@ def summary(task: str, history) -> str | None:
         return None
     rates = " -> ".join(f"{100 * s['pass@1']:.1f}%" for s in (scores[0], scores[-1])[: min(2, len(scores))])
     return f"{label(task)} pass@1: {rates} ({scores[-1]['problems']} problems)"
+
+
+def task_problems(cfg) -> list[dict]:
+    """The problems a train.Config's eval_task names (its first eval_task_problems), [] without one."""
+    return load_problems(cfg.eval_task)[: cfg.eval_task_problems or None] if cfg.eval_task else []
+
+
+def task_record(cfg, model, tok, problems, autocast, step) -> dict:
+    """{"eval_task": evaluate()'s scores} when eval_task is due at `step` (every evaluation, or with eval_task_at="ends"
+    only step 0 and max_steps), with one line on the console; {} when it is not."""
+    if not problems or (cfg.eval_task_at == "ends" and step not in (0, cfg.max_steps)):
+        return {}
+    result = evaluate(model, tok, problems, cfg.template or None, autocast)
+    passed = f"{result['passed']}/{result['problems']}"
+    tqdm.write(f"step {step}: {label(cfg.eval_task)} pass@1 {100 * result['pass@1']:.1f}% ({passed} problems)")
+    return {"eval_task": result}
