@@ -26,6 +26,8 @@ what its numbers mean.
 
 import argparse
 
+import torch
+
 from benchmarks.cpu_train import bench_train, print_saved_tables, run_peer
 from benchmarks.first_run import bench_first_run
 from benchmarks.fsdp import bench_fsdp
@@ -60,6 +62,8 @@ def main():
     h.add_argument("--max_new_tokens", type=int, default=384)
     h.add_argument("--adapter", default="", help="also score this PEFT adapter on the NF4 base")
     h.add_argument("--speed", action="store_true", help="only generated tokens/s, today's sampler vs ours")
+    h.add_argument("--threads", type=int, default=0, help="torch threads (default torch's; 1 on an oversubscribed CPU)")
+    h.add_argument("--only", default="", help="comma-separated phases: ours-fp32, transformers, ours-nf4, ours-adapter")
     sub.add_parser("pack", help="tokenizing and packing 75,000 Magicoder-sized examples, then the cache hit")
     f = sub.add_parser("first-run", help="the default python train.py as a newcomer runs it: wall time, losses, memory")
     f.add_argument("--repeat", type=int, default=1, help="runs, one after the other (default 1)")
@@ -77,7 +81,9 @@ def main():
     elif args.command == "quant":
         bench_quant(args.size, args.repeat, args.smollm2)
     elif args.command == "humaneval":
-        bench_humaneval(args.limit, args.max_new_tokens, args.adapter, args.speed)
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        bench_humaneval(args.limit, args.max_new_tokens, args.adapter, args.speed, args.only)
     elif args.command == "pack":
         bench_pack()
     elif args.command == "first-run":

