@@ -80,12 +80,12 @@ def test_verdicts_equal_human_evals_check_correctness():
 
 
 def test_batched_answers_equal_transformers_on_smollm2(smollm2_dir):
-    """Our batched greedy answers (left-padded, dense weights, stop rule) to 4 real HumanEval prompts through SmolLM2's
+    """Our batched greedy answers (left-padded, dense weights, stop rule) to 3 real HumanEval prompts through SmolLM2's
     chat template equal transformers' generate on each prompt alone, 24 new tokens, cut by the same stop rule."""
     import transformers
 
     tok = Tokenizer(smollm2_dir)
-    problems = humaneval.load_problems("humaneval")[:4]
+    problems = humaneval.load_problems("humaneval")[:3]
     ours = humaneval.answers(load_model(smollm2_dir, torch.float32), tok, problems, max_new_tokens=24)
     hf = transformers.AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     for problem, answer in zip(problems, ours, strict=True):
