@@ -15,7 +15,8 @@ How a prompt is put, and where an answer ends:
 - a base model (neither) continues the prompt's raw text; the function ends at the first line that is not indented.
 
 Generation is batched (support/sampling.generate_batch) over the prompts sorted by length, with the NF4 weights
-dequantized once for the whole evaluation (sampling.dense_weights).
+dequantized once for the whole evaluation on CPU (sampling.dense_weights; on CUDA the NF4 kernel dequantizes fast and
+a dense copy of a large model's weights may not fit beside the run).
 """
 
 import gzip
@@ -127,14 +128,17 @@ def program(problem, completion_text: str) -> str:
 
 def answers(model, tok, problems, template=None, max_new_tokens=MAX_NEW_TOKENS, batch=BATCH) -> list[str]:
     """The model's greedy answer text to every problem, in order: prompts sorted by length and generated `batch` at a
-    time, each stopping at eos or where finished() says, under dense weights, in eval mode (restored after)."""
+    time, each stopping at eos or where finished() says, in eval mode (restored after)."""
     chat, ids = is_chat(tok, template), [prompt_ids(p, tok, template) for p in problems]
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     texts = [""] * len(ids)
     stop = [tok.eos_id] if isinstance(tok.eos_id, int) else list(tok.eos_id or [])
     was_training = model.training
     model.eval()
-    with dense_weights(model):
+    # CPU: dequantizing every NF4 linear per token was most of generation's time, so the weights are dequantized once.
+    # CUDA: the NF4 kernel is fast and a dense copy (16 GB for an 8B model) may not fit beside the run: left as it is.
+    on_cpu = model.model.embed_tokens.weight.device.type == "cpu"
+    with dense_weights(model) if on_cpu else nullcontext():
         for s in range(0, len(order), batch):
             chunk = order[s : s + batch]
             done = lambda i, new: finished(tok.decode(new), chat)  # noqa: E731
