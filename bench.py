@@ -59,6 +59,7 @@ def main():
     t.add_argument("--repeat", type=int, default=1, help="rounds of the whole plan, interleaved (default 1)")
     h = sub.add_parser("humaneval", help="HumanEval: ours vs transformers' generate, pass@1, tokens/s")
     h.add_argument("--limit", type=int, default=0, help="the first N problems (default: all 164)")
+    h.add_argument("--start", type=int, default=0, help="skip the first N problems")
     h.add_argument("--max_new_tokens", type=int, default=384)
     h.add_argument("--adapter", default="", help="also score this PEFT adapter on the NF4 base")
     h.add_argument("--speed", action="store_true", help="only generated tokens/s, today's sampler vs ours")
@@ -83,7 +84,7 @@ def main():
     elif args.command == "humaneval":
         if args.threads:
             torch.set_num_threads(args.threads)
-        bench_humaneval(args.limit, args.max_new_tokens, args.adapter, args.speed, args.only)
+        bench_humaneval(args.limit, args.max_new_tokens, args.adapter, args.speed, args.only, args.start)
     elif args.command == "pack":
         bench_pack()
     elif args.command == "first-run":

