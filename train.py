@@ -51,6 +51,7 @@ from support import checkpoint, dropout, examples, fsdp, hf, memory, nf4_cuda, p
 from support.attention import compilable, varlen_attention
 from support.config import (
     TARGETS,
+    TASK,
     TEMPLATE,
     above,
     at_least,
@@ -65,6 +66,7 @@ from support.dropout_cuda import dropout_op_for
 from support.flops import batch_flops
 from support.gguf_write import FILE_TYPES
 from support.hf_config import read_config
+from support.humaneval import task_problems, task_record
 from support.micro_batch import cpu_heap, micro_batch_rows, mlp_tile_tokens
 from support.outputs import write_outputs
 from support.plan import plan_for
@@ -128,6 +130,9 @@ class Config:
     overwrite: bool = setting(False)  # replace the run in out_dir (else a chosen out_dir holding one is refused)
     eval_samples: int = setting(1, at_least(0, " (0 = none)"))  # held-out prompts answered at every evaluation
     sample_tokens: int = setting(96, at_least(1))  # max new tokens of each answer
+    eval_task: str = setting("", TASK)  # "humaneval" or a JSONL of problems: greedy pass@1 at evaluations ("" = none)
+    eval_task_at: str = setting("evals", ("evals", "ends"))  # at every evaluation, or only the first and the last
+    eval_task_problems: int = setting(0, at_least(0, " (0 = all)"))  # only the first N problems of eval_task
     log: str = setting("", ("", "tensorboard", "wandb"))  # also send the metrics to TensorBoard or W&B
     export_merged: bool = setting(False)  # also write a merged Hugging Face model (run's dtype) to out_dir/merged
     export_gguf: str = setting("", ("", *FILE_TYPES))  # also write out_dir/model-<type>.gguf + an Ollama Modelfile
@@ -363,6 +368,7 @@ class Run:
     valset: pack.PackedDataset
     tok: Tokenizer
     prompts: list  # the held-out examples every evaluation answers
+    problems: list  # eval_task's problems (support/humaneval.py), [] without one
     rows: int  # this rank's rows per optimizer step
     micro_rows: int  # rows per forward/backward
     estimated: int  # bytes: the memory estimate the first steps are checked against
@@ -377,6 +383,7 @@ def train(cfg: Config) -> list[dict]:
     """Fine-tune as `cfg` says; returns the metrics history (step 0's records, then one per step). --plan and
     --preview stop after printing, before any model is loaded."""
     check_config(cfg)
+    problems = task_problems(cfg)  # a bad eval_task file fails here, before out_dir is claimed
     model_dir, files = claim_inputs(cfg)
     architecture = read_config(model_dir)[0]
     if cfg.plan:  # for the machine it names, not this one: no device, no process group
@@ -400,7 +407,7 @@ def train(cfg: Config) -> list[dict]:
     measured |= cpu_heap(cfg, place, model, trainset, rows, micro_rows, forward_loss)  # CPU: what malloc keeps
     context_length = trainset.context_length
     estimated, peak_flops = progress.describe_step(cfg, place, model, context_length, rows, micro_rows, measured)
-    run = Run(model, opt, scaler, trainset, valset, tok, prompts, rows, micro_rows, estimated, peak_flops)
+    run = Run(model, opt, scaler, trainset, valset, tok, prompts, problems, rows, micro_rows, estimated, peak_flops)
     run.tracker = trackers.open_tracker(cfg) if place.main else None
     if cfg.resume:
         where = os.path.join(cfg.out_dir, "checkpoint.pt")
@@ -420,12 +427,13 @@ def train(cfg: Config) -> list[dict]:
 
 
 def evaluation_record(cfg: Config, place: Placement, run: Run) -> dict:
-    """The validation loss, and the greedy answers to the held-out prompts (the same ones at every evaluation, so
-    they show what the falling loss means), to go into the step's record."""
+    """The validation loss, the greedy answers to the held-out prompts (the same ones at every evaluation, so they show
+    what the falling loss means) and, when due, eval_task's pass@1, to go into the step's record."""
     val_loss = evaluate(run.model, run.valset, cfg.eval_rows, run.micro_rows, place)
     template, autocast = cfg.template or None, place.autocast
     answers = [prompt_and_answer(run.model, run.tok, ex, template, cfg.sample_tokens, autocast) for ex in run.prompts]
-    return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))} | ({"samples": answers} if answers else {})
+    record = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))} | ({"samples": answers} if answers else {})
+    return record | task_record(cfg, run.model, run.tok, run.problems, autocast, run.step)  # {} unless it is due
 
 
 def before_training(cfg: Config, place: Placement, run: Run):

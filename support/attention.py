@@ -40,14 +40,18 @@ class Docs(NamedTuple):
     bounds: torch.Tensor  # the same cu_seqlens on the CPU, for the per-document loop (read without a device sync)
 
 
-def causal_sdpa(q, k, v, window=None, start=0):
+def causal_sdpa(q, k, v, window=None, start=0, pad=None):
     """softmax(q k^T / sqrt(D)) v with q (B, H, T, D) at positions start.., k/v (B, Hkv, S, D) at positions 0..S-1.
-    Query i sees the keys at or before its own position and, with a window W, only the W most recent of them."""
+    Query i sees the keys at or before its own position and, with a window W, only the W most recent of them. pad (B,)
+    (left padding of a batch of prompts): row b's first pad[b] keys are hidden, except each padding query's own key,
+    so that no row of the softmax is empty (an empty one would be NaN, and NaN * 0 weights is NaN later)."""
     T, S = q.shape[-2], k.shape[-2]
-    if start == 0 and (window is None or T <= window):
+    if start == 0 and (window is None or T <= window) and pad is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     i, j = torch.arange(start, start + T, device=q.device)[:, None], torch.arange(S, device=q.device)
     mask = (j <= i) & (i - j < (window or S + 1))  # (T, S)
+    if pad is not None:  # (B, 1, T, S): broadcast over heads
+        mask = (mask & (j >= pad[:, None, None]) | (j == i))[:, None]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 

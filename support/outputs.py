@@ -4,14 +4,14 @@ In out_dir: adapter/ (PEFT's format, which transformers + PEFT load), loss.png (
 over the steps), and on request merged/ (the adapters folded into the base, a plain Hugging Face model) and
 model-<type>.gguf with its Ollama Modelfile. The merge is checked before anything of it is written
 (support/merge_check.py) and its report joins metrics.jsonl. On the terminal: the validation loss before and after,
-and the first held-out prompt's answer at the first and the last evaluation beside the reference, each with its
-similarity to it.
+eval_task's pass@1 at the first and the last evaluation that scored it, and the first held-out prompt's answer at the
+first and the last evaluation beside the reference, each with its similarity to it.
 """
 
 import difflib
 import os
 
-from support import gguf_write, hf, modelfile
+from support import gguf_write, hf, humaneval, modelfile
 from support.atomic import atomic_write
 from support.checkpoint import save_metrics
 from support.merge_check import merge_and_check_
@@ -28,6 +28,8 @@ def write_outputs(cfg, model, tok, prompts, history, adapter, model_dir, tracker
     vals = [h["val_loss"] for h in history if "val_loss" in h]
     if len(vals) > 1:
         print(f"val loss: {vals[0]:.4f} -> {vals[-1]:.4f}")
+    if task := humaneval.summary(cfg.eval_task, history):
+        print(task)
     answers = [(h["step"], h["samples"][0]["answer"]) for h in history if h.get("samples")]
     if prompts and len(answers) > 1:
         prompt, reference, _ = render(prompts[0], tok, cfg.template or None)

