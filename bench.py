@@ -43,7 +43,8 @@ from benchmarks.pack import bench_pack
 from benchmarks.quant import bench_quant
 
 
-def main():
+def arguments():
+    """The parser of every command: its options and their defaults."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = "{gpu,quant,train,pack,first-run,fsdp,memory,context,humaneval}"
     sub = parser.add_subparsers(dest="command", required=True, metavar=commands)
@@ -83,6 +84,11 @@ def main():
     p.add_argument("--nf4", action="store_true", help="bitsandbytes NF4 base weights (QLoRA)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--out", required=True, help="JSON file for the per-step records")
+    return parser
+
+
+def main():
+    parser = arguments()
     args = parser.parse_args()
     if args.command == "gpu":
         check_arguments(parser, args)

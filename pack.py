@@ -38,19 +38,18 @@ pad_to_max), for comparison. Length policy: context_length "auto" is the 95th pe
 up to 64 and capped by the model's maximum; longer examples are truncated (or dropped with truncate=False), and both
 are counted in the report.
 
-Tokenizing happens once per dataset, a chunk of examples at a time (tokenize_chunks), streamed from the files to disk
+Tokenizing happens once per dataset, a chunk of examples at a time (tokenize_chunk), streamed from the files to disk
 by support/token_cache.py, which keeps the arrays there and maps them back.
 """
 
 import bisect
-import itertools
 import sys
 
 import numpy as np
 import torch
 from jinja2 import TemplateError
 
-from support.token_cache import cached_packer, chunks, prefetch, tokenize_cached
+from support.token_cache import cached_packer, tokenize_cached
 from support.tokenizer import segments
 
 
@@ -104,48 +103,38 @@ def supervised_targets(mask, starts):
     return np.add.reduceat(mask, starts, dtype=np.int64) - mask[starts] if len(starts) else np.zeros(0, np.int64)
 
 
-def tokenize_chunks(examples, tokenizer, template=None, train_on_prompt=False, chunk=4096, skip_bad_rows=False):
-    """Yields, for each chunk of `chunk` examples (any iterable: a file read row by row), its documents (see
-    `document`) as a dict of arrays: tokens uint32 (n,), mask uint8 (n,) 1 where a token is supervised, lengths,
-    example (the index of each document's example) and supervised (targets) int64 (docs,); "skipped", the
-    "label: why" of the examples the template rejects; "read", the examples read so far."""
+def tokenize_chunk(examples, tokenizer, template=None, train_on_prompt=False, first=0, skip_bad_rows=False):
+    """A list of examples (numbered from `first`) as arrays: their documents (see `document`) end to end, tokens
+    uint32 (n,) and mask uint8 (n,) 1 where a token is supervised; per document its length, its example's index and
+    its supervised targets, int64 (docs,); "skipped": the "label: why" of each example the template rejects.
+    support/token_cache.py runs it over a dataset a chunk at a time, on every core, straight to disk."""
     if tokenizer.eos_id is None:
         raise ValueError(f"{tokenizer.path}: the tokenizer has no eos token, which ends every response")
-
-    def encode(first, part):  # runs a chunk ahead in a thread: the template, then the tokenizer's batched call
-        segmented, skipped = segment(part, tokenizer, template, first, skip_bad_rows)
-        texts = [text for *_, seg in segmented for text, _ in seg[0]]
-        return segmented, skipped, tokenizer.encode_batch(texts), first + len(part)
-
-    # The tokenizer's native threads use every core and release the GIL, so the next chunk is encoded while this one
-    # becomes arrays; the Python lists (tens of bytes per token) never hold more than two chunks.
-    for segmented, skipped, encoded, read in prefetch(itertools.starmap(encode, chunks(examples, chunk))):
-        ids, mask, lengths, start = [], [], [], 0  # start: the first piece of the next document in `encoded`
-        for *_, seg in segmented:  # seg: (pieces [(text, supervised)], add BOS?, add EOS?)
-            doc, doc_mask = document(seg, encoded[start : start + len(seg[0])], tokenizer, train_on_prompt)
-            start += len(seg[0])
-            ids += doc
-            mask += doc_mask
-            lengths.append(len(doc))
-        tokens, mask = np.array(ids, dtype=np.uint32), np.array(mask, dtype=np.uint8)
-        lengths, example = np.array(lengths, dtype=np.int64), np.array([i for i, *_ in segmented], dtype=np.int64)
-        supervised = supervised_targets(mask, np.cumsum(lengths) - lengths)
-        yield dict(tokens=tokens, mask=mask, lengths=lengths, example=example, supervised=supervised, skipped=skipped,
-                   read=read)  # fmt: skip
+    segmented, skipped = segment(examples, tokenizer, template, first, skip_bad_rows)
+    encoded = tokenizer.encode_batch([text for *_, seg in segmented for text, _ in seg[0]])  # every piece, one call
+    ids, mask, lengths, start = [], [], [], 0  # start: the first piece of the next document in `encoded`
+    for *_, seg in segmented:  # seg: (pieces [(text, supervised)], add BOS?, add EOS?)
+        doc, doc_mask = document(seg, encoded[start : start + len(seg[0])], tokenizer, train_on_prompt)
+        start += len(seg[0])
+        ids += doc
+        mask += doc_mask
+        lengths.append(len(doc))
+    tokens, mask = np.array(ids, dtype=np.uint32), np.array(mask, dtype=np.uint8)
+    lengths, example = np.array(lengths, dtype=np.int64), np.array([i for i, *_ in segmented], dtype=np.int64)
+    supervised = supervised_targets(mask, np.cumsum(lengths) - lengths)
+    return dict(tokens=tokens, mask=mask, lengths=lengths, example=example, supervised=supervised, skipped=skipped)
 
 
-def tokenize_examples(examples, tokenizer, template=None, train_on_prompt=False, chunk=4096, skip_bad_rows=False):
-    """Flat token stream in memory (tokens uint32 (N,), mask uint8 (N,), offsets int64 (docs + 1,)): document i is
-    tokens[offsets[i]:offsets[i + 1]] (see `document`), mask 1 where a token is supervised. (build_dataset streams
-    the same arrays to disk instead: support/token_cache.py.)"""
-    parts = list(tokenize_chunks(examples, tokenizer, template, train_on_prompt, chunk, skip_bad_rows))
-    bad = [why for p in parts for why in p["skipped"]]
-    if bad:
-        print(f"skipped {len(bad)} examples the template cannot render (first: {bad[0]})", file=sys.stderr)
-    lengths = np.concatenate([np.zeros(1, np.int64)] + [p["lengths"] for p in parts])
-    if len(lengths) == 1:
-        raise ValueError("no examples to tokenize" + (" (every one skipped)" if bad else ""))
-    return tuple(np.concatenate([p[k] for p in parts]) for k in ("tokens", "mask")) + (np.cumsum(lengths),)
+def tokenize_examples(examples, tokenizer, template=None, train_on_prompt=False, skip_bad_rows=False):
+    """A few examples in memory: (tokens uint32 (N,), mask uint8 (N,), offsets int64 (docs + 1,)), document i is
+    tokens[offsets[i]:offsets[i + 1]]."""
+    got = tokenize_chunk(list(examples), tokenizer, template, train_on_prompt, skip_bad_rows=skip_bad_rows)
+    if got["skipped"]:
+        print(f"skipped {len(got['skipped'])} examples the template cannot render (first: {got['skipped'][0]})",
+              file=sys.stderr)  # fmt: skip
+    if not len(got["lengths"]):
+        raise ValueError("no examples to tokenize" + (" (every one skipped)" if got["skipped"] else ""))
+    return got["tokens"], got["mask"], np.concatenate([[0], np.cumsum(got["lengths"])])
 
 
 def pack_bfd(lengths, capacity):
@@ -273,7 +262,7 @@ def build_dataset(data, tokenizer, context_length="auto", *, pack=True, truncate
     through the cache. keep(n): which of the n examples read the dataset takes (bool (n,); default all), as
     examples.train_and_val splits them; the dataset's `kept` says so after."""
     tokenize = dict(template=template, train_on_prompt=train_on_prompt, fmt=fmt, skip_bad_rows=skip_bad_rows)
-    stream = tokenize_cached(tokenize_chunks, data, tokenizer, cache_dir, **tokenize)  # memory maps (token_cache.py)
+    stream = tokenize_cached(tokenize_chunk, data, tokenizer, cache_dir, **tokenize)  # memory maps (token_cache.py)
     kept = keep(stream["read"]) if keep else np.ones(stream["read"], dtype=bool)
     docs = np.flatnonzero(kept[stream["example"]])  # the documents of the kept examples, in order
     if not len(docs):

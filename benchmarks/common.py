@@ -80,24 +80,27 @@ def machine() -> dict:
     )
 
 
-def run_child(argv, log_path):
+def run_child(argv, log_path, with_workers=False):
     """(exit code, peak RSS bytes, wall seconds) of `python argv...`, stdout and stderr to log_path. The peak is the
     child's own VmHWM, read from /proc while it runs: ru_maxrss from wait4 would also count what this process held
-    when it forked the child (Linux carries the parent's high-water mark across fork and exec)."""
+    when it forked the child (Linux carries the parent's high-water mark across fork and exec). with_workers: the sum
+    of the child's peak and the peaks of the processes it starts (an upper bound of what they held at once)."""
     start = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        peak = peaks_while_running(proc).get(proc.pid, 0)
+        peaks = peaks_while_running(proc, descendants=with_workers, itself=True)
+    peak = sum(peaks.values()) if with_workers else peaks.get(proc.pid, 0)
     return proc.returncode, peak, time.perf_counter() - start
 
 
-def peaks_while_running(proc, descendants=False) -> dict:
-    """{pid: peak RSS bytes (VmHWM, read from /proc)} of `proc`, or of every process it starts (torchrun's ranks),
-    polled until it exits."""
+def peaks_while_running(proc, descendants=False, itself=False) -> dict:
+    """{pid: peak RSS bytes (VmHWM, read from /proc)} of `proc`, or of every process it starts (torchrun's ranks; and
+    `proc` too if itself), polled until it exits."""
     peaks = {}
     while proc.poll() is None:
         try:
-            watched = psutil.Process(proc.pid).children(recursive=True) if descendants else [proc]
+            children = psutil.Process(proc.pid).children(recursive=True) if descendants else []
+            watched = children + ([proc] if itself or not descendants else [])
         except psutil.NoSuchProcess:  # it exited since the poll
             break
         for p in watched:

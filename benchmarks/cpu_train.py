@@ -60,7 +60,7 @@ def write_padded_jsonl(path, tok, cache_dir=CACHE_DIR, min_tokens=CONTEXT):
     """The equal-work data: the stdlib functions whose chat-formatted example has at least `min_tokens` tokens, one
     {"instruction", "response"} per line. Truncated to CONTEXT, each fills a row: no padding on either side."""
     examples = stdlib_examples("train")
-    offsets = tokenize_cached(pack.tokenize_chunks, examples, tok, cache_dir, train_on_prompt=True)["offsets"]
+    offsets = tokenize_cached(pack.tokenize_chunk, examples, tok, cache_dir, train_on_prompt=True)["offsets"]
     long = [ex for ex, n in zip(examples, offsets[1:] - offsets[:-1], strict=True) if n >= min_tokens]
     lines = [json.dumps({"instruction": ex["instruction"], "response": ex["response"]}) + "\n" for ex in long]
     atomic.atomic_write(path, lambda tmp: Path(tmp).write_text("".join(lines)))

@@ -5,7 +5,8 @@
 
 The JSONL is written once to out/bench (problem -> solution pairs cut from stdlib code and docstrings; its writing is
 not measured). Each measurement is a fresh process, so that its peak resident set (VmHWM) is its own:
-- first build: pack.build_dataset over the file with the SmolLM2 chat template, context 2048, into an empty cache;
+- first build: pack.build_dataset over the file with the SmolLM2 chat template, context 2048, into an empty cache
+  (its peak RSS is the sum of the peaks of the process and of the workers it forks to tokenize);
 - cache hit: the same again;
 - training data: what train.build_data does on a hit (val_fraction 0.02 held out, both splits packed, the held-out
   prompt read) and 50 steps of 8 rows collated, beside the same process before it: the resident memory the data adds;
@@ -56,7 +57,8 @@ def bench_pack(rows=75_000):
         table, report = [], ""
         for label in ("first build", "cache hit"):
             out = os.path.join(cache, "out.json")
-            code, peak, _ = run_child(["-m", "benchmarks.pack", "build", path, cache, out], os.path.join(cache, "log"))
+            argv = ["-m", "benchmarks.pack", "build", path, cache, out]
+            code, peak, _ = run_child(argv, os.path.join(cache, "log"), with_workers=True)
             if code:
                 raise SystemExit(f"the {label} failed:\n{Path(cache, 'log').read_text()[-3000:]}")
             got = json.loads(Path(out).read_text())
@@ -65,7 +67,7 @@ def bench_pack(rows=75_000):
         size = sum(f.stat().st_size for f in Path(cache).glob("*/*.npy"))
         data = _training_data(path, cache)
         print(f"{rows:,} rows ({os.path.getsize(path) / 2**30:.2f} GiB of JSONL); cache {fmt_gb(size)}\n{report}\n")
-        print_table(["build", "time", "peak RSS", "rows", "packed efficiency"], table)
+        print_table(["build", "time", "peak RSS (with its workers)", "rows", "packed efficiency"], table)
         print()
         print_table(["process", "RSS added by the data", "of the cache's size", "of it private"],
                     [[who, fmt_gb(g["added"]), f"{g['added'] / size:.1%}", fmt_gb(g["stepped_private"])]

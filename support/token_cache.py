@@ -7,21 +7,26 @@ hashes the data (content for files under 64 MiB, else path + size + mtime), the 
 settings. Both splits of a file share one entry: it holds every example, and each split takes its documents by their
 example index (examples.train_and_val), so changing val_fraction or max_examples tokenizes nothing again.
 
-Building streams: the files are read a block of rows at a time, pack.tokenize_chunks turns each chunk of examples into
-arrays (the tokenizer's batched call on every core, the next chunk encoded in a thread while this one is appended),
-and the arrays are appended to growing .npy files whose header gets its length at the end. Memory stays bounded by a
-chunk and the per-document arrays; nothing but a cache hit reads the whole. The entry is written as one directory by
-support/atomic.py, so an interrupted run never leaves a half entry.
+Building streams: the files are read a block of rows at a time, pack.tokenize_chunk turns each chunk of examples into
+arrays, and the arrays are appended to growing .npy files whose header gets its length at the end. Memory stays bounded
+by a few chunks and the per-document arrays; nothing but a cache hit reads the whole. Files of 32 MiB and more are
+tokenized by one process per core (chat template, tokenizer and arrays are mostly Python, which one process runs on
+one core at a time), smaller data by a thread a chunk ahead of the writer, the tokenizer's batched call on every core.
+The entry is written as one directory by support/atomic.py, so an interrupted run never leaves a half entry.
 
 Under torchrun one rank per machine (LOCAL_RANK 0) builds an entry while the machine's other ranks wait for it
 (ranks.local_first), then every rank maps the same files: the kernel keeps one copy of their pages for all of them.
 """
 
+import collections
 import concurrent.futures
+import functools
 import hashlib
 import itertools
 import json
+import multiprocessing
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -31,9 +36,12 @@ import numpy as np
 from support import ranks
 from support.atomic import atomic_write, read_json, write_json
 from support.examples import read_examples
+from support.tokenizer import Tokenizer
 
 CACHE_VERSION = 3  # 3: one streamed directory per dataset with each document's example and supervised targets
 ARRAYS = {"tokens": np.uint32, "mask": np.uint8, "offsets": np.int64, "example": np.int64, "supervised": np.int64}
+CHUNK = 4096  # examples tokenized at a time
+PROCESSES_FROM = 32 << 20  # bytes of data files from which one process per core tokenizes
 
 
 def chunks(items, size):
@@ -53,6 +61,49 @@ def prefetch(items):
         while (item := ahead.result()) is not end:
             ahead = pool.submit(next, it, end)
             yield item
+
+
+def tokenized_chunks(rows, tokenize_chunk, tokenizer, settings, processes=1):
+    """tokenize_chunk(chunk, tokenizer, first=..., **settings) of each chunk of CHUNK rows, in order, each with "read":
+    the rows read so far. processes > 1: that many worker processes, each with its own tokenizer, a few chunks ahead
+    of the caller; else a thread one chunk ahead."""
+    if processes <= 1:
+
+        def encode(first, part):
+            return tokenize_chunk(part, tokenizer, first=first, **settings) | {"read": first + len(part)}
+
+        yield from prefetch(itertools.starmap(encode, chunks(rows, CHUNK)))
+        return
+    # forked, as torch's DataLoader workers are: the copy starts at once and never touches torch or its threads
+    pool = concurrent.futures.ProcessPoolExecutor(processes, multiprocessing.get_context("fork"), _worker_start)
+    try:
+        pending = collections.deque()  # (rows read once it is done, its future), oldest first
+        for first, part in chunks(rows, CHUNK):
+            work = (tokenize_chunk, str(tokenizer.path), part, first, settings)
+            pending.append((first + len(part), pool.submit(_tokenize_in_worker, *work)))
+            if len(pending) > 2 * processes:
+                read, done = pending.popleft()
+                yield done.result() | {"read": read}
+        while pending:
+            read, done = pending.popleft()
+            yield done.result() | {"read": read}
+    finally:
+        pool.shutdown(cancel_futures=True)
+
+
+def _worker_start():
+    """A tokenizing worker: one thread (its siblings take the other cores), and Ctrl-C is its parent's to handle."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
+@functools.cache
+def _worker_tokenizer(path):
+    return Tokenizer(path)
+
+
+def _tokenize_in_worker(tokenize_chunk, tokenizer_path, part, first, settings):
+    return tokenize_chunk(part, _worker_tokenizer(tokenizer_path), first=first, **settings)
 
 
 class GrowingNpy:
@@ -80,7 +131,7 @@ class GrowingNpy:
 
 
 def _write_entry(folder, stream, said):
-    """Append every chunk of `stream` (pack.tokenize_chunks) to the arrays in `folder`; returns the entry's meta.
+    """Append every chunk of `stream` (tokenized_chunks) to the arrays in `folder`; returns the entry's meta.
     said: what reading the rows said (filled as they are read); the template's rejections follow."""
     files = {name: GrowingNpy(os.path.join(folder, f"{name}.npy"), dtype) for name, dtype in ARRAYS.items()}
     files["offsets"].append(np.zeros(1))
@@ -120,20 +171,23 @@ def _key(data, paths, tokenizer, settings):
 
 
 def tokenize_cached(
-    tokenize_chunks, data, tokenizer, cache_dir=None, template=None, train_on_prompt=False, fmt="auto",
-    skip_bad_rows=False,
+    tokenize_chunk, data, tokenizer, cache_dir=None, template=None, train_on_prompt=False, fmt="auto",
+    skip_bad_rows=False, processes=None,
 ):  # fmt: skip
-    """tokenize_chunks (pack.py's) over files (a path, or paths read one after the other, row by row) or a list of
+    """tokenize_chunk (pack.py's) over files (a path, or paths read one after the other, row by row) or a list of
     examples, through the disk cache: {tokens, mask, offsets, example, supervised: memory maps, read: examples read,
-    entry: the entry's directory}. Without cache_dir the entry goes to a temporary directory, removed once mapped."""
+    entry: the entry's directory}. Without cache_dir the entry goes to a temporary directory, removed once mapped.
+    processes: how many tokenize (default: one per core for files of PROCESSES_FROM bytes and more, else 1)."""
     paths = [data] if isinstance(data, str | os.PathLike) else data if data and not isinstance(data[0], dict) else None
     said = []  # what reading the rows says (bad rows skipped), kept for cache hits
 
     def build(entry):
         def write(folder):
             rows = read_examples(paths, fmt, skip_bad_rows, said) if paths is not None else data
-            stream = tokenize_chunks(rows, tokenizer, template, train_on_prompt, skip_bad_rows=skip_bad_rows)
-            meta = _write_entry(folder, stream, said)
+            big = paths is not None and sum(os.path.getsize(p) for p in paths) >= PROCESSES_FROM
+            count = processes or (len(os.sched_getaffinity(0)) if big else 1)
+            settings = dict(template=template, train_on_prompt=train_on_prompt, skip_bad_rows=skip_bad_rows)
+            meta = _write_entry(folder, tokenized_chunks(rows, tokenize_chunk, tokenizer, settings, count), said)
             write_json(os.path.join(folder, "meta.json"), meta)
 
         atomic_write(entry, write, directory=True)

@@ -297,6 +297,21 @@ def instruction_jsonl(examples) -> str:
     return "".join(json.dumps({"instruction": e["instruction"], "response": e["response"]}) + "\n" for e in examples)
 
 
+FIXED_OUTCOMES = {"any": "pass", "none": "assert False", "hang": "while True:\n        pass"}
+
+
+def fixed_outcome_problems(path, names=("any", "none")):
+    """A HumanEval-format file of problems whose tests pass ("any"), fail ("none") or hang ("hang") whatever a model
+    writes: each prompt opens a string literal that its test closes, so any answer lands inside it."""
+    test = '"""\ndef f():\n    pass\ndef check(c):\n    {}\n'
+    rows = [
+        dict(task_id=name, prompt='text = r"""', entry_point="f", test=test.format(FIXED_OUTCOMES[name]))
+        for name in names
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_dir(smollm2_dir, tmp_path_factory):
     """A 2-layer random Llama with SmolLM2's vocabulary, tokenizer files and chat template."""

@@ -8,6 +8,7 @@ import re
 
 import pytest
 import torch
+from conftest import fixed_outcome_problems
 
 import generate
 from support import gguf_read
@@ -45,12 +46,7 @@ def test_an_adapter_runs_on_the_base_it_names(tmp_path):
 def test_eval_task_prints_pass_at_1(tiny_dir, tmp_path, monkeypatch, capsys):
     """--eval_task with a 2-problem file (tests that pass and fail whatever is written) prints "pass@1: 50.0% (1/2
     problems)"; a missing file is one error line; neither a prompt nor --eval_task is a usage error."""
-    rows = [("any", "pass"), ("none", "assert False")]
-    problems = tmp_path / "p.jsonl"
-    problems.write_text("".join(
-        json.dumps({"task_id": n, "prompt": 'text = r"""', "entry_point": "f",
-                    "test": f'"""\ndef f():\n    pass\ndef check(c):\n    {t}\n'}) + "\n" for n, t in rows
-    ))  # fmt: skip
+    problems = fixed_outcome_problems(tmp_path / "p.jsonl")
     monkeypatch.setattr("sys.argv", ["generate.py", "--model", tiny_dir, "--eval_task", str(problems),
                                      "--max_new_tokens", "4"])  # fmt: skip
     generate.main()

@@ -11,6 +11,7 @@ import re
 
 import pytest
 import torch
+from conftest import fixed_outcome_problems
 
 from support import humaneval
 from support.tokenizer import Tokenizer
@@ -101,14 +102,7 @@ def test_evaluate_counts_pass_at_1(tiny_dir, tmp_path):
     """A file of 3 problems whose tests pass, fail and hang whatever the model writes (each prompt opens a string
     literal that its test closes, so a random model's answer lands inside it): pass@1 = 1/3 through generation,
     extraction and the sandbox, and the end-of-run line reads the first and last scores."""
-    rows = [("any", "pass"), ("none", "assert False"), ("hang", "while True:\n        pass")]
-    lines = [
-        {"task_id": name, "prompt": "text = r\"\"\"", "entry_point": "f",
-         "test": f'"""\ndef f():\n    pass\ndef check(c):\n    {test}\n'}
-        for name, test in rows
-    ]  # fmt: skip
-    (tmp_path / "p.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-    problems = humaneval.load_problems(str(tmp_path / "p.jsonl"))
+    problems = humaneval.load_problems(str(fixed_outcome_problems(tmp_path / "p.jsonl", ("any", "none", "hang"))))
     tok = Tokenizer(tiny_dir)
     result = humaneval.evaluate(load_model(tiny_dir, torch.float32, quantize=True), tok, problems, max_new_tokens=4)
     assert result == {"pass@1": 1 / 3, "passed": 1, "problems": 3}

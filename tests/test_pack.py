@@ -154,7 +154,7 @@ def test_a_row_the_template_rejects_names_its_line_or_is_skipped(tmp_path, famil
     assert f"--- {path}:1: " in text and f"--- {path}:3: " in text and f"{path}:2" not in text
     for _ in range(2):  # the file streamed through the cache: built, then read back, and the skip said both times
         kw = dict(cache_dir=tmp_path / "cache", skip_bad_rows=True)
-        cached = tokenize_cached(pack.tokenize_chunks, path, tok, **kw)
+        cached = tokenize_cached(pack.tokenize_chunk, path, tok, **kw)
         assert [cached[k].tolist() for k in ("tokens", "mask", "offsets")] == [a.tolist() for a in alone]
         assert cached["example"].tolist() == [0, 2] and cached["read"] == 3  # row 2's example has no document
         assert "skipped 1 examples the template cannot render (" in capsys.readouterr().err

@@ -9,6 +9,7 @@ failing first rank ends the waiting one with its line. (A skipped row is said ag
 import hashlib
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -20,7 +21,7 @@ from test_pack import _write
 
 import pack
 import train
-from pack import build_dataset, tokenize_chunks
+from pack import build_dataset, tokenize_chunk
 from support import token_cache
 from support.preview import packing_report
 from support.tokenizer import Tokenizer
@@ -37,7 +38,7 @@ def test_cache_reuse(tmp_path, bpe_dir, monkeypatch):
     data = _write(tmp_path / "d.jsonl", [{"problem": f"p{i} " * i, "solution": f"s{i} " * (i % 7)} for i in range(50)])
     a = build_dataset(data, tok, 64, cache_dir=tmp_path / "cache")
     calls = []
-    monkeypatch.setattr(pack, "tokenize_chunks", lambda *args, **kw: calls.append(1) or tokenize_chunks(*args, **kw))
+    monkeypatch.setattr(pack, "tokenize_chunk", lambda *args, **kw: calls.append(1) or tokenize_chunk(*args, **kw))
     monkeypatch.setattr(token_cache, "read_examples", _no_reading)
     b = build_dataset(data, tok, 64, cache_dir=tmp_path / "cache")
     assert not calls and isinstance(b.tokens, np.memmap)
@@ -58,7 +59,33 @@ def test_a_bad_row_stops_the_build_and_leaves_no_entry(tmp_path, bpe_dir):
     rows = [{"problem": f"p{i}", "solution": "s"} for i in range(30)] + [{"problem": "p"}]
     data = _write(tmp_path / "d.jsonl", rows)
     with pytest.raises(ValueError, match=rf"^{tmp_path}/d\.jsonl:31: missing field 'solution'$"):
-        token_cache.tokenize_cached(pack.tokenize_chunks, data, Tokenizer(bpe_dir), tmp_path / "cache", fmt="magicoder")
+        token_cache.tokenize_cached(pack.tokenize_chunk, data, Tokenizer(bpe_dir), tmp_path / "cache", fmt="magicoder")
+    assert not list((tmp_path / "cache").iterdir())
+
+
+def test_worker_processes_write_the_arrays_one_process_writes(tmp_path, family_dirs, monkeypatch, capsys):
+    """Tokenized by 2 forked worker processes, chunks of 7 rows (40 conversations, every 9th one the Mistral v0.3
+    template rejects: a system message): the arrays, the rows read and what is said about the skipped rows equal
+    those of the one-process build; without skip_bad_rows the first rejected row stops it with its file and line,
+    and no entry is left."""
+    monkeypatch.setattr(token_cache, "CHUNK", 7)
+    tok, system = Tokenizer(family_dirs["mistral-v0.3"]), [{"role": "system", "content": "Be brief."}]
+    rows = [
+        [{"role": "user", "content": f"Add {i} and 1."}, {"role": "assistant", "content": f"{i} + 1"}]
+        for i in range(40)
+    ]
+    rows = [(system if i % 9 == 1 else []) + turns for i, turns in enumerate(rows)]
+    path = tmp_path / "d.jsonl"
+    path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+    built = {}
+    for count in (1, 2):
+        got = token_cache.tokenize_cached(pack.tokenize_chunk, path, tok, tmp_path / f"c{count}", skip_bad_rows=True,
+                                          processes=count)  # fmt: skip
+        built[count] = {k: np.asarray(v).tolist() for k, v in got.items() if k != "entry"}, capsys.readouterr().err
+    assert built[1] == built[2] and built[2][0]["read"] == 40 and len(built[2][0]["example"]) == 35
+    assert f"skipped 5 examples the template cannot render (first: {path}:2: chat template" in built[2][1]
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}:2: chat template: messages\[:2\] rendered"):
+        token_cache.tokenize_cached(pack.tokenize_chunk, path, tok, tmp_path / "cache", processes=2)
     assert not list((tmp_path / "cache").iterdir())
 
 

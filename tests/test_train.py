@@ -35,7 +35,7 @@ import sys
 
 import pytest
 import torch
-from conftest import TINY, free_port, random_model_dir
+from conftest import TINY, fixed_outcome_problems, free_port, random_model_dir
 from safetensors.torch import load_file
 
 import quant
@@ -827,12 +827,7 @@ def test_eval_task_scores_the_first_and_last_evaluation_and_bad_tasks_are_one_li
     """eval_task with eval_task_at=ends: pass@1 of a problems file at step 0 and at the last step only (none at the
     evaluation between), in metrics.jsonl and in the end-of-run line; a missing file, a file with a bad line and an
     unknown task are each one line naming it."""
-    rows = [("any", "pass"), ("none", "assert False")]
-    problems = tmp_path / "tasks.jsonl"
-    problems.write_text("".join(
-        json.dumps({"task_id": n, "prompt": 'text = r"""', "entry_point": "f",
-                    "test": f'"""\ndef f():\n    pass\ndef check(c):\n    {t}\n'}) + "\n" for n, t in rows
-    ))  # fmt: skip
+    problems = fixed_outcome_problems(tmp_path / "tasks.jsonl")
     task = [f"--eval_task={problems}", "--eval_task_at=ends", "--sample_tokens=4", "--eval_samples=0"]
     history = run(args(tiny_dir, tmp_path, "--max_steps=2", "--eval_every=1", *task))
     scored = {h["step"]: h["eval_task"] for h in history if "eval_task" in h}
