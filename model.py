@@ -295,11 +295,12 @@ class Llama(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, position_ids=None, labels=None, cache=None):
+    def forward(self, input_ids, position_ids=None, labels=None, cache=None, last_only=False):
         """input_ids (B, T) -> logits (B, T, vocab), or (loss_sum, n_tokens) when labels (B, T) are given.
 
         position_ids (B, T) marks packed documents (each starts at 0). A KVCache runs one incremental generation step
-        (no position_ids): the tokens continue after the cache.length already cached ones.
+        (no position_ids): the tokens continue after the cache.length already cached ones. last_only: logits
+        (B, 1, vocab) of the last position only, all a generation step needs (a prompt's others cost T times the head).
         """
         B, T = input_ids.shape
         docs = None if position_ids is None else doc_bounds(position_ids)  # once per forward, shared by all layers
@@ -323,7 +324,7 @@ class Llama(nn.Module):
                     x = layer(x, cos, sin, docs, cache, tile)
         if cache is not None:
             cache.length += T
-        x = self.model.norm(x)
+        x = self.model.norm(x[:, -1:] if last_only else x)
         return self.lm_head(x) if labels is None else self.loss(x, labels)
 
     def loss(self, h, labels):

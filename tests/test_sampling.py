@@ -1,13 +1,13 @@
 """support/sampling.py: continuing a prompt through the model's KV cache.
 
 What this file proves: greedy generation through the cache equals recomputing the whole sequence for every token (in
-training mode with activation checkpointing on too), the cache fed in two chunks gives the full pass's logits,
-generation stops at any of several eos ids, nucleus sampling
-with a vanishing top_p is greedy and a seed repeats a sample; and greedy generation equals transformers' generate on
-the same weights (the families' own cases, sliding windows included, are in tests/test_model.py). Batched greedy
-generation with left padding gives every prompt what generate() gives it alone (rows ending at eos or at the caller's
-`done` at different steps, sliding windows too), and dense_weights computes the NF4 model's logits bit for bit and
-puts the NF4 layers back.
+training mode with activation checkpointing on too), the cache fed in two chunks gives the full pass's logits (and
+last_only its last position's), generation stops at any of several eos ids, nucleus sampling with a vanishing top_p
+is greedy and a seed repeats a sample; and greedy generation equals transformers' generate on the same weights (the
+families' own cases, sliding windows included, are in tests/test_model.py). Batched greedy generation with left
+padding gives every prompt what generate() gives it alone (rows ending at eos or at the caller's `done` at different
+steps, sliding windows too), and dense_weights computes the NF4 model's logits bit for bit and puts the NF4 layers
+back.
 """
 
 import torch
@@ -38,6 +38,8 @@ def test_kv_cache_generation_matches_full_recompute():
         assert cache.length == 9
         chunked = torch.cat([first, model(seq[:, 9:], cache=cache)], dim=1)
         assert (chunked - model(seq)).abs().max() < 1e-5
+        last = model(seq, cache=KVCache(model.config, 17), last_only=True)  # (1, 1, vocab): the head on one position
+        assert last.shape == (1, 1, chunked.shape[-1]) and (last - chunked[:, -1:]).abs().max() < 1e-5
     assert generate(model, prompt, 12, eos_id=[96, new[3]]) == new[: new.index(new[3]) + 1]
     model.train().activation_checkpointing = True  # generation never recomputes: the cache is filled all the same
     assert generate(model, prompt, 12) == new
