@@ -143,9 +143,9 @@ def compare(problems, a, b):
 
 def bench_speed(model_dir, tok, problems, tokens=48):
     """Generated tokens/s on the first prompts: today's sampler (NF4 dequantized every call, batch 1), dense weights at
-    batch 1, and generate_batch at 1, 4 and 16 rows, each run to `tokens` new tokens (no stop rule)."""
+    batch 1, and generate_batch at 1, 4, 16 and humaneval.BATCH rows, each run to `tokens` new tokens (no stop rule)."""
     model = load_model(model_dir, torch.float32, quantize=True).eval()
-    ids = [humaneval.prompt_ids(p, tok) for p in problems[:16]]
+    ids = [humaneval.prompt_ids(p, tok) for p in problems[: humaneval.BATCH]]
     start = time.perf_counter()
     generate(model, ids[0], tokens // 4)
     today = tokens // 4 / (time.perf_counter() - start)
@@ -156,7 +156,7 @@ def bench_speed(model_dir, tok, problems, tokens=48):
         generate(model, ids[0], tokens)
         rate = tokens / (time.perf_counter() - start)
         rows.append(["generate, dense weights, batch 1", f"{rate:.1f}", f"{rate / today:.1f}x"])
-        for batch in (1, 4, 16):
+        for batch in (1, 4, 16, humaneval.BATCH):
             start = time.perf_counter()
             generate_batch(model, ids[:batch], tokens)
             rate = batch * tokens / (time.perf_counter() - start)

@@ -21,7 +21,7 @@ import quant
 from model import KVCache
 from support.tokenizer import render
 
-COMPACT = 0.25  # drop finished rows from the batch once they are this share of it (each drop copies the cache)
+COMPACT = 0.1  # drop finished rows from the batch once they are this share of it (each drop copies the cache)
 
 
 @torch.inference_mode()
