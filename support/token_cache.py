@@ -9,10 +9,11 @@ example index (examples.train_and_val), so changing val_fraction or max_examples
 
 Building streams: the files are read a block of rows at a time, pack.tokenize_chunk turns each chunk of examples into
 arrays, and the arrays are appended to growing .npy files whose header gets its length at the end. Memory stays bounded
-by a few chunks and the per-document arrays; nothing but a cache hit reads the whole. Files of 32 MiB and more are
-tokenized by one process per core (chat template, tokenizer and arrays are mostly Python, which one process runs on
-one core at a time), smaller data by a thread a chunk ahead of the writer, the tokenizer's batched call on every core.
-The entry is written as one directory by support/atomic.py, so an interrupted run never leaves a half entry.
+by a few chunks and the per-document arrays; nothing but a cache hit reads the whole. On Linux, files of 32 MiB and
+more are tokenized by one forked process per core (chat template, tokenizer and arrays are mostly Python, which one
+process runs on one core at a time), smaller data by a thread a chunk ahead of the writer, the tokenizer's batched call
+on every core. The entry is written as one directory by support/atomic.py, so an interrupted run never leaves a half
+entry.
 
 Under torchrun one rank per machine (LOCAL_RANK 0) builds an entry while the machine's other ranks wait for it
 (ranks.local_first), then every rank maps the same files: the kernel keeps one copy of their pages for all of them.
@@ -20,7 +21,6 @@ Under torchrun one rank per machine (LOCAL_RANK 0) builds an entry while the mac
 
 import collections
 import concurrent.futures
-import functools
 import hashlib
 import itertools
 import json
@@ -36,7 +36,6 @@ import numpy as np
 from support import ranks
 from support.atomic import atomic_write, read_json, write_json
 from support.examples import read_examples
-from support.tokenizer import Tokenizer
 
 CACHE_VERSION = 3  # 3: one streamed directory per dataset with each document's example and supervised targets
 ARRAYS = {"tokens": np.uint32, "mask": np.uint8, "offsets": np.int64, "example": np.int64, "supervised": np.int64}
@@ -65,8 +64,8 @@ def prefetch(items):
 
 def tokenized_chunks(rows, tokenize_chunk, tokenizer, settings, processes=1):
     """tokenize_chunk(chunk, tokenizer, first=..., **settings) of each chunk of CHUNK rows, in order, each with "read":
-    the rows read so far. processes > 1: that many worker processes, each with its own tokenizer, a few chunks ahead
-    of the caller; else a thread one chunk ahead."""
+    the rows read so far. processes > 1: that many forked worker processes, each with its copy of the tokenizer, a
+    few chunks ahead of the caller; else a thread one chunk ahead."""
     if processes <= 1:
 
         def encode(first, part):
@@ -74,13 +73,14 @@ def tokenized_chunks(rows, tokenize_chunk, tokenizer, settings, processes=1):
 
         yield from prefetch(itertools.starmap(encode, chunks(rows, CHUNK)))
         return
-    # forked, as torch's DataLoader workers are: the copy starts at once and never touches torch or its threads
-    pool = concurrent.futures.ProcessPoolExecutor(processes, multiprocessing.get_context("fork"), _worker_start)
+    # forked, as torch's DataLoader workers are: the copy starts at once with the parent's tokenizer (never pickled)
+    # and never touches torch or its threads
+    fork = multiprocessing.get_context("fork")
+    pool = concurrent.futures.ProcessPoolExecutor(processes, fork, _worker_start, (tokenize_chunk, tokenizer, settings))
     try:
         pending = collections.deque()  # (rows read once it is done, its future), oldest first
         for first, part in chunks(rows, CHUNK):
-            work = (tokenize_chunk, str(tokenizer.path), part, first, settings)
-            pending.append((first + len(part), pool.submit(_tokenize_in_worker, *work)))
+            pending.append((first + len(part), pool.submit(_tokenize_in_worker, part, first)))
             if len(pending) > 2 * processes:
                 read, done = pending.popleft()
                 yield done.result() | {"read": read}
@@ -91,19 +91,18 @@ def tokenized_chunks(rows, tokenize_chunk, tokenizer, settings, processes=1):
         pool.shutdown(cancel_futures=True)
 
 
-def _worker_start():
+_worker = {}  # in a tokenizing worker: what _worker_start was given
+
+
+def _worker_start(tokenize_chunk, tokenizer, settings):
     """A tokenizing worker: one thread (its siblings take the other cores), and Ctrl-C is its parent's to handle."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _worker.update(tokenize_chunk=tokenize_chunk, tokenizer=tokenizer, settings=settings)
 
 
-@functools.cache
-def _worker_tokenizer(path):
-    return Tokenizer(path)
-
-
-def _tokenize_in_worker(tokenize_chunk, tokenizer_path, part, first, settings):
-    return tokenize_chunk(part, _worker_tokenizer(tokenizer_path), first=first, **settings)
+def _tokenize_in_worker(part, first):
+    return _worker["tokenize_chunk"](part, _worker["tokenizer"], first=first, **_worker["settings"])
 
 
 class GrowingNpy:
@@ -177,7 +176,8 @@ def tokenize_cached(
     """tokenize_chunk (pack.py's) over files (a path, or paths read one after the other, row by row) or a list of
     examples, through the disk cache: {tokens, mask, offsets, example, supervised: memory maps, read: examples read,
     entry: the entry's directory}. Without cache_dir the entry goes to a temporary directory, removed once mapped.
-    processes: how many tokenize (default: one per core for files of PROCESSES_FROM bytes and more, else 1)."""
+    processes: how many tokenize (default: one per core for files of PROCESSES_FROM bytes and more on Linux, where
+    forking is safe, else 1)."""
     paths = [data] if isinstance(data, str | os.PathLike) else data if data and not isinstance(data[0], dict) else None
     said = []  # what reading the rows says (bad rows skipped), kept for cache hits
 
@@ -185,7 +185,7 @@ def tokenize_cached(
         def write(folder):
             rows = read_examples(paths, fmt, skip_bad_rows, said) if paths is not None else data
             big = paths is not None and sum(os.path.getsize(p) for p in paths) >= PROCESSES_FROM
-            count = processes or (len(os.sched_getaffinity(0)) if big else 1)
+            count = processes or (len(os.sched_getaffinity(0)) if big and sys.platform == "linux" else 1)
             settings = dict(template=template, train_on_prompt=train_on_prompt, skip_bad_rows=skip_bad_rows)
             meta = _write_entry(folder, tokenized_chunks(rows, tokenize_chunk, tokenizer, settings, count), said)
             write_json(os.path.join(folder, "meta.json"), meta)
