@@ -156,7 +156,7 @@ def bench_speed(model_dir, tok, problems, tokens=48):
         generate(model, ids[0], tokens)
         rate = tokens / (time.perf_counter() - start)
         rows.append(["generate, dense weights, batch 1", f"{rate:.1f}", f"{rate / today:.1f}x"])
-        for batch in (1, 4, 16, humaneval.BATCH):
+        for batch in sorted({1, 4, 16, humaneval.BATCH}):
             start = time.perf_counter()
             generate_batch(model, ids[:batch], tokens)
             rate = batch * tokens / (time.perf_counter() - start)

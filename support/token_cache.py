@@ -9,11 +9,11 @@ example index (examples.train_and_val), so changing val_fraction or max_examples
 
 Building streams: the files are read a block of rows at a time, pack.tokenize_chunk turns each chunk of examples into
 arrays, and the arrays are appended to growing .npy files whose header gets its length at the end. Memory stays bounded
-by a few chunks and the per-document arrays; nothing but a cache hit reads the whole. On Linux, files of 32 MiB and
-more are tokenized by one forked process per core (chat template, tokenizer and arrays are mostly Python, which one
-process runs on one core at a time), smaller data by a thread a chunk ahead of the writer, the tokenizer's batched call
-on every core. The entry is written as one directory by support/atomic.py, so an interrupted run never leaves a half
-entry.
+by a few chunks per process and the per-document arrays; nothing but a cache hit reads the whole. On Linux, files of
+32 MiB and more are tokenized by one forked process per core, up to 8 (chat template, tokenizer and arrays are mostly
+Python, which one process runs on one core at a time), smaller data by a thread a chunk ahead of the writer, the
+tokenizer's batched call on every core. The entry is written as one directory by support/atomic.py, so an interrupted
+run never leaves a half entry.
 
 Under torchrun one rank per machine (LOCAL_RANK 0) builds an entry while the machine's other ranks wait for it
 (ranks.local_first), then every rank maps the same files: the kernel keeps one copy of their pages for all of them.
@@ -21,6 +21,8 @@ Under torchrun one rank per machine (LOCAL_RANK 0) builds an entry while the mac
 
 import collections
 import concurrent.futures
+import contextlib
+import ctypes
 import hashlib
 import itertools
 import json
@@ -41,6 +43,8 @@ CACHE_VERSION = 3  # 3: one streamed directory per dataset with each document's 
 ARRAYS = {"tokens": np.uint32, "mask": np.uint8, "offsets": np.int64, "example": np.int64, "supervised": np.int64}
 CHUNK = 4096  # examples tokenized at a time
 PROCESSES_FROM = 32 << 20  # bytes of data files from which one process per core tokenizes
+MAX_PROCESSES = 8  # each holds up to 2 chunks of Python objects in flight
+PR_SET_PDEATHSIG = 1  # prctl's option (linux/prctl.h)
 
 
 def chunks(items, size):
@@ -66,24 +70,35 @@ def tokenized_chunks(rows, tokenize_chunk, tokenizer, settings, processes=1):
     """tokenize_chunk(chunk, tokenizer, first=..., **settings) of each chunk of CHUNK rows, in order, each with "read":
     the rows read so far. processes > 1: that many forked worker processes, each with its copy of the tokenizer, a
     few chunks ahead of the caller; else a thread one chunk ahead."""
-    if processes <= 1:
-
-        def encode(first, part):
-            return tokenize_chunk(part, tokenizer, first=first, **settings) | {"read": first + len(part)}
-
-        yield from prefetch(itertools.starmap(encode, chunks(rows, CHUNK)))
+    if processes > 1:
+        yield from _in_workers(rows, (tokenize_chunk, tokenizer, settings), processes)
         return
-    # forked, as torch's DataLoader workers are: the copy starts at once with the parent's tokenizer (never pickled)
-    # and never touches torch or its threads
-    fork = multiprocessing.get_context("fork")
-    pool = concurrent.futures.ProcessPoolExecutor(processes, fork, _worker_start, (tokenize_chunk, tokenizer, settings))
+
+    def encode(first, part):
+        return tokenize_chunk(part, tokenizer, first=first, **settings) | {"read": first + len(part)}
+
+    yield from prefetch(itertools.starmap(encode, chunks(rows, CHUNK)))
+
+
+def _in_workers(rows, work, processes):
+    """tokenized_chunks in `processes` forked workers: at most 2 chunks per worker in flight, results in order."""
+    # Forked, as torch's DataLoader workers are: a worker starts at once with the parent's tokenizer (never pickled)
+    # and never touches torch or its threads. TOKENIZERS_PARALLELISM set (to its default, true) keeps the tokenizers
+    # library from warning in every worker that the parent used its threads; each worker then turns them off.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    pool = concurrent.futures.ProcessPoolExecutor(processes, multiprocessing.get_context("fork"), _worker_start, work)
+    pending = collections.deque()  # (rows read once it is done, its future), oldest first
     try:
-        pending = collections.deque()  # (rows read once it is done, its future), oldest first
-        for first, part in chunks(rows, CHUNK):
-            pending.append((first + len(part), pool.submit(_tokenize_in_worker, part, first)))
-            if len(pending) > 2 * processes:
-                read, done = pending.popleft()
-                yield done.result() | {"read": read}
+        try:
+            for first, part in chunks(rows, CHUNK):
+                pending.append((first + len(part), pool.submit(_tokenize_in_worker, part, first)))
+                if len(pending) > 2 * processes:
+                    read, done = pending.popleft()
+                    yield done.result() | {"read": read}
+        except Exception:  # a bad row read ahead: an earlier row's error, still in flight, is the one to report
+            for _, done in pending:
+                done.result()
+            raise
         while pending:
             read, done = pending.popleft()
             yield done.result() | {"read": read}
@@ -95,9 +110,13 @@ _worker = {}  # in a tokenizing worker: what _worker_start was given
 
 
 def _worker_start(tokenize_chunk, tokenizer, settings):
-    """A tokenizing worker: one thread (its siblings take the other cores), and Ctrl-C is its parent's to handle."""
+    """A tokenizing worker: one thread (its siblings take the other cores); Ctrl-C and SIGTERM are its parent's to
+    handle, and it ends with its parent, however that ends."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    tokenizer.encode_threads = 1
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # not the handler a rank installs (support/ranks.py)
+    ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)  # Linux: SIGTERM when the parent dies, even by SIGKILL
     _worker.update(tokenize_chunk=tokenize_chunk, tokenizer=tokenizer, settings=settings)
 
 
@@ -176,18 +195,20 @@ def tokenize_cached(
     """tokenize_chunk (pack.py's) over files (a path, or paths read one after the other, row by row) or a list of
     examples, through the disk cache: {tokens, mask, offsets, example, supervised: memory maps, read: examples read,
     entry: the entry's directory}. Without cache_dir the entry goes to a temporary directory, removed once mapped.
-    processes: how many tokenize (default: one per core for files of PROCESSES_FROM bytes and more on Linux, where
-    forking is safe, else 1)."""
+    processes: how many tokenize (default: one per core, at most MAX_PROCESSES, for files of PROCESSES_FROM bytes and
+    more on Linux, where forking is safe; else 1)."""
     paths = [data] if isinstance(data, str | os.PathLike) else data if data and not isinstance(data[0], dict) else None
     said = []  # what reading the rows says (bad rows skipped), kept for cache hits
 
     def build(entry):
         def write(folder):
             rows = read_examples(paths, fmt, skip_bad_rows, said) if paths is not None else data
-            big = paths is not None and sum(os.path.getsize(p) for p in paths) >= PROCESSES_FROM
-            count = processes or (len(os.sched_getaffinity(0)) if big and sys.platform == "linux" else 1)
+            big = paths is not None and sum(os.path.getsize(p) for p in paths if os.path.isfile(p)) >= PROCESSES_FROM
+            cores = min(len(os.sched_getaffinity(0)), MAX_PROCESSES) if sys.platform == "linux" else 1
             settings = dict(template=template, train_on_prompt=train_on_prompt, skip_bad_rows=skip_bad_rows)
-            meta = _write_entry(folder, tokenized_chunks(rows, tokenize_chunk, tokenizer, settings, count), said)
+            stream = tokenized_chunks(rows, tokenize_chunk, tokenizer, settings, processes or (cores if big else 1))
+            with contextlib.closing(stream):  # an error while writing ends the workers at once
+                meta = _write_entry(folder, stream, said)
             write_json(os.path.join(folder, "meta.json"), meta)
 
         atomic_write(entry, write, directory=True)

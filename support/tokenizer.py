@@ -91,6 +91,7 @@ class Tokenizer:
         if template is None and (d / "chat_template.jinja").exists():
             template = (d / "chat_template.jinja").read_text()
         self.chat_template, self._compiled = template, None
+        self.encode_threads = -1  # sentencepiece's batched encode: -1, every core (tokenizer.json's: its own setting)
         if (d / "tokenizer.json").exists():
             import tokenizers
 
@@ -130,7 +131,9 @@ class Tokenizer:
         if self._sp is None:
             return [e.ids for e in self._tok.encode_batch_fast(list(texts), add_special_tokens=False)]
         parts = [[p for p in self._split.split(t) if p] if self._special else [t] for t in texts]
-        plain = iter(self._sp.encode([p for ps in parts for p in ps if p not in self._special]))
+        plain = iter(
+            self._sp.encode([p for ps in parts for p in ps if p not in self._special], num_threads=self.encode_threads)
+        )
         return [[i for p in ps for i in ([self._special[p]] if p in self._special else next(plain))] for ps in parts]
 
     def encode(self, text, bos=False, eos=False):

@@ -66,8 +66,8 @@ def test_a_bad_row_stops_the_build_and_leaves_no_entry(tmp_path, bpe_dir):
 def test_worker_processes_write_the_arrays_one_process_writes(tmp_path, family_dirs, monkeypatch, capsys):
     """Tokenized by 2 forked worker processes, chunks of 7 rows (40 conversations, every 9th one the Mistral v0.3
     template rejects: a system message): the arrays, the rows read and what is said about the skipped rows equal
-    those of the one-process build; without skip_bad_rows the first rejected row stops it with its file and line,
-    and no entry is left."""
+    those of the one-process build; without skip_bad_rows the first rejected row stops it with its file and line (not a
+    malformed line read ahead of it), and no entry is left."""
     monkeypatch.setattr(token_cache, "CHUNK", 7)
     tok, system = Tokenizer(family_dirs["mistral-v0.3"]), [{"role": "system", "content": "Be brief."}]
     rows = [
@@ -84,6 +84,8 @@ def test_worker_processes_write_the_arrays_one_process_writes(tmp_path, family_d
         built[count] = {k: np.asarray(v).tolist() for k, v in got.items() if k != "entry"}, capsys.readouterr().err
     assert built[1] == built[2] and built[2][0]["read"] == 40 and len(built[2][0]["example"]) == 35
     assert f"skipped 5 examples the template cannot render (first: {path}:2: chat template" in built[2][1]
+    lines = path.read_text().splitlines(keepends=True)
+    path.write_text("".join(lines[:9] + ["{not json\n"] + lines[9:]))  # read (line 10) while line 2 is tokenized
     with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}:2: chat template: messages\[:2\] rendered"):
         token_cache.tokenize_cached(pack.tokenize_chunk, path, tok, tmp_path / "cache", processes=2)
     assert not list((tmp_path / "cache").iterdir())
