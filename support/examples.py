@@ -286,12 +286,13 @@ def train_and_val(cfg, files):
     a list; keep(n) which of the n examples `data` holds it takes (bool (n,)), so that the files are tokenized whole
     once and the split needs no second reading. Validation is val_data's, or val_fraction of data held out; training
     at most the first max_examples of the rest."""
+    held = bool(files["data"]) and not files["val_data"]  # val_fraction of data held out, else val_data's examples
 
     def everything(n):
         return np.ones(n, dtype=bool)
 
     def train(n):
-        return first(everything(n) if not held else ~val(n), cfg.max_examples)
+        return first(~val(n) if held else everything(n), cfg.max_examples)
 
     def val(n):
         out = held_out(n, cfg.val_fraction, cfg.seed)
@@ -301,9 +302,7 @@ def train_and_val(cfg, files):
         return out
 
     if not files["data"]:
-        held = False
         return (stdlib_examples("train"), train), (stdlib_examples("val"), everything)
-    held = not files["val_data"]  # val_fraction of data held out, else val_data's examples
     return (files["data"], train), (files["data"], val) if held else (files["val_data"], everything)
 
 
