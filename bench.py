@@ -1,6 +1,8 @@
 """Benchmarks, printed as tables and never asserted in tests; each file of benchmarks/ explains its own benchmark and
 what its numbers mean.
 
+    python bench.py gpu-proof --budget=540 --out=DIR   what a lent GPU is for, within a time budget: the CUDA tests,
+                                       the 8B step eager and compiled against the peers, the longest row, the ladder
     python bench.py gpu                the CUDA benchmark: ours (LoRA and QLoRA) vs transformers + PEFT on a random
                                        Llama-3.1-8B, packed 8,192-token rows, in one process (minutes on an H200)
     python bench.py gpu --shape=1b --memory --profile      a smaller shape, plus QLoRA peak memory and a kernel profile
@@ -36,6 +38,9 @@ from benchmarks.cpu_train import bench_train, print_saved_tables, run_peer
 from benchmarks.first_run import bench_first_run
 from benchmarks.fsdp import bench_fsdp
 from benchmarks.gpu import bench_gpu, check_arguments, gpu_arguments
+from benchmarks.gpu_context import bench_gpu_context, gpu_context_arguments
+from benchmarks.gpu_ladder import bench_gpu_ladder, gpu_ladder_arguments
+from benchmarks.gpu_proof import bench_gpu_proof, gpu_proof_arguments
 from benchmarks.humaneval import bench_humaneval
 from benchmarks.long_context import bench_long_context
 from benchmarks.memory import bench_memory
@@ -46,9 +51,12 @@ from benchmarks.quant import bench_quant
 def arguments():
     """The parser of every command: its options and their defaults."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = "{gpu,quant,train,pack,first-run,fsdp,memory,context,humaneval}"
+    commands = "{gpu-proof,gpu,gpu-context,gpu-ladder,quant,train,pack,first-run,fsdp,memory,context,humaneval}"
     sub = parser.add_subparsers(dest="command", required=True, metavar=commands)
+    gpu_proof_arguments(sub)
     gpu_arguments(sub)
+    gpu_context_arguments(sub)
+    gpu_ladder_arguments(sub)
     s = sub.add_parser("fsdp", help="DDP vs FSDP over 2 CPU ranks, interleaved: step time and per-rank peak RSS")
     s.add_argument("--rounds", type=int, default=2, help="rounds of both, interleaved (default 2)")
     m = sub.add_parser("memory", help="the CPU memory estimate against the measured peak, over a matrix of settings")
@@ -90,9 +98,15 @@ def arguments():
 def main():
     parser = arguments()
     args = parser.parse_args()
-    if args.command == "gpu":
+    if args.command == "gpu-proof":
+        bench_gpu_proof(args)
+    elif args.command == "gpu":
         check_arguments(parser, args)
         bench_gpu(args)
+    elif args.command == "gpu-context":
+        bench_gpu_context(args)
+    elif args.command == "gpu-ladder":
+        bench_gpu_ladder(args)
     elif args.command == "quant":
         bench_quant(args.size, args.repeat, args.smollm2)
     elif args.command == "humaneval":

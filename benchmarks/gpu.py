@@ -1,11 +1,12 @@
 """How fast do ours (LoRA and QLoRA) train on a GPU against transformers + PEFT, at which MFU and peak memory?
 
-    python bench.py gpu                the CUDA benchmark: ours (LoRA and QLoRA) vs transformers + PEFT on a random
-                                       Llama-3.1-8B, packed 8,192-token rows, in one process (minutes on an H200)
+    python bench.py gpu                the CUDA benchmark: ours (LoRA and QLoRA, eager and compiled) vs transformers +
+                                       PEFT on a random Llama-3.1-8B, 8,192-token rows, in one process (minutes)
     python bench.py gpu --shape=1b --memory --profile      a smaller shape, plus QLoRA peak memory and a kernel profile
     python bench.py gpu --shape=tiny   the same on a 2-layer toy, on CPU (CI runs this)
+    python bench.py gpu --deadline=T   no round of steps starts after time.time() T; what ran is reported
 
-`bench.py gpu` needs nothing but PyTorch, transformers and PEFT, and no network: up to four systems (gpu_systems.py)
+`bench.py gpu` needs nothing but PyTorch, transformers and PEFT, and no network: up to eight systems (gpu_systems.py)
 train on one set of random weights of a published Llama shape, in one process, each workload (gpu_workloads.py: equal
 work, then natural batching) interleaved step by step. The tables give per system tokens/s, supervised tokens/s, fill,
 MFU and peak memory, and the median (and range) of the per-round ratios between the systems.
@@ -21,6 +22,7 @@ import os
 import platform
 import re
 import sys
+import time
 
 import numpy as np
 import torch
@@ -30,7 +32,7 @@ from benchmarks.common import OUT_DIR, REPO, cpu_name, package_versions, print_t
 from benchmarks.gpu_systems import FAILURES, LORA, SHAPES, SYSTEMS, build_systems, free_cache, one_line
 from benchmarks.gpu_workloads import equal_work, natural_work, resident_bytes, run_workload, timed_step, workload_result
 from model import Llama
-from support import atomic, memory
+from support import atomic, dropout_cuda, memory
 from support.attention import varlen_attention
 from support.flops import flops_per_token, fmt_flops, peak_flops
 from support.hf_config import from_hf, to_hf
@@ -215,8 +217,7 @@ def print_gpu_header(results, cfg, device):
         f"LoRA r={LORA['r']} alpha={LORA['alpha']:g} dropout {LORA['dropout']} on every block linear"
     )
     dequant = cuda_dequantize().__name__ if device.type == "cuda" else "dequantize_nf4"
-    compiled = ", blocks torch.compile'd" if results["compile"] else ""
-    print(f"ours: attention {results['attention']}, NF4 {dequant}{compiled}")
+    print(f"ours: attention {results['attention']}, NF4 {dequant}, LoRA dropout {results['dropout']}")
     print(
         f"MFU against {fmt_flops(results['peak_flops'])} {results['precision']} ({results['peak_source']}); "
         "model FLOPs per "
@@ -257,14 +258,15 @@ def bench_gpu(args):
     peak, source = peak_flops(device, dtype)
     results = dict(command="python bench.py " + " ".join(sys.argv[1:]), machine=gpu_machine(device), shape=args.shape)
     results |= dict(config=to_hf(cfg), row=row, rows=args.rows, warmup=args.warmup, rounds=args.rounds)
-    results |= dict(compile=args.compile, peak_flops=peak, peak_source=source, workloads={})
+    results |= dict(peak_flops=peak, peak_source=source, workloads={}, deadline=args.deadline)
+    results["dropout"] = dropout_cuda.dropout_op_for(device).__name__
     results["precision"] = str(dtype).removeprefix("torch.")
     results["attention"] = varlen_attention(device, dtype, cfg.head_dim).__name__
     print_gpu_header(results, cfg, device)
     equal = equal_work(cfg.vocab_size, row, args.rows, steps)
     ours_ds, peer_ds, peer_batches = natural_work(cfg.vocab_size, row, args.rows)
     results["natural_data"] = describe_natural(ours_ds, peer_ds, peer_batches, args.rows)
-    systems = build_systems(cfg, args.systems.split(","), device, dtype, args)
+    systems = build_systems(cfg, args.systems.split(","), device, dtype)
 
     def natural(key, step):
         return (
@@ -279,7 +281,7 @@ def bench_gpu(args):
         "natural": (natural, "supervised", "natural batching: ours packed, the peer padded to the longest of a batch"),
     }
     for name, (batch_of, metric, _) in work.items():
-        records, errors = run_workload(systems, batch_of, steps, device, cfg, name)
+        records, errors = run_workload(systems, batch_of, steps, device, cfg, name, args.deadline or None)
         results["workloads"][name] = workload_result(systems, records, errors, args.warmup, peak, metric)
         atomic.write_json(args.out, results)
     for name, (_, _, title) in work.items():
@@ -299,8 +301,11 @@ def profiles(systems, batch, device, cfg):
 
 def finish_gpu(args, results, systems, cfg, row, device, dtype, batch):
     """--profile, then --memory (with our QLoRA model alone), then the JSON file."""
-    if args.profile:
+    if args.profile and args.deadline and time.time() > args.deadline:
+        print("\n--profile: skipped, the deadline has passed")
+    elif args.profile:
         results["profile"] = profiles(systems, batch, device, cfg)
+        atomic.write_json(args.out, results)
     qlora = []
     if args.memory or args.contexts:
         qlora = [s for s in systems if s.key == "ours-qlora" and not s.status]
@@ -350,7 +355,7 @@ def gpu_arguments(sub):
         default="auto",
         help="auto: bf16 on a GPU, the faster of bf16 and fp32 on CPU (support.precision.pick_precision)",
     )
-    g.add_argument("--compile", action="store_true", help="torch.compile our blocks (compilation is in the warm-up)")
+    g.add_argument("--deadline", type=float, default=0, help="time.time() after which no round starts (0: none)")
     g.add_argument("--memory", action="store_true", help="QLoRA peak memory at 1, 2, 4 rows, checkpointing off/on")
     g.add_argument("--contexts", default="", help="QLoRA peak memory, one row of each length (checkpointing on)")
     g.add_argument("--budget_gib", type=float, default=80.0, help="--contexts: the memory the longest row must fit")

@@ -18,7 +18,9 @@ same weights:
   fused linear cross-entropy applied to its instance (apply_liger_kernel_to_llama(model=...)). Liger's RoPE is left
   out: it replaces a function of transformers' Llama module that the plain peer, in the same process, calls too;
 - transformers + PEFT under torch.compile: the LoRA peer's whole model compiled (what the Trainer's torch_compile
-  does); its compilation falls in the warm-up steps.
+  does); its compilation falls in the warm-up steps;
+- nanoqlora LoRA and QLoRA compiled: the same two, their blocks compiled by train.compile_blocks (the compiled LoRA
+  model a second Llama over the same weight tensors), their compilation in the warm-up steps too.
 
 A system that cannot be built (out of memory, a missing package) keeps its row with the reason; the others carry on.
 """
@@ -26,6 +28,7 @@ A system that cannot be built (out of memory, a missing package) keeps its row w
 import gc
 import importlib.util
 import os
+import shutil
 import tempfile
 import time
 from dataclasses import dataclass
@@ -89,6 +92,8 @@ LR = 1e-4  # the same for every system; speed does not depend on it
 SYSTEMS = {  # key: row label
     "ours-lora": "nanoqlora LoRA",
     "ours-qlora": "nanoqlora QLoRA (NF4)",
+    "ours-lora-compiled": "nanoqlora LoRA, compiled",
+    "ours-qlora-compiled": "nanoqlora QLoRA (NF4), compiled",
     "peer-lora": "transformers + PEFT LoRA",
     "peer-qlora": "transformers + PEFT + bitsandbytes QLoRA",
     "peer-liger": "transformers + PEFT + Liger LoRA",
@@ -100,8 +105,12 @@ PAIRS = [
     ("ours-qlora", "peer-lora"),
     ("ours-qlora", "ours-lora"),
     ("ours-lora", "peer-liger"),
-    ("ours-lora", "peer-compile"),
+    ("ours-lora-compiled", "peer-compile"),
+    ("ours-qlora-compiled", "peer-compile"),
+    ("ours-lora-compiled", "ours-lora"),
 ]
+EAGER = [k for k in SYSTEMS if not k.endswith("compile") and not k.endswith("compiled")]
+COMPILED = [k for k in SYSTEMS if k not in EAGER]
 # What a system can fail with while being built or stepped: out of memory (a RuntimeError), a missing or mismatched
 # package, a bad setting. Each is reported in the system's row; the other systems carry on.
 FAILURES = (RuntimeError, ImportError, ValueError, TypeError, OSError)
@@ -120,7 +129,7 @@ class System:
 
     @property
     def label(self):
-        return SYSTEMS[self.key]
+        return SYSTEMS.get(self.key, self.key)
 
 
 class Skipped(Exception):
@@ -149,6 +158,17 @@ def random_llama(cfg, device, dtype):
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02, generator=gen) if p.dim() > 1 else p.fill_(1.0)
+    return model
+
+
+def dense_llama(cfg, base, device, dtype):
+    """A second dense Llama over the tensors of `base` (a state dict), no copy: for a system of its own on the same
+    weights."""
+    with torch.device("meta"):
+        model = Llama(cfg, varlen_attention(device, dtype, cfg.head_dim, windowed=bool(cfg.sliding_layers)))
+    model.load_state_dict(base, assign=True)
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
     return model
 
 
@@ -193,6 +213,15 @@ def peer_llama(cfg, base, device, dtype):
     return model
 
 
+def scratch_dir(nbytes):
+    """Where a checkpoint of `nbytes` is written to be read straight back: /dev/shm (memory) when it has room for
+    twice that, else out/bench on disk."""
+    if os.path.isdir("/dev/shm") and shutil.disk_usage("/dev/shm").free > 2 * nbytes:
+        return "/dev/shm"
+    os.makedirs(OUT_DIR, exist_ok=True)
+    return OUT_DIR
+
+
 def peer_qlora_llama(cfg, base, device, dtype):
     """transformers + bitsandbytes NF4 (double quantization, bf16 compute) of the weights `base`, through the one door
     bitsandbytes quantization has in transformers: from_pretrained of a directory, written here to a temporary one."""
@@ -200,8 +229,7 @@ def peer_qlora_llama(cfg, base, device, dtype):
         raise Skipped("bitsandbytes is not installed")
     import transformers
 
-    os.makedirs(OUT_DIR, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=OUT_DIR) as tmp:
+    with tempfile.TemporaryDirectory(dir=scratch_dir(sum(v.nbytes for v in base.values()))) as tmp:
         tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
         atomic.write_safetensors(
             os.path.join(tmp, "model.safetensors"), {k: v for k, v in base.items() if k not in tied}
@@ -258,7 +286,7 @@ def peer_system(key, model, device, dtype, lr, compile=False):
     return System(key, forward, model, params, torch.optim.AdamW(params, lr=lr, fused=True))
 
 
-def build_system(key, cfg, base, base_model, device, dtype, args):
+def build_system(key, cfg, base, base_model, device, dtype):
     """One system on the weights `base` (the state dict of `base_model`, our dense Llama)."""
     if key == "peer-lora":
         return peer_system(key, peer_llama(cfg, base, device, dtype), device, dtype, LR)
@@ -268,11 +296,15 @@ def build_system(key, cfg, base, base_model, device, dtype, args):
         return peer_system(key, peer_liger_llama(cfg, base, device, dtype), device, dtype, LR)
     if key == "peer-compile":
         return peer_system(key, peer_llama(cfg, base, device, dtype), device, dtype, LR, compile=True)
-    model = qlora_llama(cfg, base, device, dtype) if key == "ours-qlora" else base_model
-    return ours_system(key, model, device, dtype, LR, args.compile)
+    compiled = key.endswith("-compiled")
+    if key.startswith("ours-qlora"):
+        model = qlora_llama(cfg, base, device, dtype)
+    else:  # our LoRA adapts base_model itself, which only the last-built system may do
+        model = dense_llama(cfg, base, device, dtype) if compiled else base_model
+    return ours_system(key, model, device, dtype, LR, compiled)
 
 
-def build_systems(cfg, keys, device, dtype, args):
+def build_systems(cfg, keys, device, dtype):
     """The systems named in `keys`, in SYSTEMS order, all on one set of random weights; a system that cannot be built
     gets its reason as status. The dense base tensors live on only as long as some system holds them."""
     base_model = random_llama(cfg, device, dtype)
@@ -280,12 +312,13 @@ def build_systems(cfg, keys, device, dtype, args):
     built = {}
     # The peers and our QLoRA read `base` before our LoRA model takes its linears over (add_lora_ adapts in place);
     # Liger's peer after the other peers, since applying it also swaps the classes transformers builds Llamas from.
-    for key in ("peer-lora", "peer-compile", "peer-qlora", "peer-liger", "ours-qlora", "ours-lora"):
+    order = ("peer-lora", "peer-compile", "peer-qlora", "peer-liger", "ours-qlora", "ours-qlora-compiled")
+    for key in (*order, "ours-lora-compiled", "ours-lora"):
         if key not in keys:
             continue
         start = time.perf_counter()
         try:
-            built[key] = build_system(key, cfg, base, base_model, device, dtype, args)
+            built[key] = build_system(key, cfg, base, base_model, device, dtype)
         except Skipped as e:
             built[key] = System(key, status=f"skipped: {e}")
         except FAILURES as e:

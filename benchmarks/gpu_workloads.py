@@ -140,11 +140,15 @@ def timed_step(system, batch, device, cfg):
     return rec
 
 
-def run_workload(systems, batch_of, steps, device, cfg, title):
+def run_workload(systems, batch_of, steps, device, cfg, title, deadline=None):
     """Steps 0..steps-1 of every system that runs, interleaved (step s of each in turn, then s + 1): {key: records}
-    and {key: "failed: ..."} for a system whose step failed (it sits out the rest of the workload)."""
+    and {key: "failed: ..."} for a system whose step failed (it sits out the rest of the workload). No round starts
+    after `deadline` (time.time() seconds)."""
     records, errors = {s.key: [] for s in systems}, {}
     for step in range(steps):
+        if deadline is not None and time.time() > deadline:
+            print(f"{title}: stopped at the deadline after {step} of {steps} rounds", flush=True)
+            break
         done = []
         for s in systems:
             if s.status or s.key in errors:
@@ -186,17 +190,18 @@ def summarize_system(system, records, warmup, peak_flops):
     return s
 
 
-def workload_result(systems, records, errors, warmup, peak_flops, metric):
-    """{"systems": {key: summary, records or status}, "ratios": {"a/b": median_ratio of the per-round metric}}."""
+def workload_result(systems, records, errors, warmup, peak_flops, metric, pairs=PAIRS):
+    """{"systems": {key: summary, records or status}, "ratios": {"a/b": median_ratio of the per-round metric}} for the
+    `pairs` (a, b) of system keys."""
     out = {"systems": {}, "ratios": {}}
     for s in systems:
         status = s.status or errors.get(s.key, "")
         if not status and len(records[s.key]) <= warmup:
-            status = "failed: no measured step"
+            status = "stopped: no measured step before the deadline"
         out["systems"][s.key] = {"status": status} if status else {"steps": records[s.key]}
         if not status:
             out["systems"][s.key]["summary"] = summarize_system(s, records[s.key], warmup, peak_flops)
-    for a, b in PAIRS:
+    for a, b in pairs:
         ra, rb = out["systems"].get(a, {}), out["systems"].get(b, {})
         if "summary" in ra and "summary" in rb:
             rate = lambda r: r[metric] / r["time"]  # noqa: E731

@@ -103,26 +103,31 @@ def report(config, spec, context, max_rows, dtype, lora, chunked=True, base=(Tru
     return "\n".join(lines)
 
 
-def longest_row(config, budget, dtype, lora, chunked, quantize, opt_bytes) -> str:
+def longest_tokens(config, budget, dtype, lora, chunked, quantize, opt_bytes, tiled, offloaded, sizes=None) -> int:
     """The longest single row (in tokens, a multiple of 256) that one GPU of `budget` bytes trains by the estimate,
-    with checkpointing; with a tiled MLP too (tiles of hidden_size tokens, as mlp_tile_tokens="auto" takes); and with
-    offloaded checkpoints too, with the CPU memory those take."""
+    with checkpointing; `tiled`: with MLP tiles of hidden_size tokens too (as mlp_tile_tokens="auto" takes them);
+    `offloaded`: with the checkpoints in CPU memory too."""
+    kw = dict(sizes=sizes or model_sizes(config, lora["targets"]), offload_checkpoints=offloaded)
+    kw["tile_tokens"] = config.hidden_size if tiled else 0
+
+    def fits(tokens):
+        return sum(estimate(config, tokens, dtype, quantize, lora, opt_bytes, True, chunked, **kw).values()) <= budget
+
+    low, high = 0, 2**16  # in units of 256 tokens: up to 16M tokens
+    while low < high:  # the largest that fits (the estimate grows with tokens)
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(256 * mid) else (low, mid - 1)
+    return 256 * low
+
+
+def longest_row(config, budget, dtype, lora, chunked, quantize, opt_bytes) -> str:
+    """longest_tokens with checkpointing, with a tiled MLP too, and with offloaded checkpoints too, as a line with the
+    CPU memory the offloaded checkpoints take."""
     sizes = model_sizes(config, lora["targets"])
-
-    def longest(tiled, offloaded):
-        def fits(tokens):
-            kw = dict(sizes=sizes, tile_tokens=config.hidden_size if tiled else 0, offload_checkpoints=offloaded)
-            return (
-                sum(estimate(config, tokens, dtype, quantize, lora, opt_bytes, True, chunked, **kw).values()) <= budget
-            )
-
-        low, high = 0, 2**16  # in units of 256 tokens: up to 16M tokens
-        while low < high:  # the largest that fits (the estimate grows with tokens)
-            mid = (low + high + 1) // 2
-            low, high = (mid, high) if fits(256 * mid) else (low, mid - 1)
-        return 256 * low
-
-    plain, tiled, offloaded = longest(False, False), longest(True, False), longest(True, True)
+    plain, tiled, offloaded = (
+        longest_tokens(config, budget, dtype, lora, chunked, quantize, opt_bytes, t, o, sizes)
+        for t, o in ((False, False), (True, False), (True, True))
+    )
     base = f"{'NF4' if quantize else '16-bit'} base, {'AdamW' if opt_bytes == 8 else '8-bit AdamW'}"
     return (
         f"longest single row ({base}, checkpointing): {plain:,} tokens; with a tiled MLP {tiled:,}; and offloaded "

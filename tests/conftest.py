@@ -29,6 +29,20 @@ DATA = Path(__file__).parent / "data"
 TEMPLATES = DATA / "templates"
 
 
+def pytest_addoption(parser):
+    parser.addoption("--cuda-only", action="store_true", help="only the tests that skip on CPU for want of CUDA")
+
+
+def pytest_collection_modifyitems(config, items):
+    """--cuda-only (bench.py gpu-proof's first phase): keep the tests whose skip condition names CUDA, the compiling
+    and end-to-end ones last, so that a time limit cuts those rather than the many quick ones."""
+    if not config.getoption("--cuda-only"):
+        return
+    needs_cuda = [i for i in items if any("CUDA" in m.kwargs.get("reason", "") for m in i.iter_markers("skipif"))]
+    config.hook.pytest_deselected(items=[i for i in items if i not in needs_cuda])
+    items[:] = sorted(needs_cuda, key=lambda i: "compiled" in i.name or "end_to_end" in i.name)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     """Every test starts from seed 0 and leaves CUDA's fp32 matmul precision (TF32 or full fp32) as it found it

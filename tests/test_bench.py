@@ -224,8 +224,7 @@ def test_equal_work_same_tensors_and_loss():
         assert torch.equal(b["position_ids"], torch.arange(64).expand(2, 64))
         assert bool((common.hf_batch(b)["attention_mask"] == 1).all())
     assert not torch.equal(batches[0]["input_ids"], batches[1]["input_ids"])  # no document seen twice
-    args = SimpleNamespace(compile=False)
-    ours, peer = gpu_systems.build_systems(cfg, ["ours-lora", "peer-lora"], torch.device("cpu"), torch.float32, args)
+    ours, peer = gpu_systems.build_systems(cfg, ["ours-lora", "peer-lora"], torch.device("cpu"), torch.float32)
     q = "model.layers.0.self_attn.q_proj"
     theirs = dict(peer.model.named_parameters())[f"base_model.model.{q}.base_layer.weight"]
     assert theirs.data_ptr() == ours.model.get_submodule(q).weight.data_ptr()  # the very same weights

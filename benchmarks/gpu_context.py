@@ -1,0 +1,159 @@
+"""How long a single row does our QLoRA train on the GPU at hand, and how close is the estimate to its peak?
+
+    python bench.py gpu-context                  Llama-3.1-8B QLoRA, one row: checkpointing, + a tiled MLP, + offloaded
+                                                 checkpoints, each at the length train.py --plan predicts for this card
+    python bench.py gpu-context --shape=tiny     the same on a 2-layer toy, on CPU (the tests run it)
+
+For each setting the length tried first is the longest single row support/plan.py's longest_tokens predicts for this
+GPU's memory, capped by the CPU memory offloaded checkpoints would take (80% of what is available) and by the time the
+phase has left: a setting gets its share of the remaining time, and one step at a single document's length first
+measures its rate. A step that runs out of memory is tried again 15% shorter, until one fits or the time is up. Each row
+holds documents of --doc tokens (8,192 for the 8b shape) one after the other, so attention costs what it costs per
+document and a step's time grows linearly with the row, while its memory is a single row's: the per-document attention
+keeps no T x T matrix, and every activation is (tokens, ...) whatever the documents' boundaries. Peak memory is the
+QLoRA model's resident bytes plus the most the step allocated (torch.cuda.max_memory_allocated), beside the total of
+support.memory.run_estimate for the same setting: the estimate train.py prints. Results: --out (JSON), written after
+every step."""
+
+import time
+
+import psutil
+import torch
+
+import train
+from benchmarks.gpu_systems import (
+    FAILURES,
+    LORA,
+    LR,
+    SHAPES,
+    free_cache,
+    one_line,
+    ours_system,
+    qlora_llama,
+    random_llama,
+)
+from benchmarks.gpu_workloads import resident_bytes, timed_step
+from support import atomic, memory, plan
+from support.hf_config import from_hf
+from support.precision import pick_precision
+
+# (label, MLP tiles of hidden_size tokens, offloaded checkpoints); checkpointing is on in each
+SETTINGS = [("checkpointing", False, False), ("+ tiled MLP", True, False), ("+ offloaded checkpoints", True, True)]
+RETRY = 0.85  # a length that ran out of memory is tried again this much shorter
+
+
+def one_row(length, doc, vocab, seed=0):
+    """A batch of one row of `length` tokens: documents of `doc` tokens back to back (position_ids restart at each),
+    random ids, every token supervised."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (1, length), generator=gen)
+    return dict(input_ids=ids, labels=ids.clone(), position_ids=(torch.arange(length) % doc)[None])
+
+
+def qlora_system(cfg, device, dtype):
+    """Our QLoRA system (train.py's model, loss and optimizer) on random weights; the dense weights it was quantized
+    from are freed."""
+    dense = random_llama(cfg, device, dtype)
+    model = qlora_llama(cfg, dict(dense.state_dict()), device, dtype)
+    del dense
+    free_cache(device)
+    return ours_system("ours-qlora", model, device, dtype, LR)
+
+
+def setting_config(tiled, offloaded):
+    adapters = dict(lora_r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"])
+    return train.Config(quantize=True, activation_checkpointing=True, offload_checkpoints=offloaded, **adapters)
+
+
+def predicted(cfg, budget, dtype, tiled, offloaded):
+    """(tokens, what limits them): longest_tokens for the GPU's `budget` bytes, and for offloaded checkpoints the CPU
+    memory they take within 80% of what is available."""
+    lora = dict(r=LORA["r"], targets="all-linear", dropout=LORA["dropout"])
+    tokens = plan.longest_tokens(cfg, budget, dtype, lora, True, True, 8, tiled, offloaded)
+    if offloaded:
+        host = 0.8 * psutil.virtual_memory().available
+        per_token = memory.offloaded_bytes(cfg, 1 << 20, dtype) / (1 << 20)
+        if tokens * per_token > host:
+            return int(host / per_token) // 256 * 256, "CPU memory"
+    return tokens, "the estimate"
+
+
+def try_length(system, cfg, length, doc, place, tiled, offloaded):
+    """One training step on one row of `length` tokens with the setting switched on: its record."""
+    model = system.model
+    model.mlp_tile = cfg.hidden_size if tiled else 0
+    model.offload_checkpoints = offloaded
+    est = memory.run_estimate(setting_config(tiled, offloaded), cfg, length, place, tile_tokens=model.mlp_tile)
+    rec = dict(tokens=length, estimate_bytes=sum(est.values()))
+    try:
+        step = timed_step(system, one_row(length, doc, cfg.vocab_size), place.device, cfg)
+    except torch.OutOfMemoryError:
+        rec["status"] = "out of memory"
+    except FAILURES as e:
+        rec["status"] = f"failed: {one_line(e)}"
+    else:
+        rec |= dict(status="fits", step_s=step["time"], tokens_per_s=step["tokens"] / step["time"])
+        if "extra_bytes" in step:
+            rec["peak_bytes"] = resident_bytes(system) + step["extra_bytes"]
+    if rec["status"] != "fits":
+        system.opt.zero_grad(set_to_none=True)
+        free_cache(place.device)
+    return rec
+
+
+def longest_for(system, cfg, setting, seconds, place, budget, doc, out, save):
+    """The attempts of one setting within `seconds`, appended to `out` (save() after each): a step at one document's
+    length measures the setting's rate; then a row of min(prediction, what that rate trains in the time left), 15%
+    shorter after each step out of memory."""
+    label, tiled, offloaded = setting
+    end = time.time() + seconds
+    calibration = try_length(system, cfg, doc, doc, place, tiled, offloaded)
+    rate = calibration.get("tokens_per_s", 0.0)
+    tokens, limit = predicted(cfg, budget, place.dtype, tiled, offloaded)
+    by_time = int(rate * (end - time.time()) * 0.9) // 256 * 256
+    out |= dict(predicted=tokens, limited_by=limit if tokens <= by_time else "time", attempts=[calibration])
+    save()
+    length = min(tokens, by_time)
+    while length > doc and time.time() < end:
+        rec = try_length(system, cfg, length, doc, place, tiled, offloaded)
+        out["attempts"].append(rec)
+        save()
+        print(f"{label}: {length:,} tokens, {rec['status']}", flush=True)
+        if rec["status"] != "out of memory":
+            break
+        length = int(length * RETRY) // 256 * 256
+
+
+def bench_gpu_context(args):
+    """`python bench.py gpu-context`: see the file docstring."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    _, config, row = SHAPES[args.shape]
+    cfg, doc = from_hf(config), args.doc or row
+    dtype = pick_precision("auto", device, cfg)
+    place = train.Placement(0, 1, device, dtype)
+    cuda = device.type == "cuda"
+    budget = torch.cuda.get_device_properties(device).total_memory if cuda else int(args.budget_gib * memory.GIB)
+    results = dict(shape=args.shape, device=torch.cuda.get_device_name(device) if cuda else "cpu", doc=doc)
+    results |= dict(budget_bytes=budget, precision=str(dtype).removeprefix("torch."), settings=[])
+    system = qlora_system(cfg, device, dtype)
+    system.model.activation_checkpointing = True
+    deadline = args.deadline or time.time() + 600
+    for i, setting in enumerate(SETTINGS):
+        results["settings"].append(dict(setting=setting[0]))
+        left = deadline - time.time()
+        if left <= 0:
+            results["settings"][-1]["skipped"] = "the deadline has passed"
+            print(f"{setting[0]}: skipped, the deadline has passed", flush=True)
+            continue
+        save = lambda: atomic.write_json(args.out, results)  # noqa: E731
+        longest_for(system, cfg, setting, left / (len(SETTINGS) - i), place, budget, doc, results["settings"][-1], save)
+    atomic.write_json(args.out, results)
+
+
+def gpu_context_arguments(sub):
+    c = sub.add_parser("gpu-context", help="the longest single row of our QLoRA on this GPU, three settings")
+    c.add_argument("--shape", choices=list(SHAPES), default="8b", help="8b, 3b, 1b or tiny (CPU smoke test)")
+    c.add_argument("--doc", type=int, default=0, help="tokens per document in the row (default: the shape's row)")
+    c.add_argument("--budget_gib", type=float, default=2.0, help="on CPU: the memory the estimate must fit")
+    c.add_argument("--deadline", type=float, default=0, help="time.time() by which to stop (0: 10 minutes)")
+    c.add_argument("--out", required=True, help="the JSON file of the results")

@@ -1,0 +1,208 @@
+"""Everything a GPU is lent for, in one command that fits the time it is lent for, saving what it measured as it goes.
+
+    python bench.py gpu-proof --budget=540 --out=DIR       on a CUDA machine: the phases below, within 540 s
+    python bench.py gpu-proof --shape=tiny --budget=300 --out=DIR      the rehearsal on CPU (tests/test_bench.py)
+
+The phases, in this order, each a child process with a time limit of its own:
+
+    tests     the CUDA tests: every test that skips on CPU for want of CUDA (pytest --cuda-only), with pytest's summary
+    step      bench.py gpu, eager: ours LoRA and QLoRA against transformers + PEFT, + bitsandbytes QLoRA, + Liger, at
+              equal work and with natural batching, interleaved; tokens/s, supervised tokens/s, MFU, peak memory, the
+              step-1 losses on the identical batch, and a profile of ours (the top kernels)
+    compiled  the same, compiled: ours LoRA and QLoRA with compiled blocks against transformers + PEFT compiled
+    context   bench.py gpu-context: the longest single row of our QLoRA, checkpointing, + tiled MLP, + offloaded
+              checkpoints, each from the length --plan predicts down until a step fits, peak beside the estimate
+    ladder    bench.py gpu-ladder: a padded eager baseline, then one technique per rung
+
+Time: a phase may use its share of --budget (PHASES) plus whatever the phases before it left unused, never more than is
+left; a phase that would get less than its minimum is skipped with one line. A child gets a deadline GRACE of its time
+before its limit, after which it starts no new step and writes its results; at its limit it is killed, and what it wrote
+stays. The folder --out receives, each rewritten as a phase ends: <phase>.json (the child's own results; for tests the
+outcome of every test), proof.json (the phases' statuses and times, the machine), proof.md (every table, in markdown),
+log.txt (all output). Peers that need packages the machine lacks (bitsandbytes, liger-kernel) are installed from the
+wheels in --wheels (a git-ignored folder; none there: those peers are skipped, each with one line).
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from benchmarks.common import REPO
+from benchmarks.gpu_proof_tables import render
+from benchmarks.gpu_systems import COMPILED, EAGER
+from support import atomic
+
+# (phase, share of the budget, the fewest seconds worth starting it with)
+PHASES = [("tests", 0.10, 20), ("step", 0.28, 60), ("compiled", 0.30, 60), ("context", 0.18, 40), ("ladder", 0.14, 30)]
+GRACE = 0.2  # the share of a phase's limit from its child's deadline to its kill: the step in flight, the results
+
+
+def phase_command(name, args, deadline):
+    """The child process of phase `name`, as an argv."""
+    if name == "tests":
+        return [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-v",
+            "-p",
+            "no:cacheprovider",
+            "--cuda-only",
+            "tests",
+            "--continue-on-collection-errors",
+        ]
+    out = os.path.join(args.out, f"{name}.json")
+    common = [f"--shape={args.shape}", f"--deadline={deadline:.1f}", f"--out={out}"]
+    if name in ("step", "compiled"):
+        systems = ",".join(EAGER if name == "step" else COMPILED)
+        rounds = [f"--warmup={args.warmup}", f"--rounds={args.rounds}"]
+        return [sys.executable, "bench.py", "gpu", *common, f"--systems={systems}", *rounds, "--profile"]
+    return [sys.executable, "bench.py", f"gpu-{name}", *common]
+
+
+def run_phase(argv, env, kill_at, log):
+    """Run `argv` in a process group of its own, every line of its output to stdout and `log` as it comes; killed
+    (the whole group) at time.time() `kill_at`. Returns (exit code, or None when killed; its output lines)."""
+    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True, bufsize=1)  # fmt: skip
+    lines = []
+
+    def pump():
+        for line in proc.stdout:
+            print(line, end="", flush=True)
+            log.write(line)
+            log.flush()
+            lines.append(line)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        code = proc.wait(timeout=max(1.0, kill_at - time.time()))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        code = None
+    reader.join(timeout=5)
+    return code, lines
+
+
+TEST_LINE = re.compile(r"^(tests/\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR|XFAIL|XPASS)")
+SUMMARY_LINE = re.compile(r"^=+ (.*\b(passed|failed|skipped|error|errors|deselected)\b.*) =+$")
+
+
+def tests_result(lines, code):
+    """The tests phase's JSON: each test's outcome, pytest's summary line (none when it was cut off)."""
+    outcomes = dict(m.groups() for m in map(TEST_LINE.match, lines) if m)
+    summary = next((m.group(1) for m in map(SUMMARY_LINE.match, reversed(lines)) if m), None)
+    return dict(summary=summary, exit_code=code, outcomes=outcomes, tail=lines[-40:])
+
+
+def install_wheels(folder, log):
+    """pip-install the wheels in `folder` into a temporary directory: the PYTHONPATH entry the children get, or None
+    (with one line saying why)."""
+    wheels = sorted(f for f in os.listdir(folder) if f.endswith(".whl")) if os.path.isdir(folder) else []
+    if not wheels:
+        line = f"no wheels in {folder}/: the peers that need bitsandbytes or liger-kernel are skipped\n"
+        print(line, end="")
+        log.write(line)
+        return None
+    site = tempfile.mkdtemp(prefix="gpu-proof-site-")
+    argv = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile", "--target", site]
+    done = subprocess.run(argv + [os.path.join(folder, w) for w in wheels], capture_output=True, text=True)
+    line = f"wheels from {folder}/: {', '.join(wheels)}: " + ("installed" if done.returncode == 0 else "pip failed")
+    print(line, flush=True)
+    log.write(line + "\n" + done.stderr[-2000:] * (done.returncode != 0))
+    return site if done.returncode == 0 else None
+
+
+def machine_facts():
+    """The GPU as nvidia-smi names it (no CUDA context is made here) and the commit."""
+    facts = {}
+    for key, argv in (
+        ("gpu", ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]),
+        ("commit", ["git", "rev-parse", "--short", "HEAD"]),
+    ):
+        try:
+            done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.TimeoutExpired) as e:
+            facts[key] = f"unknown ({type(e).__name__})"
+        else:
+            facts[key] = done.stdout.strip() or f"unknown ({done.stderr.strip()[:100]})"
+    return facts
+
+
+def phase_limit(name, share, least, budget, end, carried):
+    """(seconds phase `name` may take, or None to skip it) and the line that says so."""
+    left = end - time.time()
+    limit = min(left, share * budget + carried)
+    if limit < least:
+        return None, f"{name}: skipped, {max(left, 0):.0f} s of the budget left and it needs at least {least} s"
+    return limit, f"{name}: up to {limit:.0f} s"
+
+
+def bench_gpu_proof(args):
+    """`python bench.py gpu-proof`: see the file docstring."""
+    start = time.time()
+    end = start + args.budget
+    os.makedirs(args.out, exist_ok=True)
+    proof = dict(command="python bench.py " + " ".join(sys.argv[1:]), budget_s=args.budget, phases=[])
+    proof |= machine_facts()
+    # growable segments: the systems' steps alternate in one caching allocator, and long rows allocate large blocks
+    env = dict(os.environ, PYTHONUNBUFFERED="1", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    with open(os.path.join(args.out, "log.txt"), "a") as log:
+        site = install_wheels(args.wheels, log)
+        if site:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (site, env.get("PYTHONPATH")) if p)
+        carried = 0.0
+        for name, share, least in PHASES:
+            if name not in args.phases.split(","):
+                continue
+            limit, line = phase_limit(name, share, least, args.budget, end, carried)
+            print(f"\n== gpu-proof: {line}", flush=True)
+            log.write(f"\n== gpu-proof: {line}\n")
+            if limit is None:
+                proof["phases"].append(dict(name=name, status=line))
+                continue
+            began = time.time()
+            kill_at = began + limit
+            code, lines = run_phase(phase_command(name, args, kill_at - GRACE * limit), env, kill_at, log)
+            took = time.time() - began
+            carried = max(0.0, share * args.budget + carried - took)
+            status = "killed at its time limit" if code is None else f"exit code {code}"
+            if name == "tests":
+                atomic.write_json(os.path.join(args.out, "tests.json"), tests_result(lines, code))
+            proof["phases"].append(dict(name=name, status=status, seconds=round(took, 1), limit_s=round(limit, 1)))
+            write_proof(args.out, proof)
+        proof["seconds"] = round(time.time() - start, 1)
+        write_proof(args.out, proof)
+    print(f"\ngpu-proof: {proof['seconds']:.0f} s of {args.budget:.0f}; results in {args.out}")
+
+
+def write_proof(out, proof):
+    atomic.write_json(os.path.join(out, "proof.json"), proof)
+    phases = {}
+    for p in proof["phases"]:
+        path = os.path.join(out, f"{p['name']}.json")
+        if os.path.exists(path):
+            with open(path) as f:
+                phases[p["name"]] = json.load(f)
+    text = render(proof, phases)
+    atomic.atomic_write(os.path.join(out, "proof.md"), lambda tmp: Path(tmp).write_text(text))
+
+
+def gpu_proof_arguments(sub):
+    g = sub.add_parser("gpu-proof", help="the whole GPU proof (tests, step, compiled, context, ladder) within a budget")
+    g.add_argument("--budget", type=float, default=540, help="seconds for all phases together (default 540)")
+    g.add_argument("--out", required=True, help="the folder of the results")
+    g.add_argument("--shape", default="8b", help="the model shape of bench.py gpu (default 8b; tiny on CPU)")
+    g.add_argument("--warmup", type=int, default=2, help="bench.py gpu's warm-up steps (default 2)")
+    g.add_argument("--rounds", type=int, default=4, help="bench.py gpu's measured rounds (default 4)")
+    g.add_argument("--wheels", default="wheels", help="folder of wheels to install first (default wheels/)")
+    g.add_argument("--phases", default=",".join(p[0] for p in PHASES), help="comma-separated subset of the phases")
