@@ -20,8 +20,9 @@ copied back when backward asks for it, so the GPU holds the inputs of none of th
 recomputed). On CUDA the host copies are pinned and made on a side stream that waits for the compute stream, so the
 copy of block k's input overlaps block k's forward; record_stream tells the caching allocator that the GPU tensor is
 in use there until the copy ends, so it is not reused too early. RoPE's cos and sin go into every checkpoint and are
-copied once. On CPU the same hooks run (a copy to a fresh tensor): nothing moves, and the tests prove the losses and
-gradients through them.
+copied once; what is in CPU memory already (the documents' bounds, which the per-document attention reads on the host)
+stays as it is. On CPU the same hooks run (a copy to a fresh tensor): nothing moves, and the tests prove the losses
+and gradients through them.
 
 Both are settings of train.py (mlp_tile_tokens, offload_checkpoints) and known to support/memory.py's estimate.
 """
@@ -58,6 +59,8 @@ class OffloadedSaves(torch.autograd.graph.saved_tensors_hooks):
         known = self.copies.get(id(t))
         if known is not None and known[0]() is t:
             return known[1]
+        if self.side is not None and not t.is_cuda:  # in CPU memory already (the documents' bounds): kept as it is
+            return (None, t, None)
         host = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.side is not None)
         if self.side is None:
             host.copy_(t)
@@ -76,6 +79,8 @@ class OffloadedSaves(torch.autograd.graph.saved_tensors_hooks):
     @staticmethod
     def unpack(packed):
         device, host, copied = packed
+        if device is None:
+            return host
         if copied is None:
             return host.to(device, copy=True)
         torch.cuda.current_stream(device).wait_event(copied)  # the host copy is complete before it is read back

@@ -102,6 +102,18 @@ def test_offloading_copies_each_saved_tensor_once_and_lets_the_original_go():
     assert torch.equal(grad, plain_grad) and torch.equal(grad_x, plain_grad_x)
 
 
+def test_a_gpu_run_keeps_what_is_in_cpu_memory_already():
+    """With a side stream (a GPU run), a tensor saved from CPU memory (the documents' bounds every checkpointed block
+    gets) is kept as it is: never copied, never put on a CUDA stream (the stand-in stream has no methods; touching it
+    raises), and given back itself. The H200 run before this fix failed there ("Expected a cuda device, but got:
+    cpu")."""
+    saves = OffloadedSaves(torch.device("cpu"))
+    saves.side = object()  # a GPU run's side stream, as far as pack can tell
+    bounds = torch.tensor([0, 5, 9], dtype=torch.int32)
+    packed = saves.pack(bounds)
+    assert saves.unpack(packed) is bounds
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pinned copies on a side stream)")
 def test_on_a_gpu_offloading_frees_the_block_inputs_and_keeps_the_gradients():
     """On CUDA, in fp32 (TF32 off, as torch has it by default): the offloaded and tiled step's loss and gradients are
