@@ -311,10 +311,12 @@ def train_step(model, opt, scaler, batch, micro_rows, step, cfg: Config, place: 
     if place.world > 1:
         dist.all_reduce(n_sup)  # on `device`: NCCL reduces only CUDA tensors
     clock, loss_sum = progress.PhaseClock(place.device), torch.zeros((), dtype=torch.float64, device=place.device)
+    live_dropout = dropout.has_keyed_dropout(model)  # lora_dropout 0: no keys are made, no mask drawn
     for i in range(0, rows, micro_rows):
         b = {k: v[i : i + micro_rows] for k, v in batch.items()}
         first = place.rank * rows + i  # its first row's index in the step's global batch (pack's step_batch)
-        keys = dropout.row_keys(cfg.seed, step, range(first, first + len(b["labels"])), place.device)
+        rows_of_b = range(first, first + len(b["labels"]))
+        keys = dropout.row_keys(cfg.seed, step, rows_of_b, place.device) if live_dropout else None
         fsdp.sync_gradients(model, i + micro_rows >= rows)  # sharded: gradients reduce-scattered after the last only
         with dropout.dropout_rows(model, keys):  # dropout: a function of (seed, step, global row), however split
             loss, _ = forward_loss(model, b, place)

@@ -121,34 +121,6 @@ def print_memory(label, rows):
     print_table(["micro-batch", "checkpointing", "measured peak", "memory.run_estimate", "step s", "tokens/s"], table)
 
 
-def longest_context(cfg, rows, budget, dtype, device):
-    """The longest single row that fits `budget` bytes with checkpointing: by a straight line through the measured
-    peaks of `rows` (memory grows linearly with the row once attention holds no T x T matrix), and by the estimate
-    train.py prints (its largest row within the budget, by bisection)."""
-    measured = [(r["row"], r["peak_bytes"]) for r in rows if "peak_bytes" in r]
-    fit = None
-    if len(measured) >= 2:
-        slope, intercept = np.polyfit(*zip(*measured, strict=True), 1)
-        fit = dict(bytes_per_token=float(slope), fixed_bytes=float(intercept), tokens=int((budget - intercept) / slope))
-    setting = train.Config(quantize=True, activation_checkpointing=True, lora_targets="all-linear", lora_r=LORA["r"])
-    place, low, high = train.Placement(0, 1, device, dtype), 0, 1 << 24
-    while high - low > 256:  # the estimate grows with the row: the largest row whose estimate fits
-        mid = (low + high) // 2
-        low, high = (mid, high) if sum(memory.run_estimate(setting, cfg, mid, place).values()) <= budget else (low, mid)
-    return dict(budget_bytes=budget, fit=fit, estimate_tokens=low)
-
-
-def print_longest(result):
-    budget, fit = memory.fmt(result["budget_bytes"]), result["fit"]
-    line = f"the longest single row within {budget}, checkpointing on: by memory.run_estimate "
-    line += f"{result['estimate_tokens']:,} tokens"
-    if fit:
-        per_token = fit["bytes_per_token"] / 1024
-        line += f"; by the measured peaks' straight line {fit['tokens']:,} ({per_token:.1f} KiB a token above "
-        line += f"{memory.fmt(fit['fixed_bytes'])}: an extrapolation, not a trained step)"
-    print(line)
-
-
 def print_workload(title, result, systems):
     """A workload's table (a row per system) and its ratios (median of the per-round ratios, and their range)."""
     print(f"\n{title}")
@@ -281,9 +253,12 @@ def bench_gpu(args):
         "natural": (natural, "supervised", "natural batching: ours packed, the peer padded to the longest of a batch"),
     }
     for name, (batch_of, metric, _) in work.items():
-        records, errors = run_workload(systems, batch_of, steps, device, cfg, name, args.deadline or None)
-        results["workloads"][name] = workload_result(systems, records, errors, args.warmup, peak, metric)
-        atomic.write_json(args.out, results)
+
+        def save(records, errors, name=name, metric=metric):  # after every round: a killed run keeps what it measured
+            results["workloads"][name] = workload_result(systems, records, errors, args.warmup, peak, metric)
+            atomic.write_json(args.out, results)
+
+        save(*run_workload(systems, batch_of, steps, device, cfg, name, args.deadline or None, save))
     for name, (_, _, title) in work.items():
         print_workload(title, results["workloads"][name], systems)
     finish_gpu(args, results, systems, cfg, row, device, dtype, equal[0])
@@ -306,23 +281,16 @@ def finish_gpu(args, results, systems, cfg, row, device, dtype, batch):
     elif args.profile:
         results["profile"] = profiles(systems, batch, device, cfg)
         atomic.write_json(args.out, results)
-    qlora = []
-    if args.memory or args.contexts:
+    if args.memory:
         qlora = [s for s in systems if s.key == "ours-qlora" and not s.status]
         systems.clear()  # the other systems' models go (the caller holds no other reference), so QLoRA runs alone
         free_cache(device)
         if not qlora:
-            print("\n--memory, --contexts: our QLoRA system did not run")
-    if args.memory and qlora:
-        cells = [(rows, row, ckpt) for ckpt in (False, True) for rows in (1, 2, 4)]
-        results["memory"] = memory_rows(qlora[0], cfg, cells, device, dtype)
-        print_memory(qlora[0].label, results["memory"])
-    if args.contexts and qlora:
-        lengths = [int(n) for n in args.contexts.split(",")]
-        results["contexts"] = memory_rows(qlora[0], cfg, [(1, n, True) for n in lengths], device, dtype)
-        print_memory(qlora[0].label, results["contexts"])
-        results["longest"] = longest_context(cfg, results["contexts"], args.budget_gib * memory.GIB, dtype, device)
-        print_longest(results["longest"])
+            print("\n--memory: our QLoRA system did not run")
+        else:
+            cells = [(rows, row, ckpt) for ckpt in (False, True) for rows in (1, 2, 4)]
+            results["memory"] = memory_rows(qlora[0], cfg, cells, device, dtype)
+            print_memory(qlora[0].label, results["memory"])
     atomic.write_json(args.out, results)
     inside = os.path.abspath(args.out).startswith(REPO + os.sep)
     print(f"\nraw results: {os.path.relpath(args.out, REPO) if inside else args.out}")
@@ -357,7 +325,5 @@ def gpu_arguments(sub):
     )
     g.add_argument("--deadline", type=float, default=0, help="time.time() after which no round starts (0: none)")
     g.add_argument("--memory", action="store_true", help="QLoRA peak memory at 1, 2, 4 rows, checkpointing off/on")
-    g.add_argument("--contexts", default="", help="QLoRA peak memory, one row of each length (checkpointing on)")
-    g.add_argument("--budget_gib", type=float, default=80.0, help="--contexts: the memory the longest row must fit")
     g.add_argument("--profile", action="store_true", help="the kernels of one step of ours (torch.profiler)")
     g.add_argument("--out", default=os.path.join(OUT_DIR, "gpu.json"), help="raw results (default out/bench/gpu.json)")

@@ -113,7 +113,7 @@ def longest_for(system, cfg, setting, seconds, place, budget, doc, out, save):
     by_time = int(rate * (end - time.time()) * 0.9) // 256 * 256
     out |= dict(predicted=tokens, limited_by=limit if tokens <= by_time else "time", attempts=[calibration])
     save()
-    length = min(tokens, by_time)
+    length = min(tokens, by_time, 4 * doc if place.device.type == "cpu" else tokens)  # CPU: the path, not the peak
     while length > doc and time.time() < end:
         rec = try_length(system, cfg, length, doc, place, tiled, offloaded)
         out["attempts"].append(rec)

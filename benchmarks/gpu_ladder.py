@@ -64,7 +64,7 @@ def rung_system(i, model_system):
         model.loss_chunk, model.activation_checkpointing = chunk, checkpointing
         return model_system.forward(batch)
 
-    return System(f"rung{i}", forward, model, model_system.params, model_system.opt)
+    return System(f"rung{i}", forward, model, model_system.params, model_system.opt, within=model_system.within)
 
 
 def build_rungs(cfg, device, dtype):

@@ -40,7 +40,7 @@ from benchmarks.gpu_systems import COMPILED, EAGER
 from support import atomic
 
 # (phase, share of the budget, the fewest seconds worth starting it with)
-PHASES = [("tests", 0.10, 20), ("step", 0.28, 60), ("compiled", 0.30, 60), ("context", 0.18, 40), ("ladder", 0.14, 30)]
+PHASES = [("tests", 0.10, 20), ("step", 0.22, 60), ("compiled", 0.36, 60), ("context", 0.14, 40), ("ladder", 0.18, 30)]
 GRACE = 0.2  # the share of a phase's limit from its child's deadline to its kill: the step in flight, the results
 
 

@@ -27,6 +27,7 @@ A system that cannot be built (out of memory, a missing package) keeps its row w
 
 import gc
 import importlib.util
+import itertools
 import os
 import shutil
 import tempfile
@@ -40,7 +41,7 @@ import quant
 import train
 from benchmarks.common import OUT_DIR, SEED, hf_batch
 from model import Llama
-from support import atomic, dropout_cuda, hf_config, nf4_cuda
+from support import atomic, dropout, dropout_cuda, hf_config, nf4_cuda
 from support.attention import varlen_attention
 from support.hf_config import to_hf
 
@@ -125,6 +126,7 @@ class System:
     model: object = None
     params: list | None = None
     opt: object = None
+    within: object = None  # batch -> the context a step's forward and backward run in (None: none)
     status: str = ""  # why it does not run ("failed: ...", "skipped: ..."); "" when it does
 
     @property
@@ -198,7 +200,14 @@ def ours_system(key, model, device, dtype, lr, compile=False):
         loss, n = train.forward_loss(model, batch, place)
         return loss / max(n, 1)
 
-    return System(key, forward, model, params, train.make_optimizer(train.Config(lr=lr), params, device))
+    steps = itertools.count()
+
+    def within(batch):  # as train.train_step: the dropout keys of the step's rows, for forward and backward
+        keys = dropout.row_keys(SEED, next(steps), range(len(batch["labels"])), device)
+        return dropout.dropout_rows(model, keys)
+
+    opt = train.make_optimizer(train.Config(lr=lr), params, device)
+    return System(key, forward, model, params, opt, within=within)
 
 
 def peer_llama(cfg, base, device, dtype):

@@ -22,6 +22,7 @@ Ratios are the median (and range) of per-round ratios: tokens/s on equal work, s
 A system whose step fails (out of memory) sits out the rest of the workload; the others run on.
 """
 
+import contextlib
 import statistics
 import time
 
@@ -125,8 +126,9 @@ def timed_step(system, batch, device, cfg):
         torch.cuda.reset_peak_memory_stats(device)
         before = torch.cuda.memory_allocated(device)
     start = time.perf_counter()
-    loss = system.forward(batch)
-    loss.backward()
+    with system.within(batch) if system.within else contextlib.nullcontext():
+        loss = system.forward(batch)
+        loss.backward()
     torch.nn.utils.clip_grad_norm_(system.params, 1.0)
     system.opt.step()
     system.opt.zero_grad(set_to_none=True)
@@ -140,10 +142,10 @@ def timed_step(system, batch, device, cfg):
     return rec
 
 
-def run_workload(systems, batch_of, steps, device, cfg, title, deadline=None):
+def run_workload(systems, batch_of, steps, device, cfg, title, deadline=None, save=None):
     """Steps 0..steps-1 of every system that runs, interleaved (step s of each in turn, then s + 1): {key: records}
     and {key: "failed: ..."} for a system whose step failed (it sits out the rest of the workload). No round starts
-    after `deadline` (time.time() seconds)."""
+    after `deadline` (time.time() seconds); save(records, errors) after every round."""
     records, errors = {s.key: [] for s in systems}, {}
     for step in range(steps):
         if deadline is not None and time.time() > deadline:
@@ -165,6 +167,8 @@ def run_workload(systems, batch_of, steps, device, cfg, title, deadline=None):
             s.opt.zero_grad(set_to_none=True)  # the failed step's activations went with the exception
             free_cache(device)
         print(f"{title} step {step + 1}/{steps}: {', '.join(done)}", flush=True)
+        if save:
+            save(records, errors)
     return records, errors
 
 
@@ -197,7 +201,7 @@ def workload_result(systems, records, errors, warmup, peak_flops, metric, pairs=
     for s in systems:
         status = s.status or errors.get(s.key, "")
         if not status and len(records[s.key]) <= warmup:
-            status = "stopped: no measured step before the deadline"
+            status = "stopped: no measured step (a deadline or a time limit)"
         out["systems"][s.key] = {"status": status} if status else {"steps": records[s.key]}
         if not status:
             out["systems"][s.key]["summary"] = summarize_system(s, records[s.key], warmup, peak_flops)

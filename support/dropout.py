@@ -119,11 +119,20 @@ def tile_of_rows(module, first_token):
             dropout.first_token = 0
 
 
+def has_keyed_dropout(model) -> bool:
+    """Whether any adapter of `model` drops its input (lora_dropout 0 builds nn.Identity instead)."""
+    return any(isinstance(m, KeyedDropout) for m in model.modules())
+
+
 @contextmanager
 def dropout_rows(model, keys):
     """Within the block, every KeyedDropout of `model` drops features by the row keys `keys` (row_keys: one per row of
     the micro-batch in flight), each module hashing them with its own index (its place among the model's dropouts);
-    forward and backward (and activation checkpointing's recomputation) must run inside."""
+    forward and backward (and activation checkpointing's recomputation) must run inside. keys None: a model without
+    dropout, nothing to set."""
+    if keys is None:
+        yield
+        return
     dropouts = [m for m in model.modules() if isinstance(m, KeyedDropout)]
     for index, dropout in enumerate(dropouts):
         dropout.keys = mix64_(keys ^ _signed((index + 1) * GOLDEN % 2**64))

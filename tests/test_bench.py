@@ -14,8 +14,11 @@ The training comparison (`bench.py train`):
 
 The GPU benchmark (`bench.py gpu`):
 
-- `python bench.py gpu --shape=tiny` runs end to end on CPU and prints both tables with a row for every system and
-  their ratios, the profile and the memory table, and writes the JSON; ours and the peer start from the same loss;
+- `python bench.py gpu-proof --shape=tiny`, the rehearsal of what a lent GPU runs, goes through its five phases on CPU
+  within its budget (the CUDA tests, the step eager and compiled with every system's rows, ratios and profiles, the
+  longest row, the ladder), each writing its JSON and its tables; ours and the peer start from the same loss; a phase
+  the budget cannot fit is skipped, one past its limit is killed with its process group, and no round of steps starts
+  after a deadline; `bench.py gpu --memory` reports our QLoRA's memory beside the estimate;
 - median_ratio and workload_result pair each system's measured steps round by round (a system that stopped early
   is compared over the rounds both completed); a system whose step fails (out of memory) or that was skipped keeps
   its row with the reason, and the others run on;
@@ -31,15 +34,17 @@ import json
 import os
 import subprocess
 import sys
+import time
 from types import SimpleNamespace
 
 import numpy as np
+import psutil
 import pytest
 import torch
 import transformers
 
 import train
-from benchmarks import common, cpu_train, gpu, gpu_systems, gpu_workloads
+from benchmarks import common, cpu_train, gpu, gpu_proof, gpu_systems, gpu_workloads
 from support import run_dir
 from support.hf_config import from_hf, read_config
 from support.tokenizer import Tokenizer
@@ -134,47 +139,115 @@ def test_train_tables_take_the_median_of_per_round_ratios(capsys):
 # ----------------------------------------------------------------------------- bench.py gpu
 
 
-RUN_PAIRS = [pair for pair in gpu_systems.PAIRS if "peer-liger" not in pair]  # the pairs of the systems CPU runs
+def gpu_proof_rehearsal(tmp_path, budget):
+    """Run `bench.py gpu-proof --shape=tiny` on CPU, compilation off (TORCH_COMPILE_DISABLE: the compiled systems run
+    their eager code; test_model.py proves the compiled blocks), no wheels: (proof.json, {phase: its JSON}, proof.md,
+    the seconds it took)."""
+    out = tmp_path / "proof"
+    argv = [sys.executable, "bench.py", "gpu-proof", "--shape=tiny", f"--budget={budget}", f"--out={out}"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TORCH_COMPILE_DISABLE="1")  # one thread: 2 cores, not oversubscribed
+    start = time.time()
+    proc = subprocess.run([*argv, "--wheels=none"], cwd=common.REPO, env=env, capture_output=True, text=True)
+    took = time.time() - start
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "no wheels in none/: the peers that need bitsandbytes or liger-kernel are skipped" in proc.stdout
+    proof = json.loads((out / "proof.json").read_text())
+    phases = {p: json.loads((out / f"{p}.json").read_text()) for p in PHASES if (out / f"{p}.json").exists()}
+    return proof, phases, (out / "proof.md").read_text(), took
 
 
-def test_gpu_command_on_cpu(tmp_path):
-    """`bench.py gpu --shape=tiny` on CPU: every system but Liger's (GPU only, skipped with its reason) trains, the
-    compiled peer included; each table has every row and ratio; step 1's loss of our LoRA equals the peer's on the
-    same weights and tensors; --memory, --contexts and --profile report."""
-    out = tmp_path / "gpu.json"
-    argv = [sys.executable, "bench.py", "gpu", "--shape=tiny", "--warmup=1", "--rounds=2", f"--out={out}"]
-    env = dict(os.environ, OMP_NUM_THREADS="1")  # one thread: a shared 2-core machine is not oversubscribed
-    proc = subprocess.run(
-        [*argv, "--memory", "--contexts=128,256", "--profile"],
-        cwd=common.REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
+PHASES = [p[0] for p in gpu_proof.PHASES]
+
+
+def test_gpu_proof_rehearsal_on_cpu(tmp_path):
+    """The rehearsal of the command a lent GPU runs: every phase runs on CPU within the budget, exits cleanly and
+    writes its JSON, and proof.md holds each phase's tables. tests: the CUDA tests, each skipped here (the same list
+    pytest reports as skipped for want of CUDA). step and compiled: every system has its rows on both workloads (Liger
+    skipped with its reason) with their ratios, our LoRA's first loss is the peer's on the same weights and tensors,
+    and ours are profiled. context: each setting tried a row longer than one document, which fit. ladder: every rung
+    measured, its gains over the rung before and the baseline."""
+    proof, phases, text, took = gpu_proof_rehearsal(tmp_path, budget=420)
+    assert [p["name"] for p in proof["phases"]] == PHASES and set(phases) == set(PHASES)
+    assert all(p["status"] == "exit code 0" and p["seconds"] <= p["limit_s"] for p in proof["phases"]), proof
+    assert took < 420 + 30
+    cuda_tests = phases["tests"]["outcomes"]
+    assert len(cuda_tests) >= 25 and set(cuda_tests.values()) == {"SKIPPED"}
+    assert f"{len(cuda_tests)} skipped" in phases["tests"]["summary"]
+    for phase, keys in (("step", gpu_systems.EAGER), ("compiled", gpu_systems.COMPILED)):
+        for work in phases[phase]["workloads"].values():
+            assert list(work["systems"]) == keys
+            for key in keys:
+                want = "skipped: Liger's kernels are Triton kernels for a GPU" if key == "peer-liger" else None
+                assert work["systems"][key].get("status") == want, (phase, key, work["systems"][key].get("status"))
+            ran = [(a, b) for a, b in gpu_systems.PAIRS if {a, b} <= set(keys) - {"peer-liger"}]
+            assert sorted(work["ratios"]) == sorted(f"{a}/{b}" for a, b in ran)
+        assert set(phases[phase]["profile"]) == {k for k in keys if k.startswith("ours")}
+    first = {
+        k: v["steps"][0]["loss"] for k, v in phases["step"]["workloads"]["equal"]["systems"].items() if "steps" in v
+    }
+    assert first["ours-lora"] == pytest.approx(first["peer-lora"], abs=2e-3)  # same weights, same tensors
+    for setting in phases["context"]["settings"]:
+        long_rows = [a for a in setting["attempts"] if a["tokens"] > phases["context"]["doc"]]
+        assert long_rows and all(a["status"] == "fits" for a in setting["attempts"]), setting
+    ladder = phases["ladder"]
+    assert all("summary" in ladder["systems"][f"rung{i}"] for i in range(len(ladder["rungs"])))
+    assert all(g["previous"]["n"] >= 1 and g["baseline"]["n"] >= 1 for g in ladder["gains"].values())
+    for phase in PHASES:
+        assert f"## {phase}" in text and "(incomplete results" not in text
+
+
+def test_a_phase_that_does_not_fit_the_budget_left_is_skipped():
+    """phase_limit: a phase gets its share of the budget plus what earlier phases left, never more than is left, and
+    none (with one line saying so) when that is under its minimum."""
+    now = time.time()
+    limit, line = gpu_proof.phase_limit("step", 0.3, 60, 500, now + 400, carried=20)
+    assert limit == pytest.approx(170) and line == "step: up to 170 s"
+    limit, _ = gpu_proof.phase_limit("step", 0.3, 60, 500, now + 100, carried=20)
+    assert limit == pytest.approx(100, abs=1)
+    limit, line = gpu_proof.phase_limit("ladder", 0.16, 30, 500, now + 25, carried=0)
+    assert limit is None and line.startswith("ladder: skipped, 25 s of the budget left and it needs at least 30 s")
+
+
+def test_a_phase_past_its_limit_is_killed_with_its_process_group(tmp_path):
+    """run_phase streams a child's lines as they come and, at the limit, kills its whole process group (a grandchild
+    too): it returns None for the exit code and the lines printed before, promptly."""
+    child = (
+        "import subprocess, sys, time; "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        "print(p.pid, flush=True); time.sleep(60)"
     )
+    start = time.time()
+    with open(tmp_path / "log.txt", "w") as log:
+        code, lines = gpu_proof.run_phase([sys.executable, "-c", child], dict(os.environ), start + 3, log)
+    assert code is None and time.time() - start < 15
+    grandchild = int(lines[0])
+    time.sleep(0.5)
+    assert not psutil.pid_exists(grandchild) or psutil.Process(grandchild).status() == psutil.STATUS_ZOMBIE
+    assert (tmp_path / "log.txt").read_text() == lines[0]
+
+
+def test_no_round_starts_after_the_deadline():
+    """run_workload with a deadline already past runs no step; workload_result reports each system as stopped."""
+    cfg = from_hf(gpu_systems.SHAPES["tiny"][1])
+    opt = SimpleNamespace(state={}, step=lambda: None, zero_grad=lambda set_to_none: None)
+    system = gpu_systems.System("ours-lora", lambda b: 1 / 0, torch.nn.Linear(1, 1), [], opt)
+    records, errors = gpu_workloads.run_workload([system], None, 3, torch.device("cpu"), cfg, "equal", time.time() - 1)
+    assert records == {"ours-lora": []} and errors == {}
+    result = gpu_workloads.workload_result([system], records, errors, 1, 1.0, "tokens")
+    assert result["systems"]["ours-lora"]["status"].startswith("stopped: no measured step")
+
+
+def test_gpu_memory_option_on_cpu(tmp_path):
+    """`bench.py gpu --memory` on CPU: our QLoRA alone at 1, 2 and 4 rows, checkpointing off and on, each beside the
+    estimate train.py prints (CPU has no allocator peak to measure)."""
+    out = tmp_path / "gpu.json"
+    argv = [sys.executable, "bench.py", "gpu", "--shape=tiny", "--systems=ours-qlora", "--warmup=1", "--rounds=1"]
+    proc = subprocess.run([*argv, "--memory", f"--out={out}"], cwd=common.REPO, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    text = proc.stdout
-    tables = text[text.index("\nequal work:") :]
-    equal, natural = tables.split("\nnatural batching:")[:2]
-    for table in (equal, natural):
-        for key, label in gpu_systems.SYSTEMS.items():  # every system has its row, and it ran (Liger's: GPU only)
-            row = next(line for line in table.splitlines() if line.startswith(label + "  "))
-            if key == "peer-liger":
-                assert "skipped: Liger's kernels are Triton kernels for a GPU" in row, row
-            else:
-                assert "failed" not in row and "skipped" not in row, row
-        for a, b in RUN_PAIRS:
-            assert f"{gpu_systems.SYSTEMS[a]} / {gpu_systems.SYSTEMS[b]}" in table
-    assert "profile of one equal-work step, nanoqlora QLoRA (NF4)" in text and "peak memory of nanoqlora" in text
-    results = json.loads(out.read_text())
-    for name in ("equal", "natural"):
-        work = results["workloads"][name]
-        assert all("summary" in work["systems"][k] for k in gpu_systems.SYSTEMS if k != "peer-liger"), work
-        assert {r["n"] for r in work["ratios"].values()} == {2} and len(work["ratios"]) == len(RUN_PAIRS)
-    first = {k: v["steps"][0]["loss"] for k, v in results["workloads"]["equal"]["systems"].items() if "steps" in v}
-    assert first["ours-lora"] == pytest.approx(first["peer-lora"], abs=2e-3)  # same weights, same tensors (bf16)
-    assert len(results["memory"]) == 6 and set(results["profile"]) == {"ours-lora", "ours-qlora"}
-    assert [r["row"] for r in results["contexts"]] == [128, 256] and results["longest"]["estimate_tokens"] > 256
+    cells = json.loads(out.read_text())["memory"]
+    assert [(c["rows"], c["checkpointing"]) for c in cells] == [(r, c) for c in (False, True) for r in (1, 2, 4)]
+    assert all(c["estimate_bytes"] > 0 and c["tokens_per_s"] > 0 for c in cells)
+    assert "peak memory of nanoqlora QLoRA (NF4)" in proc.stdout
 
 
 def step_record(seconds, tokens):

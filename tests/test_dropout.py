@@ -126,3 +126,22 @@ def test_tiles_of_the_rows_drop_what_the_whole_rows_drop():
         with tile_of_rows(model, 3), pytest.raises(ValueError, match="starting at element 18 of its rows, not a"):
             dropout(x[:, 3:])
     assert dropout.first_token == 0
+
+
+@pytest.mark.parametrize("keyed", [True, False])
+def test_a_compiled_lora_linear_has_no_graph_break_at_the_dropout(keyed):
+    """torch._dynamo.explain of an adapted linear's forward and backward in training, dropout live, with the row keys
+    dropout_rows sets (keyed) and with keys drawn in the graph: one graph, no break (the CPU hash is plain tensor
+    arithmetic; on CUDA the kernel is an opaque op, tests/test_dropout_cuda.py)."""
+    model = adapted_llama(r=2, dropout=0.1)
+    layer = model.model.layers[0].mlp.down_proj
+    x = torch.randn(2, 5, layer.in_features, requires_grad=True)
+
+    def step(x):
+        layer(x).sum().backward()
+        return x.grad
+
+    torch._dynamo.reset()
+    with dropout_rows(model, row_keys(0, 1, [0, 1]) if keyed else None):
+        explained = torch._dynamo.explain(step)(x)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons

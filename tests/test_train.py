@@ -41,7 +41,7 @@ from safetensors.torch import load_file
 import quant
 import train
 from pack import PackedDataset, build_dataset
-from support import atomic, checkpoint, memory, micro_batch, optional, precision, progress, run_dir
+from support import atomic, checkpoint, dropout, memory, micro_batch, optional, precision, progress, run_dir
 from support.config import load_config
 from support.examples import stdlib_examples
 from support.flops import flops_per_token, fmt_flops, matmul_rates
@@ -96,6 +96,32 @@ def test_accumulation_equals_one_batch(tiny_dir):
     for a, b in zip(*adapters, strict=True):
         torch.testing.assert_close(a, b, atol=1e-11, rtol=0)
     assert max(float(p.abs().max()) for p in adapters[0][1::2]) > 1e-4  # every B moved from zero: a real update
+
+
+def test_a_step_without_dropout_makes_no_keys_and_draws_no_mask(tiny_dir, monkeypatch):
+    """lora_dropout=0: the adapters hold nn.Identity and train_step computes no row keys; with every part of the keyed
+    dropout made to fail, the step still trains (and with dropout on, the same patch stops it, so it is reached)."""
+    tok = Tokenizer(tiny_dir)
+    batch = build_dataset(stdlib_examples("train")[:64], tok, 128).step_batch(0, 2)
+    place = train.Placement(0, 1, torch.device("cpu"), torch.float32)
+
+    def fail(*args, **kwargs):
+        raise AssertionError("the keyed dropout ran")
+
+    for name in ("row_keys", "mix64_", "keyed_dropout"):
+        monkeypatch.setattr(dropout, name, fail)
+    for p in (0.0, 0.1):
+        cfg = train.Config(model=tiny_dir, lora_r=2, lora_alpha=4.0, lora_dropout=p)
+        lora = dict(targets="all-linear", r=2, alpha=4.0, dropout=p, lora_dtype=torch.float32)
+        model = train.load_model(tiny_dir, torch.float32, add_lora=lora)
+        params = [q for q in model.parameters() if q.requires_grad]
+        opt, scaler = train.make_optimizer(cfg, params, place.device), torch.amp.GradScaler("cuda", enabled=False)
+        if p == 0:
+            record = train.train_step(model, opt, scaler, batch, 2, 0, cfg, place)
+            assert math.isfinite(record["loss"]) and record["grad_norm"] > 0
+        else:
+            with pytest.raises(AssertionError, match="the keyed dropout ran"):
+                train.train_step(model, opt, scaler, batch, 2, 0, cfg, place)
 
 
 def run_interrupted(argv, at_step, monkeypatch, presses=1):
