@@ -43,7 +43,8 @@ from support.precision import pick_precision
 KERNEL_KINDS = [
     ("attention", r"flash|fmha|attention|attn"),  # first: FlashAttention's kernel names hold "cutlass" too
     ("matmul", r"gemm|cutlass|nvjet|xmma|wgmma|^aten::(mm|addmm|bmm)$"),
-    ("NF4 dequantize", r"dequant|^kernel$"),  # `kernel`: the name of support/nf4_cuda.py's Triton kernel
+    ("NF4 dequantize", r"dequant"),  # bitsandbytes' kDequantizeBlockwise, support/nf4_cuda.py's nf4_dequantize_kernel
+    ("LoRA dropout", r"keyed_dropout"),  # support/dropout_cuda.py's keyed_dropout_kernel
 ]
 
 

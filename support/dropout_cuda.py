@@ -42,8 +42,8 @@ def _triton_kernel():
     import triton.language as tl
 
     @triton.jit
-    def kernel(x, keys, out, row_numel, threshold, scale, SIZE: tl.constexpr, GOLD: tl.constexpr, M1: tl.constexpr,
-               M2: tl.constexpr, BITS: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
+    def keyed_dropout_kernel(x, keys, out, row_numel, threshold, scale, SIZE: tl.constexpr, GOLD: tl.constexpr,
+                             M1: tl.constexpr, M2: tl.constexpr, BITS: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
         row = tl.program_id(1).to(tl.int64)
         e = tl.program_id(0).to(tl.int64) * SIZE + tl.arange(0, SIZE)  # (SIZE,) element indices in the row
         inside = e < row_numel
@@ -63,7 +63,7 @@ def _triton_kernel():
         else:
             tl.store(out + row * row_numel + e, value.to(out.dtype.element_ty), mask=inside)
 
-    return kernel
+    return keyed_dropout_kernel
 
 
 def keyed_dropout_triton(x, p, keys):

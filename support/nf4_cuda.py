@@ -56,8 +56,8 @@ def _triton_kernel():
     import triton.language as tl
 
     @triton.jit
-    def kernel(packed, absmax, nested_absmax, offset, nf4, dyn, out, n, SIZE: tl.constexpr, Q: tl.constexpr,
-               NESTED: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
+    def nf4_dequantize_kernel(packed, absmax, nested_absmax, offset, nf4, dyn, out, n, SIZE: tl.constexpr,
+                              Q: tl.constexpr, NESTED: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
         i = tl.program_id(0).to(tl.int64) * SIZE + tl.arange(0, SIZE)  # (SIZE,) output indices
         mask = i < n
         byte = tl.load(packed + i // 2, mask=mask, other=0).to(tl.int32)
@@ -72,7 +72,7 @@ def _triton_kernel():
         else:
             tl.store(out + i, value.to(out.dtype.element_ty), mask=mask)
 
-    return kernel
+    return nf4_dequantize_kernel
 
 
 def dequantize_triton(weight, absmax, nested_absmax, offset, shape, dtype):

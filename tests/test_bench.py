@@ -314,7 +314,11 @@ def test_kernel_kinds():
         ),
         "nvjet_sm90_tst_256x128_64x4_1x2_h_bz_coopA_NNT": "matmul",
         "aten::addmm": "matmul",
-        "kernel": "NF4 dequantize",
+        "nf4_dequantize_kernel": "NF4 dequantize",
+        "void kDequantizeBlockwise<__nv_bfloat16, 512, 64, 8, 2>(float*, unsigned char*, float*, __nv_bfloat1": (
+            "NF4 dequantize"
+        ),
+        "keyed_dropout_kernel": "LoRA dropout",
         "triton_poi_fused__unsafe_view_add_mul_native_dropout_silu_10": "other",
     }
     assert {name: gpu.kernel_kind(name) for name in names} == names
