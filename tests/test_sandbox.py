@@ -31,10 +31,16 @@ PR_SET_CHILD_SUBREAPER = 36
 REIMPORT = "import sys\nfor m in {names}:\n    sys.modules.pop(m, None)\n"  # undoes the guard's import block
 
 
+SOCKET = REIMPORT.format(names=("socket", "_socket")) + "import socket\n"
+CTYPES = REIMPORT.format(names=("ctypes", "_ctypes")) + "import ctypes\nlibc = ctypes.CDLL(None)\n"
+
+
 def hostile(w) -> dict:
     """{name: program}; each passes only if it gets out, and leaves a trace outside when it does."""
-    sock = REIMPORT.format(names=("socket", "_socket")) + "import socket\n"
-    ctypes_ = REIMPORT.format(names=("ctypes", "_ctypes")) + "import ctypes\nlibc = ctypes.CDLL(None)\n"
+    return processes_and_files(w) | secrets_network_signals(w) | time_output_verdict()
+
+
+def processes_and_files(w) -> dict:
     touch = f'"touch {w.marker}"'
     create = "import posix\nposix.close(posix.open({!r}, posix.O_CREAT | posix.O_WRONLY))".format
     return {
@@ -47,7 +53,7 @@ def hostile(w) -> dict:
         "the child's own subprocess": f"import sys\nsys.modules['__main__'].subprocess.run({touch}, shell=True)",
         "re-imported subprocess": REIMPORT.format(names=("subprocess", "_posixsubprocess"))
         + f"import subprocess\nsubprocess.run({touch}, shell=True, check=True)",
-        "ctypes system": ctypes_ + f"assert libc.system({touch}.encode()) == 0",
+        "ctypes system": CTYPES + f"assert libc.system({touch}.encode()) == 0",
         "setsid grandchild": "import posix, time\nif posix.fork() == 0:\n    posix.setsid()\n    while True:\n"
         f"        posix.close(posix.open({w.marker!r}, posix.O_CREAT | posix.O_WRONLY))\n        time.sleep(0.05)",
         "exec a shell that prints a verdict": 'import posix\nposix.execv("/bin/sh", ["sh", "-c", "echo passed; '
@@ -74,6 +80,11 @@ def hostile(w) -> dict:
         "plant code in site-packages": create(w.plant),
         "write in the project": create(w.in_project),
         "list the home directory": f"import posix\nassert posix.listdir({w.home!r}) is not None",
+    }  # fmt: skip
+
+
+def secrets_network_signals(w) -> dict:
+    return {
         # secrets
         "the parent's /proc environ": "import posix\nfd = posix.open(f'/proc/{posix.getppid()}/environ', 0)\n"
         "assert b'PATH=' in posix.read(fd, 1 << 20)",
@@ -82,17 +93,22 @@ def hostile(w) -> dict:
         "fd = posix.open(f'/proc/{p}/mem', 0)\nposix.lseek(fd, start, 0)\nassert posix.read(fd, 1)",
         "/proc environ of its user's process": f"import posix\nfd = posix.open('/proc/{w.victim_pid}/environ', 0)\n"
         f"assert {w.secret.encode()!r} in posix.read(fd, 1 << 20)",
-        "ptrace its user's process": ctypes_ + f"assert libc.ptrace(16, {w.victim_pid}, 0, 0) == 0",
+        "ptrace its user's process": CTYPES + f"assert libc.ptrace(16, {w.victim_pid}, 0, 0) == 0",
         # the network
-        "TCP after re-import": sock + f"socket.create_connection(('127.0.0.1', {w.tcp_port}), 1).sendall(b'x')",
-        "UDP": sock + f"socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('127.0.0.1', {w.udp_port}))",
-        "UNIX socket": sock + f"s = socket.socket(socket.AF_UNIX)\ns.connect({w.unix_path!r})\ns.sendall(b'x')",
-        "abstract UNIX socket": sock + f"s = socket.socket(socket.AF_UNIX)\ns.connect({w.abstract!r})\ns.sendall(b'x')",
-        "socket through ctypes": ctypes_ + "assert libc.socket(2, 1, 0) >= 0",
+        "TCP after re-import": SOCKET + f"socket.create_connection(('127.0.0.1', {w.tcp_port}), 1).sendall(b'x')",
+        "UDP": SOCKET + f"socket.socket(socket.AF_INET, socket.SOCK_DGRAM).sendto(b'x', ('127.0.0.1', {w.udp_port}))",
+        "UNIX socket": SOCKET + f"socket.socket(socket.AF_UNIX).connect({w.unix_path!r})",
+        "abstract UNIX socket": SOCKET + f"socket.socket(socket.AF_UNIX).connect({w.abstract!r})",
+        "socket through ctypes": CTYPES + "assert libc.socket(2, 1, 0) >= 0",
         # signals
         "kill its user's process": f"import posix\nposix.kill({w.victim_pid}, 9)",
         "signal every process it may": "import posix\nposix.kill(-1, 0)",
         "signal the parent": "import posix\nposix.kill(posix.getppid(), 0)",
+    }  # fmt: skip
+
+
+def time_output_verdict() -> dict:
+    return {
         # time
         "loop that eats its timeout": "while True:\n    try:\n        while True: pass\n    except BaseException: pass",
         "alarm blocked": "import signal\nsignal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGALRM})\n"
