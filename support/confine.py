@@ -29,7 +29,6 @@ filter of a few hundred instructions.
 
 import ctypes
 import os
-import platform
 import struct
 import sys
 
@@ -122,10 +121,10 @@ def prctl(option: int, value: int):
 
 def machine() -> tuple[int, int]:
     """(AUDIT_ARCH, table column) of this machine; Unavailable where there is no table for it."""
-    name = platform.machine().lower().replace("arm64", "aarch64").replace("amd64", "x86_64")
+    name = os.uname().machine
     if sys.platform != "linux" or name not in ARCHES:
         raise Unavailable(f"Landlock and seccomp confinement needs Linux on x86_64 or aarch64; this is {sys.platform} "
-                          f"on {platform.machine()}")  # fmt: skip
+                          f"on {name}")  # fmt: skip
     return ARCHES[name]
 
 

@@ -165,6 +165,6 @@ def test_missing_mechanisms_are_named(monkeypatch):
     monkeypatch.setattr(confine, "syscall", failing(95))
     with pytest.raises(confine.Unavailable, match=r"^Landlock is in this kernel but not enabled: add landlock to the"):
         confine.landlock_abi()
-    monkeypatch.setattr(confine.platform, "machine", lambda: "riscv64")
+    monkeypatch.setattr(confine.os, "uname", lambda: os.uname_result(("Linux", "h", "6.18", "#1", "riscv64")))
     with pytest.raises(confine.Unavailable, match=r"needs Linux on x86_64 or aarch64; this is linux on riscv64"):
         confine.machine()
