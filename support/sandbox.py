@@ -31,12 +31,13 @@ before reaping the child, so the group's id cannot have been reused; the tempora
 only when it carries a token the parent drew for this program, so printing a verdict, or writing one on the verdict
 pipe, scores "failed".
 
-Fail closed: where the kernel cannot confine (not Linux on x86_64 or aarch64, Landlock missing or not enabled, no
-seccomp filters), confinement() says what is missing and run() raises Unconfinable before anything runs.
-run(confine=False) (train.py's eval_task_unconfined=True) runs the program under the limits (with RLIMIT_NPROC at 0,
-which binds no root) and the Python guards alone, with the same verdict pipe, token, output and kill: those guards
-fall to a determined program (posix.system, io.FileIO, /proc of the parent, a re-imported socket module, a grandchild
-in a session of its own that outlives the kill).
+Fail closed: confinement needs Linux >= 5.13 on x86_64 or aarch64, with Landlock enabled at boot (Landlock's own TCP and
+signal rules from 6.7 and 6.12 are a further layer: seccomp covers both on any of them). Where the kernel cannot
+confine, confinement() says what is missing and run() raises Unconfinable before anything runs. run(confine=False)
+(train.py's eval_task_unconfined=True) runs the program under the limits (with RLIMIT_NPROC at 0, which binds no root)
+and the Python guards alone, with the same verdict pipe, token, output and kill: those guards fall to a determined
+program (posix.system, io.FileIO, /proc of the parent, a re-imported socket module, a grandchild in a session of its own
+that outlives the kill).
 
 Not covered, confined or not: a program can still read the token from the interpreter it shares with the code that
 reports its verdict (its frames, gc, ctypes) and so report itself passed: a wrong score, with the confinement
