@@ -12,9 +12,10 @@ apply(readable, writable, owned) confines the calling process, irreversibly, bef
   the process;
 - a seccomp filter, a BPF program the kernel runs on every system call of every thread: no new processes (clone
   only makes threads), no exec, no sockets of any family, no ptrace or reading another process's memory, no signal,
-  priority or limit set on another process, no namespaces or mounts, no mode, owner, attribute or time changes and
-  no truncation by path (Landlock does not govern those), no opening by file handle, no kernel keyrings, BPF, perf
-  events, userfaultfd or io_uring (whose requests would skip the filter). A system call numbered past the newest
+  priority or limit set on another process (and no file's SIGIO aimed anywhere), no System V IPC or POSIX message
+  queues, no namespaces or mounts, no mode, owner, attribute or time changes and no truncation by path (Landlock does
+  not govern those), no opening by file handle, no kernel log, keyrings, BPF, perf events, userfaultfd or io_uring
+  (whose requests would skip the filter). A system call numbered past the newest
   one here (Linux 6.18's) answers ENOSYS, so a call added to a later kernel is refused until it is looked at here.
 
 Where the kernel cannot do all of it, apply() raises Unavailable with the reason: nothing is changed when Landlock, the
@@ -54,7 +55,7 @@ SET_MODE_FILTER, FILTER_FLAG_TSYNC = 1, 1
 KILL_PROCESS, ERRNO, ALLOW = 0x80000000, 0x00050000, 0x7FFF0000
 EPERM, ENOSYS = 1, 38
 LD, JEQ, JGT, AND, RET = 0x20, 0x15, 0x25, 0x54, 0x06  # BPF_LD|W|ABS, JMP|JEQ|K, JMP|JGT|K, ALU|AND|K, RET|K
-NR, ARCH, ARG0 = 0, 4, 16  # offsets in struct seccomp_data; an argument is 64 bits, the low half first
+NR, ARCH, ARG0, ARG1 = 0, 4, 16, 24  # offsets in struct seccomp_data; an argument is 64 bits, the low half first
 CLONE_THREAD = 0x00010000
 CLONE_NAMESPACES = 0x7E020000  # CLONE_NEWNS, NEWCGROUP, NEWUTS, NEWIPC, NEWUSER, NEWPID, NEWNET
 NEWEST = 470  # listns, Linux 6.18's newest system call: anything numbered past it answers ENOSYS
@@ -71,7 +72,12 @@ REFUSED = {  # these answer EPERM
     "ptrace": (101, 117), "process_vm_readv": (310, 270), "process_vm_writev": (311, 271),
     "process_madvise": (440, 440), "kcmp": (312, 272), "pidfd_open": (434, 434), "pidfd_getfd": (438, 438),
     "pidfd_send_signal": (424, 424), "tkill": (200, 130), "move_pages": (279, 239), "migrate_pages": (256, 238),
-    "setpriority": (141, 140), "ioprio_set": (251, 30),
+    "setpriority": (141, 140), "ioprio_set": (251, 30), "syslog": (103, 116),
+    # System V IPC and POSIX message queues: objects shared with every process of the machine, outside the files
+    "shmget": (29, 194), "shmat": (30, 196), "shmctl": (31, 195), "shmdt": (67, 197), "semget": (64, 190),
+    "semop": (65, 193), "semctl": (66, 191), "semtimedop": (220, 192), "msgget": (68, 186), "msgsnd": (69, 189),
+    "msgrcv": (70, 188), "msgctl": (71, 187), "mq_open": (240, 180), "mq_unlink": (241, 181),
+    "mq_timedsend": (242, 182), "mq_timedreceive": (243, 183), "mq_notify": (244, 184), "mq_getsetattr": (245, 185),
     # namespaces and mounts
     "unshare": (272, 97), "setns": (308, 268), "mount": (165, 40), "umount2": (166, 39), "pivot_root": (155, 41),
     "chroot": (161, 51), "open_tree": (428, 428), "move_mount": (429, 429), "fsopen": (430, 430),
@@ -88,7 +94,7 @@ REFUSED = {  # these answer EPERM
     "fanotify_init": (300, 262), "fanotify_mark": (301, 263), "quotactl": (179, 60), "quotactl_fd": (443, 443),
     # kernel facilities that reach past the process, or past this filter
     "keyctl": (250, 219), "add_key": (248, 217), "request_key": (249, 218), "bpf": (321, 280),
-    "perf_event_open": (298, 241), "userfaultfd": (323, 282),
+    "perf_event_open": (298, 241), "userfaultfd": (323, 282), "uselib": (134, None),
     "io_uring_setup": (425, 425), "io_uring_enter": (426, 426), "io_uring_register": (427, 427),
 }  # fmt: skip
 ON_ITSELF = {  # allowed only when the first argument (a pid) is 0 or this process's own pid; else EPERM
@@ -96,6 +102,10 @@ ON_ITSELF = {  # allowed only when the first argument (a pid) is 0 or this proce
     "prlimit64": (302, 261), "sched_setaffinity": (203, 122), "sched_setscheduler": (144, 119),
     "sched_setparam": (142, 118), "sched_setattr": (314, 274),
 }  # fmt: skip
+COMMANDS = {  # refused (EPERM) when the second argument is one of these: they aim a file's SIGIO at another process
+    "fcntl": ((72, 25), (8, 15)),  # F_SETOWN, F_SETOWN_EX
+    "ioctl": ((16, 29), (0x8901, 0x8902)),  # FIOSETOWN, SIOCSPGRP
+}
 CLONE, CLONE3 = (56, 220), (435, 435)  # clone: threads only (below); clone3: ENOSYS
 SECCOMP, CAPSET = (317, 277), (126, 91)  # what apply() itself calls
 
@@ -196,6 +206,9 @@ def seccomp_program(audit_arch: int, column: int, pid: int) -> list[bytes]:
     ]  # fmt: skip
     for numbers in ON_ITSELF.values():
         program += when(numbers[column], on_itself)
+    for numbers, commands in COMMANDS.values():  # the command is an unsigned int: its low half is all of it
+        jumps = [bpf(JEQ, command, len(commands) - i, 0) for i, command in enumerate(commands)]  # to the EPERM
+        program += when(numbers[column], [bpf(LD, ARG1), *jumps, bpf(RET, ALLOW), bpf(RET, ERRNO | EPERM)])
     return program + [bpf(RET, ALLOW)]
 
 

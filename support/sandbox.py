@@ -13,7 +13,8 @@ enforces (support/confine.py: Landlock, seccomp, and under root a change of user
   /dev/null. Nothing else can be opened, listed, created, renamed or removed: not the project, not the home
   directory, not another process's /proc entries. No file's mode, owner, attributes or times can change;
 - processes: no new ones (threads still work), no exec, no ptrace, no reading or writing another process's memory, no
-  signal, priority or resource limit set on another process, no namespaces or mounts;
+  signal, priority or resource limit set on another process (nor a file's SIGIO aimed at one), no System V IPC or
+  POSIX message queues, no namespaces or mounts, no kernel log;
 - the network: no socket of any family (TCP, UDP, UNIX, abstract UNIX, netlink, ...);
 - under root the program runs as uid and gid 65534 (nobody), without capabilities, except CAP_DAC_READ_SEARCH where
   Python's own files are out of that user's reach (a Python under /root); what it reads is still Landlock's to decide.

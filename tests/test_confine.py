@@ -1,10 +1,11 @@
 """What this file proves about support/confine.py: its system-call numbers are the kernel's own for x86_64 and aarch64,
-and its BPF program is well formed (every jump lands inside it, every path ends in a return); a process that applied
-it, in a child interpreter, cannot read, write, create or change files outside its two lists (in a folder any user may
-write, so only the kernel stands in the way), cannot fork, exec, open a socket or signal or limit its parent, and runs
-as uid 65534 under root, while it reads and writes within its lists, starts threads, signals itself and gets ENOSYS
-for a system call newer than the table; where the kernel lacks Landlock, or the machine has no table, or the process
-has a second thread, apply() raises Unavailable naming what is missing, and changes nothing first."""
+and its BPF program is well formed (every jump lands inside it, every path ends in a return); a process that applied it,
+in a child interpreter, cannot read, write, create or change files outside its two lists (in a folder any user may
+write, so only the kernel stands in the way), cannot fork, exec, open a socket, signal or limit its parent (nor aim a
+file's SIGIO at it) or make System V shared memory, and runs as uid 65534 under root, while it reads and writes within
+its lists, starts threads, signals itself and gets ENOSYS for a system call newer than the table; where the kernel lacks
+Landlock, or the machine has no table, or the process has a second thread, apply() raises Unavailable naming what is
+missing, and changes nothing first."""
 
 import json
 import os
@@ -49,6 +50,10 @@ attempt("kill self", lambda: os.kill(os.getpid(), 0))
 attempt("thread", lambda: [t.start() or t.join() for t in [threading.Thread(target=len, args=("x",))]])
 attempt("newer syscall", lambda: confine.syscall(confine.NEWEST + 1))
 attempt("clone3", lambda: confine.syscall(confine.CLONE3[0], 0, 0))
+import fcntl
+r, w = os.pipe()
+attempt("SIGIO at the parent", lambda: fcntl.fcntl(r, fcntl.F_SETOWN, os.getppid()))
+attempt("System V memory", lambda: confine.syscall(confine.REFUSED["shmget"][confine.machine()[1]], 0, 4096, 0o1666))
 print(json.dumps(out))
 """
 
@@ -68,6 +73,7 @@ def test_numbers_are_the_kernels():
         pytest.skip(f"the kernel headers are not installed ({missing[0]}; Debian's linux-libc-dev): nothing to check")
     tables = confine.REFUSED | confine.ON_ITSELF
     tables |= {"clone": confine.CLONE, "clone3": confine.CLONE3, "seccomp": confine.SECCOMP, "capset": confine.CAPSET}
+    tables |= {name: numbers for name, (numbers, _) in confine.COMMANDS.items()}
     for arch, column in ((a, c) for a, (_, c) in confine.ARCHES.items()):
         kernel = header_numbers(HEADERS[arch])
         newest = max(n for name, n in kernel.items() if name != "syscalls")  # the headers' age
@@ -127,7 +133,8 @@ def test_a_confined_process_stays_inside(tmp_path):
         assert out[name] == "ok", (name, out[name])
     for name in ("read outside", "write outside", "create outside", "list outside"):
         assert out[name] == eacces, (name, out[name])
-    for name in ("chmod", "truncate by path", "fork", "exec", "socket", "kill parent", "kill all", "limit parent"):
+    for name in ("chmod", "truncate by path", "fork", "exec", "socket", "kill parent", "kill all", "limit parent",
+                 "SIGIO at the parent", "System V memory"):  # fmt: skip
         assert out[name] == eperm, (name, out[name])
     assert out["newer syscall"] == enosys and out["clone3"] == enosys
     assert victim.read_text() == "secret" and victim.stat().st_mode & 0o777 == 0o666

@@ -3,12 +3,13 @@ to the end; hostile programs that go around the Python guards (posix.*, io.FileI
 whose __fspath__ is not its __str__, re-imported modules, ctypes, the sandbox's own syscall wrapper, /proc of the parent
 and of another process of the same user, setsid grandchildren, raw sockets of every family) get nothing past the
 kernel's confinement: seen from outside, a TCP listener, a UDP socket, a UNIX socket and an abstract UNIX socket receive
-nothing, no marker file appears, the victim file keeps its text and mode, a victim process of the program's user lives
-on untraced, no process of theirs is left once run() returns, the temporary directories are gone, and every one of them
-fails (none passes by escaping) within its time limit, while the programs beside them are judged as usual. The trainer's
-memory does not grow with a 1 GiB flood of output or of the verdict pipe; a forged verdict scores "failed", confined or
-not; a cleanup that fails does not raise. Where the kernel cannot confine, run() and run_many() refuse in one line
-naming what is missing (tested everywhere by simulating it), and run(confine=False) still runs the program."""
+nothing, a System V shared memory segment keeps its bytes, no marker file appears, the victim file keeps its text and
+mode, a victim process of the program's user lives on untraced, no process of theirs is left once run() returns, the
+temporary directories are gone, and every one of them fails (none passes by escaping) within its time limit, while the
+programs beside them are judged as usual. The trainer's memory does not grow with a 1 GiB flood of output or of the
+verdict pipe; a forged verdict scores "failed", confined or not; a cleanup that fails does not raise. Where the kernel
+cannot confine, run() and run_many() refuse in one line naming what is missing (tested everywhere by simulating it), and
+run(confine=False) still runs the program."""
 
 import ctypes
 import os
@@ -28,6 +29,8 @@ from support import sandbox
 WHY = sandbox.confinement()
 confined = pytest.mark.skipif(bool(WHY), reason=f"the kernel cannot confine programs here: {WHY}")
 PR_SET_CHILD_SUBREAPER = 36
+LIBC = ctypes.CDLL(None, use_errno=True)
+LIBC.shmat.restype = ctypes.c_void_p
 REIMPORT = "import sys\nfor m in {names}:\n    sys.modules.pop(m, None)\n"  # undoes the guard's import block
 
 
@@ -36,7 +39,8 @@ CTYPES = REIMPORT.format(names=("ctypes", "_ctypes")) + "import ctypes\nlibc = c
 
 
 def hostile(w) -> dict:
-    """{name: program}; each passes only if it gets out, and leaves a trace outside when it does."""
+    """{name: program}; each passes only if it gets out (or, where it cannot tell from inside, never), and leaves a
+    trace outside when it does."""
     return processes_and_files(w) | secrets_network_signals(w) | time_output_verdict()
 
 
@@ -106,6 +110,13 @@ def secrets_network_signals(w) -> dict:
         "kill its user's process": f"import posix\nposix.kill({w.victim_pid}, 9)",
         "signal every process it may": "import posix\nposix.kill(-1, 0)",
         "signal the parent": "import posix\nposix.kill(posix.getppid(), 0)",
+        "SIGIO at its user's process": "import fcntl, posix, time\nr, w = posix.pipe()\n"
+        f"fcntl.fcntl(r, fcntl.F_SETOWN, {w.victim_pid})\n"
+        "fcntl.fcntl(r, fcntl.F_SETFL, fcntl.fcntl(r, fcntl.F_GETFL) | posix.O_ASYNC)\nposix.write(w, b'x')\n"
+        "time.sleep(0.2)\nassert False  # whether it got out is seen from outside: the victim process lives",
+        "System V shared memory": CTYPES + "libc.shmat.restype = ctypes.c_void_p\n"
+        f"address = libc.shmat(libc.shmget({w.shm_key}, 0, 0), None, 0)\n"
+        "assert address not in (None, 2**64 - 1)\nctypes.memmove(address, b'pwned!', 6)",
     }  # fmt: skip
 
 
@@ -152,6 +163,7 @@ class World:
             self.listeners[-1].bind(address)
             self.listeners[-1].listen()
         os.chmod(self.unix_path, 0o777)
+        self.shm_key, self.shm_id, self.shm = shared_memory(b"secret")
         for s in self.listeners:
             s.setblocking(False)
         user = {"user": 65534, "group": 65534} if os.geteuid() == 0 else {}  # the confined programs' user
@@ -171,6 +183,8 @@ class World:
         return got
 
     def close(self):
+        LIBC.shmdt(ctypes.c_void_p(self.shm))
+        LIBC.shmctl(self.shm_id, 0, None)  # IPC_RMID
         for s in self.listeners:
             s.close()
         self.victim_process.kill()
@@ -178,6 +192,16 @@ class World:
         for path in (self.plant, self.in_project):
             if os.path.exists(path):
                 os.remove(path)
+
+
+def shared_memory(text: bytes) -> tuple[int, int, int]:
+    """(key, id, address) of a new System V shared memory segment any user may attach, holding `text`."""
+    key = int.from_bytes(os.urandom(3), "little") + 1
+    shm_id = LIBC.shmget(key, 4096, 0o1666)  # IPC_CREAT | rw for everyone
+    assert shm_id >= 0, os.strerror(ctypes.get_errno())
+    address = LIBC.shmat(shm_id, None, 0)
+    ctypes.memmove(address, text, len(text))
+    return key, shm_id, address
 
 
 def sysconfig_purelib() -> str:
@@ -195,31 +219,31 @@ def world(monkeypatch):
     sandboxes = os.path.join(base, "sandboxes")
     os.mkdir(sandboxes)
     monkeypatch.setattr(tempfile, "tempdir", sandboxes)
-    libc = ctypes.CDLL(None, use_errno=True)
-    assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    assert LIBC.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
     w = World(base)
     w.sandboxes, w.children_before = sandboxes, set(psutil.Process().children(recursive=True))
     yield w
     for p in set(psutil.Process().children(recursive=True)) - w.children_before:  # only if a test has failed
         p.kill()
         p.wait()
-    libc.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
+    LIBC.prctl(PR_SET_CHILD_SUBREAPER, 0, 0, 0, 0)
     w.close()
     shutil.rmtree(base)
 
 
 def left_alive(world) -> list:
-    """The processes this test's programs started that are still running (a killed orphan re-parented to this
-    subreaper stays a zombie until the fixture reaps it)."""
+    """The processes this test's programs started that still live 2 s after run() returned (a SIGKILL ends a process
+    a moment after it is sent; a killed orphan re-parented to this subreaper is reaped here)."""
     new = set(psutil.Process().children(recursive=True)) - world.children_before
-    return [p for p in new if p.status() != psutil.STATUS_ZOMBIE]
+    return [p for p in psutil.wait_procs(new, timeout=2)[1] if p.status() != psutil.STATUS_ZOMBIE]
 
 
 @confined
 def test_hostile_programs_get_nothing_out(world):
     """Every hostile program fails within its time limit (+ 1 s, run two at a time) and the good programs around
-    it pass; seen from outside, nothing got out: no listener received anything, no marker, no planted file, the
-    victim file and process intact, no process left behind, no temporary directory left."""
+    it pass; seen from outside, nothing got out: no listener received anything, the shared memory kept its bytes, no
+    marker, no planted file, the victim file and process intact, no process left behind, no temporary directory
+    left."""
     cases = hostile(world)
     good = ["import threading\nt = threading.Thread(target=print, args=('x',))\nt.start()\nt.join()", "assert True"]
     start = time.perf_counter()
@@ -231,6 +255,7 @@ def test_hostile_programs_get_nothing_out(world):
     assert verdicts[-2:] == ["passed", "passed"]
     assert len(cases) >= 25 and elapsed < 2.0 * len(cases)  # each within timeout + 1 s, even one after the other
     assert world.received() == []
+    assert ctypes.string_at(world.shm, 6) == b"secret"
     assert sorted(os.listdir(world.outside)) == ["sock", "victim.txt"]
     assert not os.path.exists(world.plant) and not os.path.exists(world.in_project)
     with open(world.victim) as f:
