@@ -44,7 +44,9 @@ Not covered, confined or not: a program can still read the token from the interp
 reports its verdict (its frames, gc, ctypes) and so report itself passed: a wrong score, with the confinement
 unchanged. It can read the installed packages, the shared libraries and the time zone files, and learn whether any
 path exists and its size and times (stat is not confined). It shares the machine's cores, memory bandwidth and disk
-while it runs (setrlimit bounds its own memory, CPU time and file sizes; no cgroup is used).
+while it runs (setrlimit bounds its own memory, CPU time and file sizes; no cgroup is used): each file it writes is at
+most FILE_SIZE, but not their number, so for its few seconds it can fill the file system of its temporary directory,
+which is freed when the directory is removed; its threads are bounded by its address space alone (about a thousand).
 """
 
 import functools
@@ -179,11 +181,18 @@ def collect(pid: int, channel: int, deadline: float) -> tuple[bytes, bool]:
         if not chunk:  # closed: the child has exited, or is exiting
             break
         data += chunk
-    while not os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT):  # WNOWAIT: not reaped yet
+    while not exited(pid):
         if time.monotonic() >= deadline:
             return data, True
         time.sleep(0.001)
     return data, False
+
+
+def exited(pid: int) -> bool:
+    """Whether the child has ended, leaving it unreaped (WNOWAIT). Without waitid (macOS) the closed pipe says so."""
+    if not hasattr(os, "waitid"):
+        return True
+    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
 
 
 def kill_session(child):
