@@ -124,6 +124,7 @@ def syscall(number: int, *args) -> int:
 
 
 def prctl(option: int, value: int):
+    """prctl(option, value), OSError on failure (os has no prctl)."""
     if LIBC.prctl(ctypes.c_int(option), ctypes.c_ulong(value), ctypes.c_ulong(0), ctypes.c_ulong(0), ctypes.c_ulong(0)):
         err = ctypes.get_errno()
         raise OSError(err, os.strerror(err))
