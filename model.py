@@ -28,7 +28,7 @@ from hidden / H. softmax(q k^T / sqrt(D)) v is computed with a causal mask. The 
 https://arxiv.org/abs/2002.05202): down(silu(gate(x)) * up(x)), hidden -> inter -> hidden.
 
 Qwen2/2.5, Qwen3 and Mistral are this Llama with a switch or two (LlamaConfig's last fields, read from config.json by
-support/hf_config.py): biases on q/k/v (Qwen2) or on all four projections, an RMSNorm over each head of q and k
+support/formats/hf_config.py): biases on q/k/v (Qwen2) or on all four projections, an RMSNorm over each head of q and k
 before RoPE (Qwen3), a sliding window of W keys in some or all layers (Mistral, Qwen).
 
 Packed rows
@@ -37,7 +37,7 @@ Fine-tuning packs several documents into one row (pack.py). A document starts wh
 row start; tokens attend causally within their own document only. The bounds are found once per forward as
 cumulative sequence lengths over the flattened (B*T) tokens (`doc_bounds`), and every layer hands them to one
 attention call, chosen once when the model is built: FlashAttention's varlen kernel on a GPU, one causal attention per
-document on CPU (support/attention.py).
+document on CPU (support/kernels/attention.py).
 
 Loss
 ----
@@ -51,17 +51,17 @@ gradient. Full-vocabulary logits never exist for the whole batch, and no lm_head
 Memory for long sequences
 -------------------------
 Autograd keeps what each block's backward reads, about 16h + 6i bytes a token and block in bf16 (h hidden, i
-intermediate; support/memory.py counts it, LoRA's share too). Activation checkpointing (Chen et al. 2016,
+intermediate; support/accounting/memory.py counts it, LoRA's share too). Activation checkpointing (Chen et al. 2016,
 https://arxiv.org/abs/1604.06174) keeps only each block's input, 2h bytes, and recomputes the block in backward: one
 more forward for a memory that no longer grows with depth. What still grows with the sequence is the one block alive
 in backward, mostly its MLP (three (T, i) tensors), and the inputs kept for all blocks. A tiled MLP (as in Arctic Long
 Sequence Training, https://arxiv.org/abs/2506.13996) runs the MLP over tiles of `mlp_tile` tokens, each recomputed in
 backward on its own, so the (T, i) tensors exist for one tile; offloading keeps the checkpointed inputs in CPU memory
-instead of the GPU's (support/long_context.py, both).
+instead of the GPU's (support/kernels/long_context.py, both).
 
-Generation (support/sampling.py) keeps a `KVCache`, a preallocated (layers, B, max_len, Hkv, D) key and value buffer:
-the prompt runs once, then each new token costs one single-position forward against the cached keys and values. A
-batch of prompts is left-padded to one length; the cache's `pad` says how many, so positions start at each row's first
+Generation (support/evaluation/sampling.py) keeps a `KVCache`, a preallocated (layers, B, max_len, Hkv, D) key and value
+buffer: the prompt runs once, then each new token costs one single-position forward against the cached keys and values.
+A batch of prompts is left-padded to one length; the cache's `pad` says how many, so positions start at each row's first
 real token and no query attends to padding.
 
 Shapes: B batch rows, T tokens per row, N = B*T flattened tokens, H / Hkv query / key-value heads, D head size.
@@ -76,8 +76,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from support.attention import Docs, causal_sdpa, pad_to_bucket, sdpa_varlen
-from support.long_context import OffloadedSaves, tiled_mlp
+from support.kernels.attention import Docs, causal_sdpa, pad_to_bucket, sdpa_varlen
+from support.kernels.long_context import OffloadedSaves, tiled_mlp
 
 LOSS_CHUNK = 1024  # supervised tokens per lm_head + cross-entropy chunk
 
@@ -275,7 +275,9 @@ class Block(nn.Module):
     def forward(self, x, cos, sin, docs=None, cache=None, mlp_tile=0):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, docs, cache)
         h = self.post_attention_layernorm(x)
-        return x + (tiled_mlp(self.mlp, h, mlp_tile) if mlp_tile else self.mlp(h))  # tiles: support/long_context.py
+        return x + (
+            tiled_mlp(self.mlp, h, mlp_tile) if mlp_tile else self.mlp(h)
+        )  # tiles: support/kernels/long_context.py
 
 
 class Llama(nn.Module):

@@ -10,7 +10,7 @@ ones the model must generate after its prompt's tokens. A cut through what the t
 in a space, a response starting with spaces after a newline) makes the tokens at that cut differ from the joined
 text's.
 
-support/preview.py shows documents as the model sees them and warns about the usual data bugs.
+support/data/preview.py shows documents as the model sees them and warns about the usual data bugs.
 
 Packing
 -------
@@ -39,7 +39,7 @@ up to 64 and capped by the model's maximum; longer examples are truncated (or dr
 are counted in the report.
 
 Tokenizing happens once per dataset, a chunk of examples at a time (tokenize_chunk), streamed from the files to disk
-by support/token_cache.py, which keeps the arrays there and maps them back.
+by support/data/token_cache.py, which keeps the arrays there and maps them back.
 """
 
 import bisect
@@ -49,8 +49,8 @@ import numpy as np
 import torch
 from jinja2 import TemplateError
 
-from support.token_cache import cached_packer, tokenize_cached
-from support.tokenizer import segments
+from support.data.token_cache import cached_packer, tokenize_cached
+from support.data.tokenizer import segments
 
 
 def _label(ex, i):
@@ -107,7 +107,7 @@ def tokenize_chunk(examples, tokenizer, template=None, train_on_prompt=False, fi
     """A list of examples (numbered from `first`) as arrays: their documents (see `document`) end to end, tokens
     uint32 (n,) and mask uint8 (n,) 1 where a token is supervised; per document its length, its example's index and
     its supervised targets, int64 (docs,); "skipped": the "label: why" of each example the template rejects.
-    support/token_cache.py runs it over a dataset a chunk at a time, on every core, straight to disk."""
+    support/data/token_cache.py runs it over a dataset a chunk at a time, on every core, straight to disk."""
     if tokenizer.eos_id is None:
         raise ValueError(f"{tokenizer.path}: the tokenizer has no eos token, which ends every response")
     segmented, skipped = segment(examples, tokenizer, template, first, skip_bad_rows)

@@ -34,16 +34,16 @@ and B2 = ceil(B / 256) nested blocks:
     nested_absmax  float32 (B2,)                absolute maximum of each block of 256 centred absmax
     offset         float32 ()                   mean of the fp32 absmax
 
-Checkpoints in the Hugging Face "bnb-4bit" format hold exactly these buffers (support/hf.py reads and writes them);
-`quantize_` takes such a pre-quantized weight as it is.
+Checkpoints in the Hugging Face "bnb-4bit" format hold exactly these buffers (support/formats/hf.py reads and writes
+them); `quantize_` takes such a pre-quantized weight as it is.
 
 Training. NF4Linear's forward dequantizes W into the compute dtype (bf16, fp16 or fp32) and multiplies; its backward
 dequantizes again and returns only the input gradient dL/dx = dL/dy W: the base is frozen, so nothing is stored but
 the 4-bit buffers.
 
 Where dequantization runs. `dequantize_nf4` below is the reference: a few PyTorch ops, fp32 math, one rounding. Each
-NF4Linear calls the op in its `dequantize_op`, the reference's unless the model's builder hands it a faster kernel
-with the same bits (on CUDA, support/nf4_cuda.py). To torch.compile the op is opaque, a torch.library custom op with
+NF4Linear calls the op in its `dequantize_op`, the reference's unless the model's builder hands it a faster kernel with
+the same bits (on CUDA, support/kernels/nf4_cuda.py). To torch.compile the op is opaque, a torch.library custom op with
 a "fake" that gives its output's shape (docs/internals.md says why).
 
 Quantization error. quantize_ records on each layer it quantizes from 16-bit weights the relative error
@@ -284,14 +284,13 @@ def quantize_(
     """Swap the chosen nn.Linear modules of `model` for NF4Linear, one weight at a time; returns the model.
 
     targets: as model.find_linears ("all-linear": every linear of the blocks; embeddings and lm_head stay 16-bit).
-    weights: None quantizes the model's own weights; else a function name -> tensor ("<module>.weight",
-    "<module>.bias") that supplies them one by one, which is how a meta-device model gets its base straight from a
-    checkpoint without ever holding the 16-bit model. It may hand back an NF4Weight (a pre-quantized checkpoint),
-    used as it is. A 16-bit or fp32 weight is rounded to compute_dtype before it is quantized, as transformers +
-    bitsandbytes do when they load a checkpoint in that dtype, so the bytes equal theirs whatever the stored dtype.
-    device: where the buffers go (default: the linear's device, or CPU for a meta linear); on CUDA each weight is
-    quantized on the GPU as it arrives. dequantize_op: the op every new NF4Linear dequantizes with (support/nf4_cuda.py
-    chooses one for CUDA).
+    weights: None quantizes the model's own weights; else a function name -> tensor ("<module>.weight", "<module>.bias")
+    that supplies them one by one, which is how a meta-device model gets its base straight from a checkpoint without
+    ever holding the 16-bit model. It may hand back an NF4Weight (a pre-quantized checkpoint), used as it is. A 16-bit
+    or fp32 weight is rounded to compute_dtype before it is quantized, as transformers + bitsandbytes do when they load
+    a checkpoint in that dtype, so the bytes equal theirs whatever the stored dtype. device: where the buffers go
+    (default: the linear's device, or CPU for a meta linear); on CUDA each weight is quantized on the GPU as it arrives.
+    dequantize_op: the op every new NF4Linear dequantizes with (support/kernels/nf4_cuda.py chooses one for CUDA).
     """
     for name, linear in find_linears(model, targets).items():
         dev = torch.device(device or ("cpu" if linear.weight.is_meta else linear.weight.device))

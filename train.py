@@ -47,9 +47,22 @@ import lora
 import pack
 import quant
 from model import Block, Llama
-from support import checkpoint, dropout, examples, fsdp, hf, memory, nf4_cuda, preview, progress, ranks, stops, trackers
-from support.attention import compilable, varlen_attention
-from support.config import (
+from support.accounting import memory
+from support.accounting.flops import batch_flops
+from support.accounting.micro_batch import cpu_heap, micro_batch_rows, mlp_tile_tokens
+from support.accounting.plan import plan_for
+from support.data import examples, preview
+from support.data.tokenizer import Tokenizer
+from support.evaluation.humaneval import task_problems, task_record
+from support.evaluation.sampling import prompt_and_answer
+from support.formats import hf
+from support.formats.gguf_write import FILE_TYPES
+from support.formats.hf_config import read_config
+from support.kernels import dropout, nf4_cuda
+from support.kernels.attention import compilable, varlen_attention
+from support.kernels.dropout_cuda import dropout_op_for
+from support.run import checkpoint, fsdp, progress, ranks, stops, trackers
+from support.run.config import (
     TARGETS,
     TASK,
     TEMPLATE,
@@ -62,18 +75,9 @@ from support.config import (
     setting,
     within,
 )
-from support.dropout_cuda import dropout_op_for
-from support.flops import batch_flops
-from support.gguf_write import FILE_TYPES
-from support.hf_config import read_config
-from support.humaneval import task_problems, task_record
-from support.micro_batch import cpu_heap, micro_batch_rows, mlp_tile_tokens
-from support.outputs import write_outputs
-from support.plan import plan_for
-from support.precision import agreed, pick_precision
-from support.run_dir import claim_inputs
-from support.sampling import prompt_and_answer
-from support.tokenizer import Tokenizer
+from support.run.outputs import write_outputs
+from support.run.precision import agreed, pick_precision
+from support.run.run_dir import claim_inputs
 
 
 @dataclass
@@ -213,7 +217,7 @@ def build_data(cfg: Config, tok, files, max_positions: int, place: Placement):
 def load_model(model_dir: str, dtype=None, device="cpu", quantize=False, add_lora=None, adapter=None):
     """The QLoRA recipe, step by step, never holding the whole 16-bit model in memory. dtype: of the 16-bit weights and
     the compute (default: config.json's, else fp32); add_lora: lora.add_lora_'s keywords for fresh adapters; adapter: a
-    saved PEFT adapter directory instead (support/hf.py reads and writes the files)."""
+    saved PEFT adapter directory instead (support/formats/hf.py reads and writes the files)."""
     device = torch.device(device)
     config, stored = read_config(model_dir)
     dtype = dtype or stored or torch.float32
@@ -239,7 +243,7 @@ def load_model(model_dir: str, dtype=None, device="cpu", quantize=False, add_lor
 
 
 def build_model(cfg: Config, place: Placement, model_dir: str):
-    """The run's QLoRA (or LoRA) model: its adapters in fp32, sharded when parallel=fsdp (support/fsdp.py takes the
+    """The run's QLoRA (or LoRA) model: its adapters in fp32, sharded when parallel=fsdp (support/run/fsdp.py takes the
     same steps block by block), with its switches for checkpointing, the loss and compile."""
     torch.manual_seed(cfg.seed)  # the same adapter init on every rank
     adapters = cfg.adapters() | dict(lora_dtype=torch.float32)
@@ -371,7 +375,7 @@ class Run:
     valset: pack.PackedDataset
     tok: Tokenizer
     prompts: list  # the held-out examples every evaluation answers
-    problems: list  # eval_task's problems (support/humaneval.py), [] without one
+    problems: list  # eval_task's problems (support/evaluation/humaneval.py), [] without one
     rows: int  # this rank's rows per optimizer step
     micro_rows: int  # rows per forward/backward
     estimated: int  # bytes: the memory estimate the first steps are checked against
@@ -512,7 +516,7 @@ def optimizer_step(cfg: Config, place: Placement, run: Run) -> dict:
 
 def main(argv=None):
     """The command: a config file and --key=value flags. A user's mistake, or another rank's, ends every rank in one
-    line (support/ranks.py)."""
+    line (support/run/ranks.py)."""
     ranks.one_line_errors(lambda: train(load_config(Config, sys.argv[1:] if argv is None else argv)))
 
 

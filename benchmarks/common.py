@@ -23,7 +23,7 @@ import time
 import psutil
 import torch
 
-from support import memory
+from support.accounting import memory
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT_DIR = os.path.join(REPO, "out", "bench")

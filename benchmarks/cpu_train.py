@@ -24,12 +24,13 @@ Two workloads, 4 x 512 tokens per optimizer step:
 
 Per run: N steps; the first `--warmup` are dropped. Step time is the median of the rest; token rates are the tokens of
 those steps over their total time, leaving out any step under half the median tokens/s (a hiccup of the shared machine;
-such steps are counted and named). MFU = the steps' model FLOPs (support.flops.batch_flops, train.py's count: 4N per
-token for a frozen-base LoRA step plus causal attention per document, each row's documents at their own lengths) over
-their time / support.flops.matmul_peak of the precision in use (support/flops.py's matmul_peak: square matmuls of the
-largest size up to 2048 that its time allows, timed for 1.5 s here). With --repeat=R the whole plan runs R times in
-rounds (every configuration once per round), so each ours/peer pair is measured minutes apart in every round; the tables
-pool the repeats' steps, take the highest peak RSS, and give each ratio as the median of the R per-round ratios.
+such steps are counted and named). MFU = the steps' model FLOPs (support.accounting.flops.batch_flops, train.py's count:
+4N per token for a frozen-base LoRA step plus causal attention per document, each row's documents at their own lengths)
+over their time / support.accounting.flops.matmul_peak of the precision in use (support/accounting/flops.py's
+matmul_peak: square matmuls of the largest size up to 2048 that its time allows, timed for 1.5 s here). With --repeat=R
+the whole plan runs R times in rounds (every configuration once per round), so each ours/peer pair is measured minutes
+apart in every round; the tables pool the repeats' steps, take the highest peak RSS, and give each ratio as the median
+of the R per-round ratios.
 """
 
 import hashlib
@@ -46,11 +47,11 @@ import torch
 
 import pack
 from benchmarks.common import OUT_DIR, REPO, SEED, fmt_gb, hf_batch, machine, median_ratio, print_table, run_child
-from support import atomic, hf_config
-from support.examples import load_examples, stdlib_examples
-from support.flops import batch_flops, flops_per_token, matmul_peak
-from support.token_cache import tokenize_cached
-from support.tokenizer import Tokenizer
+from support.accounting.flops import batch_flops, flops_per_token, matmul_peak
+from support.data.examples import load_examples, stdlib_examples
+from support.data.token_cache import tokenize_cached
+from support.data.tokenizer import Tokenizer
+from support.formats import atomic, hf_config
 
 ROWS, CONTEXT = 4, 512  # 4 x 512 tokens per optimizer step
 CACHE_DIR = "data/cache"  # train.Config's tokenized-data cache
@@ -88,7 +89,7 @@ def run_peer(data, train_on_prompt, precision, nf4, steps, out):
     import peft
     import transformers
 
-    from support import gguf_read
+    from support.formats import gguf_read
 
     model_dir = gguf_read.smollm2_dir()
     config = hf_config.read_config(model_dir)[0]
@@ -167,7 +168,7 @@ LADDER = [  # cumulative train.py overrides on the stdlib dataset; each rung add
 
 def plan(padded_path):
     """Every run: name, group, system, precision, and the peer's arguments or train.py's --key=value overrides."""
-    from support import gguf_read
+    from support.formats import gguf_read
 
     model_dir = gguf_read.smollm2_dir()
     common = dict(
@@ -377,7 +378,7 @@ def select_runs(runs, only):
 
 
 def bench_train(steps, warmup, only, repeat=1):
-    from support import gguf_read
+    from support.formats import gguf_read
 
     os.makedirs(os.path.join(OUT_DIR, "logs"), exist_ok=True)
     model_dir = gguf_read.smollm2_dir()

@@ -30,7 +30,7 @@ def bench_first_run(repeat=1):
     """`python bench.py first-run`: the default `python train.py` in a fresh process as a newcomer runs it (a fresh
     token cache and out_dir), `repeat` times: wall time, steps, validation loss before and after, peak RSS, the
     precision "auto" chose; and the one-time conversion of the GGUF weights that comes before a newcomer's first run."""
-    from support import gguf_read
+    from support.formats import gguf_read
 
     print(f"CPU: {cpu_name()} ({cpu_kind()}), {os.cpu_count()} cores; torch {torch.__version__}")
     os.makedirs(os.path.join(OUT_DIR, "logs"), exist_ok=True)

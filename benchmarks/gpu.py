@@ -12,10 +12,10 @@ work, then natural batching) interleaved step by step. The tables give per syste
 MFU and peak memory, and the median (and range) of the per-round ratios between the systems.
 
 --memory: the QLoRA model alone (the others freed) at 1, 2 and 4 rows per micro-batch, with and without activation
-checkpointing: the measured peak beside the estimate train.py prints (support.memory.run_estimate) for the same
-setting. --profile: torch.profiler over one step of ours (LoRA and QLoRA): the kernels that take the device time, and
-their share by kind. A system that fails (out of memory, a missing package) prints "failed: <why>" in its row and the
-others carry on. Raw per-step records: out/bench/gpu.json.
+checkpointing: the measured peak beside the estimate train.py prints (support.accounting.memory.run_estimate) for the
+same setting. --profile: torch.profiler over one step of ours (LoRA and QLoRA): the kernels that take the device time,
+and their share by kind. A system that fails (out of memory, a missing package) prints "failed: <why>" in its row and
+the others carry on. Raw per-step records: out/bench/gpu.json.
 """
 
 import os
@@ -32,19 +32,24 @@ from benchmarks.common import OUT_DIR, REPO, cpu_name, package_versions, print_t
 from benchmarks.gpu_systems import FAILURES, LORA, SHAPES, SYSTEMS, build_systems, free_cache, one_line
 from benchmarks.gpu_workloads import equal_work, natural_work, resident_bytes, run_workload, timed_step, workload_result
 from model import Llama
-from support import atomic, dropout_cuda, memory
-from support.attention import varlen_attention
-from support.flops import flops_per_token, fmt_flops, peak_flops
-from support.hf_config import from_hf, to_hf
-from support.nf4_cuda import cuda_dequantize
-from support.precision import pick_precision
+from support.accounting import memory
+from support.accounting.flops import flops_per_token, fmt_flops, peak_flops
+from support.formats import atomic
+from support.formats.hf_config import from_hf, to_hf
+from support.kernels import dropout_cuda
+from support.kernels.attention import varlen_attention
+from support.kernels.nf4_cuda import cuda_dequantize
+from support.run.precision import pick_precision
 
 # Kinds of kernel (on CPU: of operator) by name, for the profile's summary line; the first pattern that matches wins.
 KERNEL_KINDS = [
     ("attention", r"flash|fmha|attention|attn"),  # first: FlashAttention's kernel names hold "cutlass" too
     ("matmul", r"gemm|cutlass|nvjet|xmma|wgmma|^aten::(mm|addmm|bmm)$"),
-    ("NF4 dequantize", r"dequant"),  # bitsandbytes' kDequantizeBlockwise, support/nf4_cuda.py's nf4_dequantize_kernel
-    ("LoRA dropout", r"keyed_dropout"),  # support/dropout_cuda.py's keyed_dropout_kernel
+    (
+        "NF4 dequantize",
+        r"dequant",
+    ),  # bitsandbytes' kDequantizeBlockwise, support/kernels/nf4_cuda.py's nf4_dequantize_kernel
+    ("LoRA dropout", r"keyed_dropout"),  # support/kernels/dropout_cuda.py's keyed_dropout_kernel
 ]
 
 
@@ -82,8 +87,8 @@ def print_profile(label, p):
 
 
 def memory_rows(system, cfg, cells, device, dtype):
-    """One step of `system` (our QLoRA) on an equal-work batch for each cell (rows, tokens per row, checkpointing):
-    the measured peak (resident + the step's own allocation) beside the total of support.memory.run_estimate, the
+    """One step of `system` (our QLoRA) on an equal-work batch for each cell (rows, tokens per row, checkpointing): the
+    measured peak (resident + the step's own allocation) beside the total of support.accounting.memory.run_estimate, the
     memory estimate train.py prints, for the same setting."""
     out, adapters = [], dict(lora_r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"])
     place = train.Placement(0, 1, device, dtype)
@@ -322,7 +327,7 @@ def gpu_arguments(sub):
         "--precision",
         choices=["auto", "bf16", "fp32"],
         default="auto",
-        help="auto: bf16 on a GPU, the faster of bf16 and fp32 on CPU (support.precision.pick_precision)",
+        help="auto: bf16 on a GPU, the faster of bf16 and fp32 on CPU (support.run.precision.pick_precision)",
     )
     g.add_argument("--deadline", type=float, default=0, help="time.time() after which no round starts (0: none)")
     g.add_argument("--memory", action="store_true", help="QLoRA peak memory at 1, 2, 4 rows, checkpointing off/on")

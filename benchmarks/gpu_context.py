@@ -4,16 +4,16 @@
                                                  checkpoints, each at the length train.py --plan predicts for this card
     python bench.py gpu-context --shape=tiny     the same on a 2-layer toy, on CPU (the tests run it)
 
-For each setting the length tried first is the longest single row support/plan.py's longest_tokens predicts for this
-GPU's memory, capped by the CPU memory offloaded checkpoints would take (80% of what is available) and by the time the
-phase has left: a setting gets its share of the remaining time, and one step at a single document's length first
-measures its rate. A step that runs out of memory is tried again 15% shorter, until one fits or the time is up. Each row
-holds documents of --doc tokens (8,192 for the 8b shape) one after the other, so attention costs what it costs per
-document and a step's time grows linearly with the row, while its memory is a single row's: the per-document attention
-keeps no T x T matrix, and every activation is (tokens, ...) whatever the documents' boundaries. Peak memory is the
-QLoRA model's resident bytes plus the most the step allocated (torch.cuda.max_memory_allocated), beside the total of
-support.memory.run_estimate for the same setting: the estimate train.py prints. Results: --out (JSON), written after
-every step."""
+For each setting the length tried first is the longest single row support/accounting/plan.py's longest_tokens predicts
+for this GPU's memory, capped by the CPU memory offloaded checkpoints would take (80% of what is available) and by the
+time the phase has left: a setting gets its share of the remaining time, and one step at a single document's length
+first measures its rate. A step that runs out of memory is tried again 15% shorter, until one fits or the time is up.
+Each row holds documents of --doc tokens (8,192 for the 8b shape) one after the other, so attention costs what it costs
+per document and a step's time grows linearly with the row, while its memory is a single row's: the per-document
+attention keeps no T x T matrix, and every activation is (tokens, ...) whatever the documents' boundaries. Peak memory
+is the QLoRA model's resident bytes plus the most the step allocated (torch.cuda.max_memory_allocated), beside the total
+of support.accounting.memory.run_estimate for the same setting: the estimate train.py prints. Results: --out (JSON),
+written after every step."""
 
 import time
 
@@ -33,9 +33,10 @@ from benchmarks.gpu_systems import (
     random_llama,
 )
 from benchmarks.gpu_workloads import resident_bytes, timed_step
-from support import atomic, memory, plan
-from support.hf_config import from_hf
-from support.precision import pick_precision
+from support.accounting import memory, plan
+from support.formats import atomic
+from support.formats.hf_config import from_hf
+from support.run.precision import pick_precision
 
 # (label, MLP tiles of hidden_size tokens, offloaded checkpoints); checkpointing is on in each
 SETTINGS = [("checkpointing", False, False), ("+ tiled MLP", True, False), ("+ offloaded checkpoints", True, True)]

@@ -38,10 +38,10 @@ from benchmarks.gpu_systems import (
 )
 from benchmarks.gpu_workloads import natural_work, run_workload, workload_result
 from model import LOSS_CHUNK
-from support import atomic
-from support.flops import peak_flops
-from support.hf_config import from_hf
-from support.precision import pick_precision
+from support.accounting.flops import peak_flops
+from support.formats import atomic
+from support.formats.hf_config import from_hf
+from support.run.precision import pick_precision
 
 # (label, packed rows, loss chunk, checkpointing, model: "eager", "compiled" or "nf4")
 RUNGS = [

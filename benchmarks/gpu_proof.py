@@ -37,7 +37,7 @@ from pathlib import Path
 from benchmarks.common import REPO
 from benchmarks.gpu_proof_tables import render
 from benchmarks.gpu_systems import COMPILED, EAGER
-from support import atomic
+from support.formats import atomic
 
 # (phase, share of the budget, the fewest seconds worth starting it with)
 PHASES = [("tests", 0.10, 20), ("step", 0.22, 60), ("compiled", 0.36, 60), ("context", 0.14, 40), ("ladder", 0.18, 30)]

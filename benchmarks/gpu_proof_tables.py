@@ -1,7 +1,7 @@
 """What do gpu-proof's results say, as markdown? proof.md, rendered from the phases' JSON files (gpu_proof.py)."""
 
 from benchmarks.gpu_systems import SYSTEMS
-from support.memory import fmt
+from support.accounting.memory import fmt
 
 
 def md_table(headers, rows):

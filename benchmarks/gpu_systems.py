@@ -7,7 +7,8 @@ of the blocks, fp32 adapters under bf16 autocast, fused AdamW, gradient clipping
 same weights:
 
 - nanoqlora LoRA: model.Llama with the packed-document attention train.py would pick
-  (support.attention.varlen_attention), 16-bit base, lora.add_lora_, train.forward_loss and train.make_optimizer;
+  (support.kernels.attention.varlen_attention), 16-bit base, lora.add_lora_, train.forward_loss and
+  train.make_optimizer;
 - nanoqlora QLoRA: the same, its block linears quant.quantize_'d to NF4 from those weights;
 - transformers + PEFT LoRA: LlamaForCausalLM from the same config, attn_implementation="sdpa", holding our very
   weight tensors (load_state_dict(assign=True): the frozen base is shared, not copied, which is what lets three 8B
@@ -41,9 +42,10 @@ import quant
 import train
 from benchmarks.common import OUT_DIR, SEED, hf_batch
 from model import Llama
-from support import atomic, dropout, dropout_cuda, hf_config, nf4_cuda
-from support.attention import varlen_attention
-from support.hf_config import to_hf
+from support.formats import atomic, hf_config
+from support.formats.hf_config import to_hf
+from support.kernels import dropout, dropout_cuda, nf4_cuda
+from support.kernels.attention import varlen_attention
 
 _LLAMA3 = dict(
     model_type="llama",

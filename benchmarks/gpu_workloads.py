@@ -13,13 +13,14 @@ are left out.
   compares useful work here.
 
 Per system: tokens/s and supervised tokens/s over the measured steps; fill = real (non-padding) tokens over slots; MFU =
-model FLOPs / time / the peak of support.flops.peak_flops (the datasheet bf16 peak of a known GPU, else a measured one),
-with model FLOPs from support.flops.batch_flops (train.py's count), 4N per token for a frozen-base LoRA step (no weight
-gradients) plus causal attention, each document (or run of padding) at its own length. Peak memory is each system's own,
-as if it ran alone: the bytes it holds between steps (weights, counted whole even where shared, optimizer state) plus
-the most its steps allocated above what was resident before them (torch.cuda.max_memory_allocated; not measured on CPU).
-Ratios are the median (and range) of per-round ratios: tokens/s on equal work, supervised tokens/s on natural batching.
-A system whose step fails (out of memory) sits out the rest of the workload; the others run on.
+model FLOPs / time / the peak of support.accounting.flops.peak_flops (the datasheet bf16 peak of a known GPU, else a
+measured one), with model FLOPs from support.accounting.flops.batch_flops (train.py's count), 4N per token for a
+frozen-base LoRA step (no weight gradients) plus causal attention, each document (or run of padding) at its own length.
+Peak memory is each system's own, as if it ran alone: the bytes it holds between steps (weights, counted whole even
+where shared, optimizer state) plus the most its steps allocated above what was resident before them
+(torch.cuda.max_memory_allocated; not measured on CPU). Ratios are the median (and range) of per-round ratios: tokens/s
+on equal work, supervised tokens/s on natural batching. A system whose step fails (out of memory) sits out the rest of
+the workload; the others run on.
 """
 
 import contextlib
@@ -32,7 +33,7 @@ import torch
 from benchmarks.common import SEED, median_ratio
 from benchmarks.gpu_systems import FAILURES, PAIRS, free_cache, one_line
 from pack import PackedDataset
-from support.flops import batch_flops
+from support.accounting.flops import batch_flops
 
 # Natural batching: document lengths like instruction data (a log-normal, median 400 tokens, a tail to a few
 # thousand), each opening with an unsupervised prompt of 10-60% of it.

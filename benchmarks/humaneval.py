@@ -23,9 +23,10 @@ import time
 import torch
 
 from benchmarks.common import OUT_DIR, print_table
-from support import gguf_read, humaneval
-from support.sampling import dense_weights, generate, generate_batch
-from support.tokenizer import Tokenizer
+from support.data.tokenizer import Tokenizer
+from support.evaluation import humaneval
+from support.evaluation.sampling import dense_weights, generate, generate_batch
+from support.formats import gguf_read
 from train import load_model
 
 

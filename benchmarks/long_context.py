@@ -4,16 +4,15 @@
                                                tiled MLP (a few minutes on 2 cores)
     python bench.py context --tokens=8192      another length
 
-Each setting runs in a fresh process: the embedded SmolLM2-135M-Instruct built as train.py builds it with its
-defaults (NF4 base, LoRA r=16 on every block linear, dropout 0.05; activation checkpointing on), in the precision
-train.py would pick on this CPU, then one forward and backward pass of one row of `tokens` random tokens, one
-document (past the model's 8,192 positions: RoPE extends, and the memory is what is measured). The peak resident set
-of that pass (VmHWM, reset after loading) is printed beside support/memory.py's estimate for it, the process's own
-resident bytes before the model was built added as train.py adds them ("process"); train.py's measured heap part is
-not, so the gap is what glibc keeps beyond the live tensors. A second pair of processes has glibc map every block of
-128 KiB or more on its own (mmap threshold), so that a freed tensor leaves the resident set at once: their peak is the
-live tensors', what the estimate describes. The tiled MLP takes tiles of hidden_size tokens, as mlp_tile_tokens="auto"
-does.
+Each setting runs in a fresh process: the embedded SmolLM2-135M-Instruct built as train.py builds it with its defaults
+(NF4 base, LoRA r=16 on every block linear, dropout 0.05; activation checkpointing on), in the precision train.py would
+pick on this CPU, then one forward and backward pass of one row of `tokens` random tokens, one document (past the
+model's 8,192 positions: RoPE extends, and the memory is what is measured). The peak resident set of that pass (VmHWM,
+reset after loading) is printed beside support/accounting/memory.py's estimate for it, the process's own resident bytes
+before the model was built added as train.py adds them ("process"); train.py's measured heap part is not, so the gap is
+what glibc keeps beyond the live tensors. A second pair of processes has glibc map every block of 128 KiB or more on its
+own (mmap threshold), so that a freed tensor leaves the resident set at once: their peak is the live tensors', what the
+estimate describes. The tiled MLP takes tiles of hidden_size tokens, as mlp_tile_tokens="auto" does.
 """
 
 import json
@@ -24,7 +23,7 @@ import time
 import torch
 
 from benchmarks.common import REPO, cpu_name, fmt_gb, print_table
-from support import memory
+from support.accounting import memory
 
 
 def bench_long_context(tokens=16384):
@@ -55,7 +54,7 @@ def measured_row(tokens, tiled, live) -> list:
 def measure(tokens, tiled, live) -> dict:
     """One forward and backward of one `tokens`-token row in this process (see the file docstring)."""
     import train
-    from support.precision import pick_precision
+    from support.run.precision import pick_precision
 
     cfg = train.Config(activation_checkpointing=True, mlp_tile_tokens=0)
     model_dir, _ = train.claim_inputs(cfg)

@@ -13,7 +13,7 @@ that of steps 1 and 2). Then the matrix, in the same copy: fp32 and bf16, micro-
 checkpointing off and on, all with 4 rows of 256 tokens per step (so a 1-row micro-batch is one of 4 per step), 2
 steps and a 4-row evaluation after the second; then the full-vocabulary loss (chunked_loss=False) and 1,024-token rows
 (2 per step, one per micro-batch). Where this CPU emulates bf16 (its matmuls measured slower than fp32's, as
-support/precision.py measures them), the bf16 cells are skipped and the reason printed: they would take hours.
+support/run/precision.py measures them), the bf16 cells are skipped and the reason printed: they would take hours.
 """
 
 import os
@@ -28,10 +28,10 @@ import torch
 
 from benchmarks.common import OUT_DIR, REPO, cpu_name, print_table
 from benchmarks.first_run import cpu_kind
-from support import gguf_read
-from support.flops import fmt_flops, matmul_rates
-from support.hf_config import read_config
-from support.precision import faster_precision
+from support.accounting.flops import fmt_flops, matmul_rates
+from support.formats import gguf_read
+from support.formats.hf_config import read_config
+from support.run.precision import faster_precision
 
 MEASURED = re.compile(r"measured peak memory after 2 steps: ([\d.]+) (GiB|MiB) \(estimated ([\d.]+) (GiB|MiB)\)")
 STEP = ["--max_steps=2", "--eval_rows=4", "--eval_samples=0"]  # the second step's evaluation inside the peak

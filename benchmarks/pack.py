@@ -31,8 +31,8 @@ CONTEXT = 2048
 def write_dataset(rows):
     """out/bench/magicoder<rows/1000>k.jsonl, written once, a row at a time; the 75K file is the one this benchmark
     has always used."""
-    from support import atomic
-    from support.examples import stdlib_examples
+    from support.data.examples import stdlib_examples
+    from support.formats import atomic
 
     path = os.path.join(OUT_DIR, f"magicoder{rows // 1000}k.jsonl")
     if os.path.exists(path):
@@ -104,9 +104,10 @@ def _child(mode, path, cache, out):
 
     import pack
     import train
-    from support import gguf_read, ranks
-    from support.preview import packing_report
-    from support.tokenizer import Tokenizer
+    from support.data.preview import packing_report
+    from support.data.tokenizer import Tokenizer
+    from support.formats import gguf_read
+    from support.run import ranks
 
     tok = Tokenizer(gguf_read.smollm2_dir())
     if mode == "build":
@@ -137,7 +138,7 @@ def _child(mode, path, cache, out):
 def _resident():
     """{"all": resident bytes, "anon": its private (anonymous) part}: the rest is file pages, such as the token cache's
     memory maps, which the kernel keeps once for every process that maps them."""
-    from support import memory
+    from support.accounting import memory
 
     memory.process_rss()  # collects garbage and trims the heap first
     with open("/proc/self/status") as f:

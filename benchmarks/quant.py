@@ -13,7 +13,7 @@ import torch
 
 import quant
 from benchmarks.common import best_time, print_table
-from support import hf
+from support.formats import hf
 from train import load_model
 
 
@@ -49,7 +49,7 @@ def bench_quant(size=4096, repeat=5, smollm2=False):
 def bench_smollm2_load(repeat):
     """SmolLM2-135M into a QLoRA-ready model: quantize its 16-bit checkpoint tensor by tensor vs load our pre-quantized
     (bnb-4bit) checkpoint; both through train.load_model."""
-    from support import gguf_read
+    from support.formats import gguf_read
 
     load = lambda path: load_model(path, torch.bfloat16, quantize=True)  # noqa: E731
     with tempfile.TemporaryDirectory() as tmp:

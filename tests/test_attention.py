@@ -1,4 +1,4 @@
-"""support/attention.py: the packed-document attention kernels and their choice.
+"""support/kernels/attention.py: the packed-document attention kernels and their choice.
 
 Every backend that runs on CPU equals an fp64 per-document reference (forward and gradients, GQA, windows), the
 per-document SDPA loop and its opaque twin (the compile path) alike; flash-attn and torch's varlen kernel are checked
@@ -16,7 +16,7 @@ import torch
 from test_model import cuda, packed_batch, rel, tiny_config
 
 import model as M
-import support.attention as A
+import support.kernels.attention as A
 from model import Llama
 
 

@@ -27,7 +27,7 @@ The GPU benchmark (`bench.py gpu`):
 - the equal-work batches are full rows, every token supervised, identical for both systems; the peer built by
   build_systems holds our very weight tensors and computes our loss on them;
 - the profile sorts kernels as an H200 names them: FlashAttention's (whose names hold "cutlass") as attention, cuBLAS's
-  as matmuls, support/nf4_cuda.py's Triton kernel as NF4 dequantization, Inductor's fused kernels as other.
+  as matmuls, support/kernels/nf4_cuda.py's Triton kernel as NF4 dequantization, Inductor's fused kernels as other.
 """
 
 import json
@@ -45,9 +45,9 @@ import transformers
 
 import train
 from benchmarks import common, cpu_train, gpu, gpu_proof, gpu_systems, gpu_workloads
-from support import run_dir
-from support.hf_config import from_hf, read_config
-from support.tokenizer import Tokenizer
+from support.data.tokenizer import Tokenizer
+from support.formats.hf_config import from_hf, read_config
+from support.run import run_dir
 from train import load_model
 
 

@@ -1,8 +1,8 @@
-"""support/checkpoint.py: what a checkpoint holds comes back on resume: fp16's loss scale; the checkpoints of the older
-layouts (optimizer state keyed by parameter name, as written before torch.distributed.checkpoint.state_dict did it,
-and the older one keyed by position, even with no step taken) resume exactly; a checkpoint that would run code when
-unpickled is refused in one line. (Step-exact resume, resume across rank counts, refused settings and a corrupted
-file, through train.py: test_train.py, test_fsdp.py and test_ranks.py.)"""
+"""support/run/checkpoint.py: what a checkpoint holds comes back on resume: fp16's loss scale; the checkpoints of the
+older layouts (optimizer state keyed by parameter name, as written before torch.distributed.checkpoint.state_dict did
+it, and the older one keyed by position, even with no step taken) resume exactly; a checkpoint that would run code when
+unpickled is refused in one line. (Step-exact resume, resume across rank counts, refused settings and a corrupted file,
+through train.py: test_train.py, test_fsdp.py and test_ranks.py.)"""
 
 import dataclasses
 import os
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import train
-from support import checkpoint
+from support.run import checkpoint
 
 
 def test_the_fp16_loss_scale_is_checkpointed(tmp_path):

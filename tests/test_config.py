@@ -1,4 +1,4 @@
-"""support/config.py: config files and --key=value flags become a checked train.Config.
+"""support/run/config.py: config files and --key=value flags become a checked train.Config.
 
 A config file and flags load (a flag wins wherever it stands); a typo names the nearest valid key; a wrong type is
 refused; "--data path" (a space, not =) is refused before path is read as a config file; a mistake inside a config file
@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import train
-from support import sandbox
-from support.config import check_config, load_config
+from support.evaluation import sandbox
+from support.run.config import check_config, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

@@ -1,11 +1,11 @@
-"""What this file proves about support/confine.py: its system-call numbers are the kernel's own for x86_64 and aarch64,
-and its BPF program is well formed (every jump lands inside it, every path ends in a return); a process that applied it,
-in a child interpreter, cannot read, write, create or change files outside its two lists (in a folder any user may
-write, so only the kernel stands in the way), cannot fork, exec, open a socket, signal or limit its parent (nor aim a
-file's SIGIO at it) or make System V shared memory, and runs as uid 65534 under root, while it reads and writes within
-its lists, starts threads, signals itself and gets ENOSYS for a system call newer than the table; where the kernel lacks
-Landlock, or the machine has no table, or the process has a second thread, apply() raises Unavailable naming what is
-missing, and changes nothing first."""
+"""What this file proves about support/evaluation/confine.py: its system-call numbers are the kernel's own for x86_64
+and aarch64, and its BPF program is well formed (every jump lands inside it, every path ends in a return); a process
+that applied it, in a child interpreter, cannot read, write, create or change files outside its two lists (in a folder
+any user may write, so only the kernel stands in the way), cannot fork, exec, open a socket, signal or limit its parent
+(nor aim a file's SIGIO at it) or make System V shared memory, and runs as uid 65534 under root, while it reads and
+writes within its lists, starts threads, signals itself and gets ENOSYS for a system call newer than the table; where
+the kernel lacks Landlock, or the machine has no table, or the process has a second thread, apply() raises Unavailable
+naming what is missing, and changes nothing first."""
 
 import json
 import os
@@ -15,13 +15,13 @@ import sys
 
 import pytest
 
-from support import confine, sandbox
+from support.evaluation import confine, sandbox
 
 HEADERS = {"x86_64": "/usr/include/x86_64-linux-gnu/asm/unistd_64.h", "aarch64": "/usr/include/asm-generic/unistd.h"}
 CHILD = """
 import json, os, sys, threading
 sys.path.insert(0, {root!r})
-from support import confine
+from support.evaluation import confine
 read, write = {read!r}, {write!r}
 {before}
 abi = confine.apply(read, write, owned=[write[0]])

@@ -1,4 +1,4 @@
-"""support/dropout.py: LoRA's keyed dropout on CPU, on tiny shapes.
+"""support/kernels/dropout.py: LoRA's keyed dropout on CPU, on tiny shapes.
 
 What this file proves: dropout drops p of each row and keeps the mean; its mask is a function of (seed, step, row) and
 the element's place only, each adapted linear drawing its own; rows split into micro-batches, with activation
@@ -13,7 +13,7 @@ from conftest import TINY
 
 import lora
 from model import Llama, LlamaConfig
-from support.dropout import KeyedDropout, dropout_rows, keyed_dropout, row_keys, tile_of_rows
+from support.kernels.dropout import KeyedDropout, dropout_rows, keyed_dropout, row_keys, tile_of_rows
 
 IDS = torch.tensor([[1, 5, 9, 17, 33, 2, 60, 7, 100, 3], [4, 4, 8, 15, 16, 23, 42, 0, 99, 1]])
 CONFIG = LlamaConfig(vocab_size=128, head_dim=16, max_position_embeddings=64, **TINY)

@@ -1,4 +1,4 @@
-"""support/dropout_cuda.py: LoRA dropout's CUDA kernel and its choice.
+"""support/kernels/dropout_cuda.py: LoRA dropout's CUDA kernel and its choice.
 
 Proven without a GPU (on Linux; triton has no release for macOS or Windows, where these tests skip, saying so): the
 Triton kernel, run by Triton's CPU interpreter, drops and scales exactly the elements the reference (keyed_dropout)
@@ -15,14 +15,14 @@ from test_nf4_cuda import interpret
 
 import lora
 from model import Llama, LlamaConfig
-from support import dropout_cuda
-from support.dropout import KeyedDropout, keyed_dropout, row_keys
+from support.kernels import dropout_cuda
+from support.kernels.dropout import KeyedDropout, keyed_dropout, row_keys
 
 SHAPES = [[3, 7, 11], [2, 5, 300], [4, 2050], [1, 3, 1025]]  # rows x elements: partial blocks, odd lengths
 INTERPRET = """
 import json, sys, torch
-from support import dropout_cuda
-from support.dropout import keyed_dropout, row_keys
+from support.kernels import dropout_cuda
+from support.kernels.dropout import keyed_dropout, row_keys
 torch.manual_seed(0)
 kernel = type(dropout_cuda._triton_kernel()).__name__
 results = []

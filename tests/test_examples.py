@@ -15,8 +15,8 @@ import textwrap
 import pytest
 from conftest import CONVERSATIONS
 
-from support import examples
-from support.examples import load_examples, split_examples, stdlib_examples
+from support.data import examples
+from support.data.examples import load_examples, split_examples, stdlib_examples
 
 
 def _write(path, rows):

@@ -1,4 +1,4 @@
-"""support/flops.py: the model FLOPs of a batch and the peak FLOP/s MFU divides by.
+"""support/accounting/flops.py: the model FLOPs of a batch and the peak FLOP/s MFU divides by.
 
 A batch of packed rows costs each document (and each run of padding) flops_per_token at its own length, a row that is
 one whole document costs flops_per_token at the row's length.
@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from model import LlamaConfig
-from support import flops
-from support.flops import batch_flops, flops_per_token, fmt_flops
+from support.accounting import flops
+from support.accounting.flops import batch_flops, flops_per_token, fmt_flops
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""support/fsdp.py: QLoRA sharded with PyTorch's FSDP2 over gloo ranks on CPU, against one process, LoRA dropout on
+"""support/run/fsdp.py: QLoRA sharded with PyTorch's FSDP2 over gloo ranks on CPU, against one process, LoRA dropout on
 (0.05: its masks are a function of (seed, step, global row), so no split of the batch may change them).
 
 - With 2 and 4 ranks, on a tiny Llama and a tiny Qwen3, with an NF4 and a 16-bit base, with and without activation

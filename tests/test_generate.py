@@ -13,9 +13,10 @@ import torch
 from conftest import fixed_outcome_problems
 
 import generate
-from support import gguf_read, sandbox
-from support.sampling import generate as model_generate
-from support.tokenizer import Tokenizer
+from support.data.tokenizer import Tokenizer
+from support.evaluation import sandbox
+from support.evaluation.sampling import generate as model_generate
+from support.formats import gguf_read
 from train import load_model
 
 

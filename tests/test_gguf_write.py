@@ -33,9 +33,10 @@ from transformers import AutoModelForCausalLM
 import convert
 import lora
 from model import Llama, LlamaConfig
-from support import atomic, gguf_read, gguf_write, hf, hf_config, tokenizer
-from support.hf_config import from_hf
-from support.sampling import generate
+from support.data import tokenizer
+from support.evaluation.sampling import generate
+from support.formats import atomic, gguf_read, gguf_write, hf, hf_config
+from support.formats.hf_config import from_hf
 from train import load_model
 
 # Descriptive general.* keys of the published file (from the model card) and add_space_prefix, which llama.cpp ignores

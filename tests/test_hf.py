@@ -30,10 +30,10 @@ from safetensors.torch import load_file, save_file
 import lora
 import quant
 from model import Llama, LlamaConfig
-from support import nf4_cuda
-from support.atomic import atomic_write, write_json, write_safetensors
-from support.hf import export_merged, save_adapter, save_quantized
-from support.hf_config import config_json, read_config, to_hf
+from support.formats.atomic import atomic_write, write_json, write_safetensors
+from support.formats.hf import export_merged, save_adapter, save_quantized
+from support.formats.hf_config import config_json, read_config, to_hf
+from support.kernels import nf4_cuda
 from train import load_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,8 +96,8 @@ def test_loaded_model_keeps_no_view_of_the_file(saved):
 
 
 def test_load_model_hands_the_nf4_layers_the_kernel_chosen_for_the_device(saved, monkeypatch):
-    """load_model asks support/nf4_cuda.py once for the op that dequantizes on its device and every NF4 linear gets it,
-    adapted ones included (on CPU: the reference op; the choice itself is tested in test_nf4_cuda.py)."""
+    """load_model asks support/kernels/nf4_cuda.py once for the op that dequantizes on its device and every NF4 linear
+    gets it, adapted ones included (on CPU: the reference op; the choice itself is tested in test_nf4_cuda.py)."""
     assert {m.dequantize_op for m in load_quantized(saved).modules() if isinstance(m, quant.NF4Linear)} == {
         quant.REFERENCE_OP
     }
@@ -366,7 +366,7 @@ def test_a_write_killed_midway_is_swept_by_a_later_one(tmp_path):
     folder whose lock a live writer holds (here this process) stays, however old."""
     path = tmp_path / "model.safetensors"
     beside = "open(os.path.join(os.path.dirname(tmp), '.tmpXYZ123'), 'w').write('x' * 1000)"
-    code = "import os; from support.atomic import atomic_write; "
+    code = "import os; from support.formats.atomic import atomic_write; "
     code += f"atomic_write({str(path)!r}, lambda tmp: ({beside}, os.kill(os.getpid(), 9)))"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == -9
     (dead,) = os.listdir(tmp_path)

@@ -1,4 +1,4 @@
-"""support/hf_config.py: config.json read into a LlamaConfig and written back.
+"""support/formats/hf_config.py: config.json read into a LlamaConfig and written back.
 
 A family that needs more than a switch is refused with what it would need; config.json round trips write only Hugging
 Face keys, as each family's transformers config class spells them, and read back into the same config (logits against
@@ -9,7 +9,7 @@ import pytest
 import transformers
 from test_model import tiny_config
 
-from support.hf_config import from_hf, to_hf
+from support.formats.hf_config import from_hf, to_hf
 
 
 def test_unsupported_family_names_what_is_missing():

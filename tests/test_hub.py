@@ -1,5 +1,5 @@
-"""support/hub.py: models and datasets by Hub id, through huggingface_hub's own cache (no network: a stand-in Hub on
-localhost, tests/fake_hub.py, at HF_ENDPOINT).
+"""support/formats/hub.py: models and datasets by Hub id, through huggingface_hub's own cache (no network: a stand-in
+Hub on localhost, tests/fake_hub.py, at HF_ENDPOINT).
 
 - train.py given a model id and a dataset id fetches, into HF_HOME, only the model's config, safetensors and tokenizer
   files and the dataset's data file, laid out by huggingface_hub itself; then with HF_HUB_OFFLINE=1 and the Hub gone
@@ -28,9 +28,9 @@ from fake_hub import FakeHub
 from safetensors.torch import load, save
 from test_train import args, one_line_error
 
-from support import hub
-from support.examples import stdlib_examples
-from support.hf import Checkpoint
+from support.data.examples import stdlib_examples
+from support.formats import hub
+from support.formats.hf import Checkpoint
 
 
 def sharded(files):

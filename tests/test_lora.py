@@ -38,9 +38,9 @@ from transformers import LlamaForCausalLM
 import lora
 import quant
 from model import Llama
-from support.hf import Checkpoint, adapter_settings, export_merged, load_adapter_, save_adapter
-from support.hf_config import from_hf
-from support.merge_check import merge_and_check_
+from support.evaluation.merge_check import merge_and_check_
+from support.formats.hf import Checkpoint, adapter_settings, export_merged, load_adapter_, save_adapter
+from support.formats.hf_config import from_hf
 from train import load_model
 
 IDS = torch.tensor([[1, 5, 9, 17, 33, 2, 60, 7, 100, 3], [4, 4, 8, 15, 16, 23, 42, 0, 99, 1]])

@@ -1,4 +1,4 @@
-"""support/memory.py's estimate against what torch really allocates, on tiny models:
+"""support/accounting/memory.py's estimate against what torch really allocates, on tiny models:
 
 - the weight bytes equal a real QLoRA model's NF4 buffers plus its 16-bit tensors, and the adapter bytes its trainable
   parameters, for several targets and a tied and an untied head;
@@ -18,7 +18,7 @@ import lora
 import quant
 import train
 from model import Llama, LlamaConfig
-from support import memory
+from support.accounting import memory
 
 CFG = dict(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4)
 

@@ -1,4 +1,4 @@
-"""support/merge_check.py, on the tiny random Llama of test_lora.py:
+"""support/evaluation/merge_check.py, on the tiny random Llama of test_lora.py:
 
 - the merge error (the merged model against the adapter on the very weights merged into) is at fp32 rounding for a
   dense base, for NF4 merged into its dequantized copy and for NF4 merged into the original weights;
@@ -20,10 +20,10 @@ from test_lora import ours, randomize_B
 
 import lora
 import quant
-from support import merge_check
-from support.hf import Checkpoint
-from support.merge_check import merge_and_check_, merge_summary
-from support.tokenizer import Tokenizer
+from support.data.tokenizer import Tokenizer
+from support.evaluation import merge_check
+from support.evaluation.merge_check import merge_and_check_, merge_summary
+from support.formats.hf import Checkpoint
 from train import load_model
 
 base_dir = test_lora.base_dir  # the tiny random Llama, a fixture shared with test_lora.py

@@ -1,8 +1,8 @@
-"""support/micro_batch.py: the micro-batch probe finds the largest size that fits under a simulated out-of-memory
-allocator, frees each failed attempt before the next and resets the peak statistics (on a GPU, test_train.py runs the
-probe under a capped memory fraction); the CPU heap probe reports the resident growth the estimate leaves out; the MLP
-is tiled where one row of the context does not fit untiled, and only there. (That the estimate with the heap holds
-within 15% of the measured peak is test_train.py's memory test, on the default run.)
+"""support/accounting/micro_batch.py: the micro-batch probe finds the largest size that fits under a simulated
+out-of-memory allocator, frees each failed attempt before the next and resets the peak statistics (on a GPU,
+test_train.py runs the probe under a capped memory fraction); the CPU heap probe reports the resident growth the
+estimate leaves out; the MLP is tiled where one row of the context does not fit untiled, and only there. (That the
+estimate with the heap holds within 15% of the measured peak is test_train.py's memory test, on the default run.)
 """
 
 import weakref
@@ -10,7 +10,7 @@ import weakref
 import pytest
 import torch
 
-from support import micro_batch
+from support.accounting import micro_batch
 
 
 @pytest.mark.parametrize("fit_up_to, max_rows", [(3, 8), (8, 8), (1, 8), (5, 6), (1, 1)])
@@ -42,7 +42,7 @@ def test_the_cpu_heap_probe_measures_what_the_estimate_leaves_out(tiny_dir, tmp_
     transient and gradients the estimate counts for a micro-batch (here, a growth set by hand: 300 MiB), never below
     zero; on a GPU it reports nothing."""
     import train
-    from support.memory import run_estimate
+    from support.accounting.memory import run_estimate
 
     cfg = train.Config(model=tiny_dir, max_examples=64, context_length=128, cache_dir=str(tmp_path))
     cfg.out_dir = str(tmp_path / "out")

@@ -31,12 +31,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import lora
 import model as M
 import quant
-import support.attention as A
+import support.kernels.attention as A
 from model import Llama, LlamaConfig
-from support import dropout_cuda, nf4_cuda
-from support.dropout import dropout_rows, row_keys
-from support.hf_config import to_hf
-from support.sampling import generate
+from support.evaluation.sampling import generate
+from support.formats.hf_config import to_hf
+from support.kernels import dropout_cuda, nf4_cuda
+from support.kernels.dropout import dropout_rows, row_keys
 from train import compile_blocks, load_model
 
 LLAMA3 = dict(

@@ -17,7 +17,8 @@ from test_gguf_read import MESSAGES
 from test_gguf_write import LLAMA, _model_dir
 from transformers import AutoTokenizer
 
-from support import gguf_write, modelfile, tokenizer
+from support.data import tokenizer
+from support.formats import gguf_write, modelfile
 
 GO_STRING = re.compile(r'\{\{ "((?:[^"\\]|\\.)*)" \}\}')
 

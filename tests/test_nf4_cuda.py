@@ -1,4 +1,4 @@
-"""support/nf4_cuda.py: the CUDA kernels that dequantize NF4, and their choice.
+"""support/kernels/nf4_cuda.py: the CUDA kernels that dequantize NF4, and their choice.
 
 Proven without a GPU (on Linux: triton has no release for macOS or Windows, where these tests skip, saying so): the
 Triton kernel, run by Triton's CPU interpreter, is bit-identical to the PyTorch reference (quant.dequantize_nf4) for
@@ -24,11 +24,11 @@ from test_requirements import OURS
 from torch import nn
 
 import quant
-from support import nf4_cuda
+from support.kernels import nf4_cuda
 
 INTERPRET = """
 import json, sys, torch, quant
-from support import nf4_cuda
+from support.kernels import nf4_cuda
 torch.manual_seed(0)
 kernel = type(nf4_cuda._triton_kernel()).__name__
 results = []

@@ -30,10 +30,10 @@ from conftest import CONVERSATIONS, FAMILIES, QWEN, reference, tokenizer_dir, tu
 
 import pack
 from pack import PackedDataset, build_dataset, pack_bfd, tokenize_examples
-from support.examples import load_examples, stdlib_examples
-from support.preview import packing_report, preview
-from support.token_cache import tokenize_cached
-from support.tokenizer import Tokenizer
+from support.data.examples import load_examples, stdlib_examples
+from support.data.preview import packing_report, preview
+from support.data.token_cache import tokenize_cached
+from support.data.tokenizer import Tokenizer
 
 WORDS = [
     "sort",

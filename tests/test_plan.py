@@ -1,4 +1,4 @@
-"""support/plan.py: --plan's decision tree over the memory estimate, on tiny configs.
+"""support/accounting/plan.py: --plan's decision tree over the memory estimate, on tiny configs.
 
 - the plan follows the decision tree: for budgets cut between the table's own entries it picks the 16-bit base, then
   NF4, then 8-bit AdamW, checkpointing only when one row does not fit without it, and the largest micro-batch that
@@ -16,7 +16,7 @@ import torch
 from test_memory import adapters, config
 
 from model import LOSS_CHUNK
-from support import memory, plan
+from support.accounting import memory, plan
 
 
 def test_plan_follows_the_decision_tree():

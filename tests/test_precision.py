@@ -1,4 +1,4 @@
-"""support/precision.py: precision "auto" follows the hardware.
+"""support/run/precision.py: precision "auto" follows the hardware.
 
 On simulated GPUs it is fp16 before compute capability 8.0 and bf16 from it, without measuring; on CPU, given the two
 measured rates (a stand-in), it takes the faster and says why in one line, an explicit bf16 stays bf16 with a warning
@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from model import LlamaConfig
-from support import precision
-from support.flops import fmt_flops
+from support.accounting.flops import fmt_flops
+from support.run import precision
 
 
 @pytest.mark.parametrize(

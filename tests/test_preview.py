@@ -1,9 +1,9 @@
-"""support/preview.py: the data preview and its checks for the usual data bugs.
+"""support/data/preview.py: the data preview and its checks for the usual data bugs.
 
-The default data (stdlib + SmolLM2) shows its answers marked and raises no warning over all of it; a double BOS
-(Llama-2 text passed through with a BOS-adding tokenizer), missing EOS (a base tokenizer under ChatML, also through
-`python -m support.preview --preview`), merges across a cut (exactly where transformers' tokenizations of the joined
-and the separate texts differ) and an example with nothing supervised are each flagged.
+The default data (stdlib + SmolLM2) shows its answers marked and raises no warning over all of it; a double BOS (Llama-2
+text passed through with a BOS-adding tokenizer), missing EOS (a base tokenizer under ChatML, also through `python -m
+support.data.preview --preview`), merges across a cut (exactly where transformers' tokenizations of the joined and the
+separate texts differ) and an example with nothing supervised are each flagged.
 """
 
 import re
@@ -14,9 +14,9 @@ from functools import partial
 from conftest import DATA, ROOT, reference
 
 from pack import tokenize_examples
-from support.examples import load_examples, stdlib_examples
-from support.preview import check_examples, preview
-from support.tokenizer import Tokenizer
+from support.data.examples import load_examples, stdlib_examples
+from support.data.preview import check_examples, preview
+from support.data.tokenizer import Tokenizer
 
 
 def test_preview_default_data(smollm2_dir):
@@ -61,7 +61,7 @@ def test_preview_flags_missing_eos(tmp_path, family_dirs):
     text = preview(examples, Tokenizer(base), n=len(examples))
     lines = re.findall(r"warning: .*chat\.jsonl:\d: response \d ends with '.*', not EOS '<\|endoftext\|>': .*", text)
     assert len(lines) == turns and len(text.split("warning:")) == turns + 1
-    cli = [sys.executable, "-m", "support.preview", str(DATA / "chat.jsonl"), "--tokenizer", str(base)]
+    cli = [sys.executable, "-m", "support.data.preview", str(DATA / "chat.jsonl"), "--tokenizer", str(base)]
     cli += ["--preview", "3", "--cache-dir", str(tmp_path / "cache")]
     out = subprocess.run(cli, capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0 and re.findall(r"warning: .*", out.stdout) == lines, out.stderr

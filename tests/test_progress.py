@@ -1,4 +1,4 @@
-"""support/progress.py: what a run tells its user while it trains.
+"""support/run/progress.py: what a run tells its user while it trains.
 
 What this file proves: adapter_health's norms, formed through an (r, r) trace, equal ||scale * B @ A|| / ||W|| formed
 explicitly, over dense and NF4 bases, and B's moved share is 0 at initialisation and the true fraction after some
@@ -10,7 +10,7 @@ import torch
 
 import lora
 import quant
-from support import progress
+from support.run import progress
 from train import load_model
 
 

@@ -32,9 +32,9 @@ from torch import nn
 
 import quant
 from model import Llama, LlamaConfig
-from support import nf4_cuda
-from support.hf import Checkpoint, load_weights_
-from support.hf_config import to_hf
+from support.formats.hf import Checkpoint, load_weights_
+from support.formats.hf_config import to_hf
+from support.kernels import nf4_cuda
 from train import load_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -192,8 +192,8 @@ def test_quantize_swaps_exactly_the_block_linears():
 
 def test_quantize_hands_every_layer_the_dequantize_op_it_is_given():
     """quantize_ gives every NF4Linear it makes the op it is handed (how a model built on a GPU gets its kernel,
-    support/nf4_cuda.py), and the layer's forward, backward and dequantize() all run that op; by default it is the
-    reference op, and a model holding it deep-copies."""
+    support/kernels/nf4_cuda.py), and the layer's forward, backward and dequantize() all run that op; by default it is
+    the reference op, and a model holding it deep-copies."""
     copied = copy.deepcopy(quant.quantize_(tiny_llama()))
     default = [m for m in copied.modules() if isinstance(m, quant.NF4Linear)]
     assert len(default) == 14 and all(m.dequantize_op is quant.REFERENCE_OP for m in default)

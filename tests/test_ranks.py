@@ -1,4 +1,4 @@
-"""support/ranks.py: runs on many ranks that cannot hang. torchrun with 2 gloo ranks on CPU runs train.py through
+"""support/run/ranks.py: runs on many ranks that cannot hang. torchrun with 2 gloo ranks on CPU runs train.py through
 tests/ranks_worker.py, which gives one rank a fault of its own; LoRA dropout is on (0.05), so every resumed run is
 compared with one uninterrupted process, step for step.
 
@@ -27,7 +27,7 @@ from conftest import ROOT, free_port
 from test_fsdp import assert_same_run, losses
 from test_train import args, run
 
-from support.checkpoint import read_checkpoint
+from support.run.checkpoint import read_checkpoint
 
 SAVE = ["--save_every=1"]  # a checkpoint after every step: a lost rank loses nothing but the step under way
 

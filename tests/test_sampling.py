@@ -1,4 +1,4 @@
-"""support/sampling.py: continuing a prompt through the model's KV cache.
+"""support/evaluation/sampling.py: continuing a prompt through the model's KV cache.
 
 What this file proves: greedy generation through the cache equals recomputing the whole sequence for every token (in
 training mode with activation checkpointing on too), the cache fed in two chunks gives the full pass's logits (and
@@ -16,7 +16,7 @@ from test_model import hf_model, tiny_config
 import lora
 import quant
 from model import KVCache, Llama
-from support.sampling import dense_weights, generate, generate_batch
+from support.evaluation.sampling import dense_weights, generate, generate_batch
 from train import load_model
 
 

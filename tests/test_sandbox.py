@@ -1,15 +1,15 @@
-"""What this file proves about support/sandbox.py: a program runs in a process of its own and passes only when it runs
-to the end; hostile programs that go around the Python guards (posix.*, io.FileIO, _io, the guard's own closure, a path
-whose __fspath__ is not its __str__, re-imported modules, ctypes, the sandbox's own syscall wrapper, /proc of the parent
-and of another process of the same user, setsid grandchildren, raw sockets of every family) get nothing past the
-kernel's confinement: seen from outside, a TCP listener, a UDP socket, a UNIX socket and an abstract UNIX socket receive
-nothing, a System V shared memory segment keeps its bytes, no marker file appears, the victim file keeps its text and
-mode, a victim process of the program's user lives on untraced, no process of theirs is left once run() returns, the
-temporary directories are gone, and every one of them fails (none passes by escaping) within its time limit, while the
-programs beside them are judged as usual. The trainer's memory does not grow with a 1 GiB flood of output or of the
-verdict pipe; a forged verdict scores "failed", confined or not; a cleanup that fails does not raise. Where the kernel
-cannot confine, run() and run_many() refuse in one line naming what is missing (tested everywhere by simulating it), and
-run(confine=False) still runs the program."""
+"""What this file proves about support/evaluation/sandbox.py: a program runs in a process of its own and passes only
+when it runs to the end; hostile programs that go around the Python guards (posix.*, io.FileIO, _io, the guard's own
+closure, a path whose __fspath__ is not its __str__, re-imported modules, ctypes, the sandbox's own syscall wrapper,
+/proc of the parent and of another process of the same user, setsid grandchildren, raw sockets of every family) get
+nothing past the kernel's confinement: seen from outside, a TCP listener, a UDP socket, a UNIX socket and an abstract
+UNIX socket receive nothing, a System V shared memory segment keeps its bytes, no marker file appears, the victim file
+keeps its text and mode, a victim process of the program's user lives on untraced, no process of theirs is left once
+run() returns, the temporary directories are gone, and every one of them fails (none passes by escaping) within its time
+limit, while the programs beside them are judged as usual. The trainer's memory does not grow with a 1 GiB flood of
+output or of the verdict pipe; a forged verdict scores "failed", confined or not; a cleanup that fails does not raise.
+Where the kernel cannot confine, run() and run_many() refuse in one line naming what is missing (tested everywhere by
+simulating it), and run(confine=False) still runs the program."""
 
 import ctypes
 import os
@@ -24,7 +24,7 @@ import time
 import psutil
 import pytest
 
-from support import sandbox
+from support.evaluation import sandbox
 
 WHY = sandbox.confinement()
 confined = pytest.mark.skipif(bool(WHY), reason=f"the kernel cannot confine programs here: {WHY}")

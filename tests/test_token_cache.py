@@ -1,4 +1,4 @@
-"""support/token_cache.py: a second build of the same data reads the cache back (memory-mapped, the same rows)
+"""support/data/token_cache.py: a second build of the same data reads the cache back (memory-mapped, the same rows)
 without reading or tokenizing the examples again; other settings make a new entry; no temp file is left behind, not
 even by a bad row that stops the build. The files streamed through it give a run exactly the data the in-memory path
 gave before streaming: tests/data/stream_reference.json was computed by train.build_data at commit 26ff909, before
@@ -22,9 +22,9 @@ from test_pack import _write
 import pack
 import train
 from pack import build_dataset, tokenize_chunk
-from support import token_cache
-from support.preview import packing_report
-from support.tokenizer import Tokenizer
+from support.data import token_cache
+from support.data.preview import packing_report
+from support.data.tokenizer import Tokenizer
 
 CASES = {  # name: train.Config settings, as stream_reference.json was computed
     "fraction": dict(val_fraction=0.2, context_length="auto", skip_bad_rows=True, eval_samples=2),

@@ -14,7 +14,7 @@ import transformers
 from conftest import CONVERSATIONS, FAMILIES, LLAMA2, TEXTS, corpus, reference, turn_text
 from transformers.tokenization_utils_sentencepiece import SentencePieceBackend
 
-from support.tokenizer import Tokenizer, render
+from support.data.tokenizer import Tokenizer, render
 
 SYSTEM = {"role": "system", "content": "Answer tersely & <exactly>."}
 RENDERED = [CONVERSATIONS[0], [SYSTEM, *CONVERSATIONS[0]], CONVERSATIONS[1][1:], CONVERSATIONS[1]]

@@ -1,4 +1,4 @@
-"""support/trackers.py: a short run's records reach TensorBoard and W&B exactly as they reach metrics.jsonl.
+"""support/run/trackers.py: a short run's records reach TensorBoard and W&B exactly as they reach metrics.jsonl.
 
 - TensorBoard: the event files, read back with tensorboard's own reader (EventAccumulator), hold every number of every
   record of metrics.jsonl at its step, exactly (double-precision scalars), and each evaluation's held-out answers as
@@ -23,9 +23,9 @@ from tensorboard.util.tensor_util import make_ndarray
 from test_train import args, one_line_error, run
 
 import train
-from support import optional
-from support.config import load_config
-from support.trackers import WandB, numbers, sample_text
+from support.run import optional
+from support.run.config import load_config
+from support.run.trackers import WandB, numbers, sample_text
 
 FLAGS = ["--max_steps=3", "--eval_every=2", "--eval_samples=1", "--sample_tokens=6"]
 

@@ -41,12 +41,15 @@ from safetensors.torch import load_file
 import quant
 import train
 from pack import PackedDataset, build_dataset
-from support import atomic, checkpoint, dropout, memory, micro_batch, optional, precision, progress, run_dir
-from support.config import load_config
-from support.examples import stdlib_examples
-from support.flops import flops_per_token, fmt_flops, matmul_rates
-from support.hf_config import read_config
-from support.tokenizer import Tokenizer
+from support.accounting import memory, micro_batch
+from support.accounting.flops import flops_per_token, fmt_flops, matmul_rates
+from support.data.examples import stdlib_examples
+from support.data.tokenizer import Tokenizer
+from support.formats import atomic
+from support.formats.hf_config import read_config
+from support.kernels import dropout
+from support.run import checkpoint, optional, precision, progress, run_dir
+from support.run.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PRECISIONS = (torch.bfloat16, torch.float32)
@@ -639,7 +642,7 @@ def test_exports_keep_a_resumable_checkpoint_and_merge_from_a_bnb_4bit_base(tiny
     the trained adapters and a resumed run continues from them. A bnb-4bit base (no 16-bit original) merges into its
     dequantized weights instead of failing."""
 
-    from support import hf
+    from support.formats import hf
 
     run(args(tiny_dir, tmp_path / "a", "--max_steps=2", "--eval_every=0", "--export_merged"))
     out = tmp_path / "a" / "out"

@@ -1,0 +1,258 @@
+"""How much memory does a LoRA or QLoRA run take, and what did it really use?
+
+(Which settings fit a named GPU is support/accounting/plan.py; how many rows go in a micro-batch,
+support/accounting/micro_batch.py. Both read the estimate here.)
+
+The breakdown
+-------------
+Training memory is the frozen base, the adapters with their gradients and optimizer state, and the activations
+autograd keeps for backward:
+
+    weights      2 bytes per parameter in bf16/fp16; with QLoRA the block linears take NF4's 4.127 bits (4-bit codes,
+                 one 8-bit absmax per 64, one fp32 per 64 * 256, see quant.py) while embeddings, norms and lm_head
+                 stay 16-bit
+    adapters     LoRA's A and B, r * (in + out) numbers per adapted linear, kept as fp32 masters: 4 bytes each
+    gradients    of the adapters only, the base is frozen: 4 bytes each
+    optimizer    AdamW's two fp32 moments, 8 bytes per adapter parameter (2 with 8-bit AdamW)
+    activations  per token and block, what backward reads (below)
+    transient    the loss chunk, one dequantized weight, and the block that checkpointing recomputes
+
+Full fine-tuning of a 13B model needs 234 GB before activations (2 bytes of weights, 4 of gradients and 12 of Adam
+state per parameter); LoRA at r=16 keeps the 26 GB of bf16 weights and adds well under 1 GB; QLoRA shrinks the
+weights to about 7 GB. What is left to fight is activations.
+
+Activations, per token per block, in the compute dtype's A bytes (h hidden, i intermediate, q = H * D, kv = Hkv * D, r
+the LoRA rank), read off what our modules save: each RMSNorm keeps its fp32 input and its A-byte output (4h + Ah,
+twice); attention keeps q, k, v, its output and a logsumexp per head (A(2q + 2kv) + 4H; the varlen kernels never
+materialise the (T, T) scores; on CPU and older GPUs each document's are kept zero-padded to attention.bucket of its
+length, which this count leaves out: 13% more of them on the default stdlib data, about 1% of all activations); the MLP
+keeps gate, silu(gate) and up (3Ai); the frozen base linears keep nothing (dL/dx needs only W, dequantized again in
+backward); each adapted linear keeps r numbers of its LoRA branch, and with dropout a dropped copy of its input plus a
+byte mask per element ((A + 1) times its input size), without dropout only down_proj's input (Ai), the others sharing
+tensors already kept. The full-vocabulary loss (chunked_loss=False) keeps all (tokens, V) fp32 logits, and its transient
+below spans every token, not one chunk: 12 bytes per logit in all. Activation checkpointing keeps only each block's
+input (Ah) and recomputes one block at a time in backward; offloaded, those inputs are in CPU memory (`offloaded_bytes`)
+and one comes back while its block is recomputed. A tiled MLP keeps the MLP's part (3Ai and its LoRA branches') for one
+tile of tokens only, never for the whole sequence (support/kernels/long_context.py). The loss works on c = min(tokens,
+1024) rows (zero-padded to attention.bucket(c)) of the vocabulary V at a time, at the end of forward when everything
+else is alive: its fp32 logits, and beside them the matmul's 16-bit output, logsumexp's scratch copy or the 16-bit
+gradient, 8 bytes per logit.
+
+Beyond torch's own count: a GPU holds the CUDA context and kernels (about 1 GiB, which torch.cuda.max_memory_allocated
+does not see but the card's capacity must; support/accounting/plan.py takes it off the card). On CPU, peak RSS also
+holds the process itself (Python, torch, the tokenizer, the data), which train.py measures before building the model
+once the heap that conversion and tokenization freed is handed back (malloc_trim). And it holds a heap: glibc's malloc
+serves mid-sized blocks from arenas and keeps what is freed for reuse, and the holes a forward's freed temporaries (norm
+statistics, projection sums, RoPE pieces) leave between the saved tensors are rarely the right size for what comes next,
+so the resident set grows by a share of the activations (about a half to one more copy) that no shape formula derives.
+train.py measures it instead (`micro_batch.cpu_heap`: a probe step's forward and backward passes before training, the
+peak resident set's growth less what this estimate counts) and adds it as the "heap" part; glibc's mmap threshold is
+fixed for it (`steady_heap`), so that the probe and the steps allocate alike. Serving every large block by its own mmap
+would leave only live tensors resident, but re-faulting every activation's pages each step made CPU steps 2.4 times
+slower (docs/performance.md).
+
+The measurement
+---------------
+train.py prints the estimate beside what the first steps really took: torch's allocator peak on CUDA, the process's
+peak resident set (VmHWM) on CPU, both reset after loading so that they count the steps alone.
+"""
+
+import ctypes
+import gc
+import math
+import os
+
+import torch
+import torch.nn as nn
+
+from model import LOSS_CHUNK, Llama, find_linears
+
+GIB = 2**30
+MIB = 2**20
+MLP_LINEARS = ("gate_proj", "up_proj", "down_proj")  # what a tiled MLP recomputes tile by tile
+
+
+def nf4_bytes(n):
+    """Bytes of one NF4 double-quantized weight of n values (quant.NF4Weight's four buffers)."""
+    blocks = math.ceil(n / 64)
+    return (n + 1) // 2 + blocks + 4 * math.ceil(blocks / 256) + 4
+
+
+def model_sizes(config, targets) -> dict:
+    """What the estimate needs of a model's shapes, read from a Llama of `config` on the meta device (nothing is
+    allocated): its parameter count (a tied lm_head once), the numel of each block linear, the in + out features of
+    the LoRA `targets`, the in_features of those in the first block by kind, and the parameters outside the blocks.
+    Building the model is the slow part of an estimate (0.15 s for a 70B config), so a plan reads it once."""
+    with torch.device("meta"):
+        model = Llama(config)
+    adapted = find_linears(model, targets, (nn.Linear,))
+    return {
+        "params": sum({id(p): p.numel() for p in model.parameters()}.values()),
+        "block_linears": [m.weight.numel() for m in find_linears(model, "all-linear").values()],
+        "adapted": sum(m.in_features + m.out_features for m in adapted.values()),
+        "first_block": {
+            n.rsplit(".", 1)[-1]: m.in_features for n, m in adapted.items() if n.startswith("model.layers.0.")
+        },
+        "root": sum(p.numel() for n, p in model.named_parameters() if not n.startswith("model.layers.")),
+    }
+
+
+def estimate(config, tokens, dtype, quantize, lora, opt_bytes, checkpointing, chunked=True, shards=0, offload=False,
+             sizes=None, tile_tokens=0, offload_checkpoints=False):  # fmt: skip
+    """Bytes by part for a micro-batch of `tokens` tokens, on one rank: weights, adapters, gradients, optimizer,
+    activations, transient, and when sharded what is gathered (see the file docstring). lora: the LoRA
+    settings (train.Config.adapters: targets as model.find_linears, r, dropout); chunked=False is the full-vocabulary
+    loss, whose (tokens, V) fp32 logits are kept for backward; shards: FSDP over that many ranks (0: not sharded),
+    offload: its shards kept in CPU memory; sizes: model_sizes(config, lora targets), when the caller has it;
+    tile_tokens: the tokens of one tile of a tiled MLP (every row's share; 0 or >= tokens: not tiled);
+    offload_checkpoints: the block inputs checkpointing keeps are in CPU memory (offloaded_bytes), not here."""
+    lora_r = lora["r"]
+    dropout = lora["dropout"]
+    sizes = sizes or model_sizes(config, lora["targets"])
+    linears = sizes["block_linears"]  # the numel of each block linear
+    a = torch.finfo(dtype).bits // 8  # A of the file docstring: bytes of one value in the compute dtype
+    quantized = sum(linears) if quantize else 0
+    weights = a * (sizes["params"] - quantized) + (sum(nf4_bytes(n) for n in linears) if quantize else 0)
+    lora_numbers = lora_r * sizes["adapted"]
+    h = config.hidden_size
+    i = config.intermediate_size
+    heads = config.num_attention_heads
+    q = heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    first = sizes["first_block"]  # {kind: in_features} of the adapted linears of a block
+    lora_kept = {kind: a * lora_r + ((a + 1) * n_in if dropout > 0 else 0) for kind, n_in in first.items()}
+    mlp = 3 * a * i + sum(v for kind, v in lora_kept.items() if kind in MLP_LINEARS)  # gate, silu(gate), up, LoRA's
+    mlp += a * i if dropout == 0 and "down_proj" in first else 0  # silu(gate) * up, kept for down's LoRA
+    rest = 2 * (4 * h + a * h) + a * (2 * q + 2 * kv) + 4 * heads  # the norms, attention
+    rest += sum(v for kind, v in lora_kept.items() if kind not in MLP_LINEARS)
+    tile = tile_tokens if 0 < tile_tokens < tokens else 0  # tiled MLP: its intermediates live for one tile at a time
+    # the loss's fp32 logits beside the matmul's output, logsumexp's scratch or the gradient: 8 bytes a logit, of one
+    # chunk, or of every token for the full-vocabulary loss (on top of the logits it keeps)
+    transient = (min(tokens, LOSS_CHUNK) if chunked else tokens) * config.vocab_size * 8
+    transient += max(linears) * a if quantize else 0  # W dequantized in backward
+    layers = config.num_hidden_layers
+    live = tokens * rest + (tile or tokens) * mlp  # a block while it is differentiated (tiled: one tile's MLP)
+    if checkpointing:  # kept: the block inputs (in CPU memory when offloaded); the block recomputed in backward
+        kept = 0 if offload_checkpoints else tokens * a * h * layers
+        transient += live + (tokens * a * h if offload_checkpoints else 0)  # + its input, back from CPU memory
+    else:  # kept: what each block saves (tiled: not its MLP's intermediates, each tile recomputed in backward)
+        kept = (tokens * rest + (0 if tile else tokens * mlp)) * layers
+        transient += tile * mlp
+    kept += 0 if chunked else tokens * config.vocab_size * 4  # the full loss keeps every fp32 logit
+    parts = {
+        "weights": weights,
+        "adapters": 4 * lora_numbers,
+        "gradients": 4 * lora_numbers,
+        "optimizer": opt_bytes * lora_numbers,
+        "activations": kept  # + the final norm's fp32 input, RoPE's cos/sin (offloaded with the block inputs)
+        + tokens * (4 * h + (0 if checkpointing and offload_checkpoints else 2 * a * config.head_dim)),
+        "transient": transient,
+    }
+    if shards:
+        parts |= sharded(parts, a * sizes["root"], layers, shards, offload)
+    return parts
+
+
+def sharded(parts, root, layers, shards, offload) -> dict:
+    """The parts a rank holds under FSDP: 1/shards of the weights, adapters, gradients and optimizer state (none of it
+    on the GPU when offloaded to CPU memory), plus what is gathered: the root's weights (embeddings, final norm,
+    lm_head) for the whole step, and two blocks, the one computing and the next one prefetched."""
+    block = (parts["weights"] - root + parts["adapters"]) / layers
+    keep = 0 if offload else 1 / shards
+    held = {k: int(parts[k] * keep) for k in ("weights", "adapters", "gradients", "optimizer")}
+    return held | {"gathered": int(root + 2 * block)}
+
+
+def offloaded_bytes(config, tokens, dtype) -> int:
+    """CPU memory offloaded checkpoints take: every block's input, and RoPE's cos and sin once."""
+    a = torch.finfo(dtype).bits // 8
+    return tokens * a * (config.hidden_size * config.num_hidden_layers + 2 * config.head_dim)
+
+
+def optimizer_bytes(optimizer) -> int:
+    """Optimizer state per trainable parameter: AdamW's two fp32 moments, or two 8-bit ones."""
+    return 2 if "8bit" in optimizer else 8
+
+
+def run_estimate(cfg, config, tokens, place, tile_tokens=0) -> dict:
+    """estimate for a run's settings (a train.Config) in its dtype on its device: bytes by part for a micro-batch of
+    `tokens` tokens, on one rank; tile_tokens: as estimate (the model's mlp_tile times the micro-batch's rows).
+    Offloaded checkpoints leave a CPU run's memory as it is: they are copied within it."""
+    return estimate(
+        config, tokens, place.dtype, cfg.quantize, cfg.adapters(), optimizer_bytes(cfg.optimizer),
+        cfg.activation_checkpointing, chunked=cfg.chunked_loss,
+        shards=place.world if cfg.parallel == "fsdp" else 0, offload=cfg.cpu_offload, tile_tokens=tile_tokens,
+        offload_checkpoints=cfg.offload_checkpoints and place.device.type == "cuda",
+    )  # fmt: skip
+
+
+def fmt(n):
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
+
+
+# ----------------------------------------------------------------------------- the measurement
+def peak(device) -> int:
+    """Peak bytes since reset_peak: torch's CUDA allocator peak, or on CPU the process's peak resident set
+    (Linux's VmHWM; ru_maxrss elsewhere, which also counts what a parent held when it forked us)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    if os.path.exists("/proc/self/status"):
+        return vm_hwm()
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def vm_hwm(pid="self") -> int:
+    """A live Linux process's peak resident bytes since its exec or its last reset (0 once it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")), 0)
+    except (FileNotFoundError, ProcessLookupError):  # a child that exited between a poll and this read
+        return 0
+
+
+def reset_peak(device):
+    """Start the peak afresh, so that it measures the training steps, not loading (a checkpoint read through mmap
+    counts in the resident set) or data preparation. On CPU the heap that loading and evaluation freed is handed back
+    first (trim_heap), so that the peak starts from what is live; on Linux, writing 5 to /proc/self/clear_refs then
+    resets VmHWM to the resident set."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif os.path.exists("/proc/self/clear_refs"):
+        trim_heap()
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+
+
+def process_rss() -> int:
+    """The process's resident bytes now (psutil), once Python's unreachable objects are collected and the freed heap
+    is handed back (trim_heap): what the process holds, not what converting the model or tokenizing the data left
+    behind."""
+    import psutil
+
+    gc.collect()
+    trim_heap()
+    return psutil.Process().memory_info().rss
+
+
+def steady_heap(threshold=32 * 2**20):
+    """Fix glibc's mmap threshold at `threshold` (its own ceiling): blocks below it come from the heap from the first
+    step on. Left dynamic, it starts at 128 KiB and rises as mapped blocks are freed, so the first forward (mapped,
+    resident only while live) and the later ones (heap, with holes) would use memory differently, and a probe of the
+    first could not speak for the rest. Nothing where the C library has no mallopt."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (AttributeError, OSError, TypeError):  # TypeError: Windows' ctypes cannot open the process itself
+        return
+    mallopt(-3, threshold)  # -3: M_MMAP_THRESHOLD in malloc.h
+
+
+def trim_heap():
+    """Hand the C heap's free pages back to the OS: glibc's malloc_trim(0), which releases free chunks in every arena,
+    those in the middle of a heap too; nothing where the C library has no such call (macOS, musl, Windows)."""
+    try:
+        release = ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError, TypeError):  # TypeError: Windows' ctypes cannot open the process itself
+        return
+    release(0)

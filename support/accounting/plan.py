@@ -1,0 +1,173 @@
+"""Which settings fit a named GPU (`--plan`)?
+
+`plan` computes the classic decision tree for one model and one memory budget instead of drawing it: first make the
+parts that do not depend on the batch fit at one row (16-bit base with AdamW; else the NF4 base; else also 8-bit AdamW;
+activations at one row with checkpointing), then the activations (without checkpointing if one row fits, else with it),
+then grow the micro-batch while it fits. Packed varlen attention is assumed throughout: its activations grow with
+tokens, not with tokens squared. Each cell of the tree is support/accounting/memory.py's estimate; the budget is the
+card's memory less the CUDA context, which torch's allocator does not see.
+"""
+
+import torch
+
+from support.accounting.memory import GIB, MIB, estimate, fmt, model_sizes, offloaded_bytes, optimizer_bytes
+
+CUDA_CONTEXT = GIB  # the CUDA context and kernels, outside torch's allocator
+GPU_MIB = {  # each card's total as nvidia-smi reports it (often less than the GB it is sold as), for --plan=NAME
+    "H200": 143771,
+    "H100": 81559,
+    "A100-80GB": 81920,
+    "A100-40GB": 40960,
+    "L40S": 46068,
+    "A6000": 49140,
+    "L4": 23034,
+    "A10G": 23028,
+    "RTX4090": 24564,
+    "RTX3090": 24576,
+    "T4": 15360,
+    "V100": 16160,
+}
+
+
+def gpu_count(spec) -> int:
+    """N of an "NxSPEC" --plan ("2x24GB", "8xH100"), else 1."""
+    count, x, _ = spec.upper().replace(" ", "").partition("X")
+    return int(count) if x and count.isdigit() and int(count) >= 1 else 1
+
+
+def budget_bytes(spec):
+    """The memory budget of one GPU from "H100", "24GB", "24GiB" (GB taken as GiB) or "2x24GB", less the CUDA
+    context."""
+    name = spec.upper().replace(" ", "")
+    name = name.partition("X")[2] if gpu_count(spec) > 1 or name.startswith("1X") else name
+    if name in GPU_MIB:
+        return GPU_MIB[name] * MIB - CUDA_CONTEXT
+    try:
+        return float(name.removesuffix("GIB").removesuffix("GB")) * GIB - CUDA_CONTEXT
+    except ValueError:
+        known = ", ".join(GPU_MIB)
+        raise ValueError(
+            f"plan: {spec!r} is neither a size like 24GB nor a known GPU ({known}), optionally as N x it (2x24GB)"
+        ) from None
+
+
+def plan(config, budget, context, max_rows, dtype, lora, chunked=True, shards=0, offload=False):
+    """(table rows, choice) of the decision tree for `config` in `budget` bytes per rank: every NF4/16-bit base,
+    optimizer, checkpointing and micro-batch size in powers of two up to max_rows, each with its estimate, and the
+    first that the tree reaches (fastest first: 16-bit before NF4 (sharded: NF4 first), AdamW before 8-bit (sharded:
+    AdamW only), no checkpointing before checkpointing, then the largest micro-batch); the choice is None when nothing
+    fits. shards, offload: as memory.estimate."""
+    rows_options = [r for r in (1, 2, 4, 8, 16, 32, 64) if r <= max_rows] or [1]
+    table = {}
+    kw = dict(chunked=chunked, shards=shards, offload=offload, sizes=model_sizes(config, lora["targets"]))
+    for quantize in (False, True):
+        for opt_bytes in (8, 2):
+            for ckpt in (False, True):
+                for rows in rows_options:
+                    parts = estimate(config, rows * context, dtype, quantize, lora, opt_bytes, ckpt, **kw)
+                    table[quantize, opt_bytes, ckpt, rows] = sum(parts.values())
+    fits = lambda key: table[key] <= budget  # noqa: E731
+    # Sharded, the base travels every step (gathered from the other ranks, or from CPU memory when offloaded): NF4
+    # moves a quarter of the bytes, so it goes first; AdamW only (bitsandbytes' 8-bit AdamW takes no sharded state).
+    bases, optimizers = ((True, False), (8,)) if shards else ((False, True), (8, 2))
+    base = next(((qz, ob) for qz in bases for ob in optimizers if fits((qz, ob, True, 1))), None)
+    if base is None:
+        return table, None
+    ckpt = not fits((*base, False, 1))
+    rows = max(r for r in rows_options if fits((*base, ckpt, r)))
+    return table, (*base, ckpt, rows)
+
+
+def report(config, spec, context, max_rows, dtype, lora, chunked=True, base=(True, 8)):
+    """The plan as text: the longest single row for `base` (quantize, optimizer bytes), the table of estimates, then
+    the choice and the tree's reasons. On several GPUs the tree first tries replicating the model on each (DDP), then
+    sharding it (FSDP), then sharding and offloading to CPU."""
+    gpus = gpu_count(spec)
+    budget = budget_bytes(spec)
+    loss = "chunked" if chunked else "full-vocabulary"
+    lines = [
+        f"memory plan for {spec} ({fmt(budget)}{' per GPU' * (gpus > 1)} after the CUDA context), rows of {context} "
+        f"tokens, LoRA "
+        f"r={lora['r']}, {loss} loss",
+        longest_row(config, budget, dtype, lora, chunked, *base),
+    ]
+    ways = [("", 0, False)] + ([("FSDP", gpus, False), ("FSDP, CPU offload", gpus, True)] if gpus > 1 else [])
+    for way, shards, offload in ways:
+        table, choice = plan(config, budget, context, max_rows, dtype, lora, chunked, shards, offload)
+        lines += [f"-- {way or ('DDP' if gpus > 1 else 'one GPU')}: bytes per GPU"] if gpus > 1 else []
+        lines += plan_table(table, budget)
+        if choice is not None:
+            lines.append(plan_choice(choice, context, gpus, way, offload))
+            return "\n".join(lines)
+    lines.append("nothing fits: even an NF4 base with 8-bit AdamW and checkpointing needs more at one row")
+    return "\n".join(lines)
+
+
+def longest_tokens(config, budget, dtype, lora, chunked, quantize, opt_bytes, tiled, offloaded, sizes=None) -> int:
+    """The longest single row (in tokens, a multiple of 256) that one GPU of `budget` bytes trains by the estimate,
+    with checkpointing; `tiled`: with MLP tiles of hidden_size tokens too (as mlp_tile_tokens="auto" takes them);
+    `offloaded`: with the checkpoints in CPU memory too."""
+    kw = dict(sizes=sizes or model_sizes(config, lora["targets"]), offload_checkpoints=offloaded)
+    kw["tile_tokens"] = config.hidden_size if tiled else 0
+
+    def fits(tokens):
+        return sum(estimate(config, tokens, dtype, quantize, lora, opt_bytes, True, chunked, **kw).values()) <= budget
+
+    low, high = 0, 2**16  # in units of 256 tokens: up to 16M tokens
+    while low < high:  # the largest that fits (the estimate grows with tokens)
+        mid = (low + high + 1) // 2
+        low, high = (mid, high) if fits(256 * mid) else (low, mid - 1)
+    return 256 * low
+
+
+def longest_row(config, budget, dtype, lora, chunked, quantize, opt_bytes) -> str:
+    """longest_tokens with checkpointing, with a tiled MLP too, and with offloaded checkpoints too, as a line with the
+    CPU memory the offloaded checkpoints take."""
+    sizes = model_sizes(config, lora["targets"])
+    plain, tiled, offloaded = (
+        longest_tokens(config, budget, dtype, lora, chunked, quantize, opt_bytes, t, o, sizes)
+        for t, o in ((False, False), (True, False), (True, True))
+    )
+    base = f"{'NF4' if quantize else '16-bit'} base, {'AdamW' if opt_bytes == 8 else '8-bit AdamW'}"
+    return (
+        f"longest single row ({base}, checkpointing): {plain:,} tokens; with a tiled MLP {tiled:,}; and offloaded "
+        f"checkpoints {offloaded:,} (their CPU memory {fmt(offloaded_bytes(config, offloaded, dtype))}); the model "
+        f"was trained on {config.max_position_embeddings:,} positions"
+    )
+
+
+def plan_table(table, budget) -> list[str]:
+    rows = sorted({k[3] for k in table})
+    lines = [f"{'base':7} {'optimizer':10} {'checkpointing':14}" + "".join(f"{f'{r} row(s)':>12}" for r in rows)]
+    for quantize in (False, True):
+        for opt_bytes in (8, 2):
+            for ckpt in (False, True):
+                cells = [table[quantize, opt_bytes, ckpt, r] for r in rows]
+                head = f"{'NF4' if quantize else '16-bit':7} {'AdamW' if opt_bytes == 8 else '8-bit':10} "
+                head += f"{'yes' if ckpt else 'no':14}"
+                lines.append(head + "".join(f"{fmt(v) + (' ' if v <= budget else '*'):>12}" for v in cells))
+    return lines + ["* does not fit"]
+
+
+def plan_choice(choice, context, gpus, way, offload) -> str:
+    quantize, opt_bytes, ckpt, rows = choice  # a key of plan's table
+    optimizer = "AdamW" if opt_bytes == 8 else "8-bit AdamW"
+    flags = f"--quantize={quantize} --optimizer={'adamw' if opt_bytes == 8 else 'adamw8bit'} "
+    flags += f"--activation_checkpointing={ckpt} --micro_batch_tokens={rows * context}"
+    command = "train.py" if gpus == 1 else f"torchrun --nproc_per_node={gpus} train.py"
+    if way:
+        flags += f" --parallel=fsdp --cpu_offload={offload}"
+    where = f" on {gpus} GPUs, {way or 'DDP'}" if gpus > 1 else ""
+    return (
+        f"fastest that fits{where}: {'NF4' if quantize else '16-bit'} base, {optimizer}, checkpointing "
+        f"{'on' if ckpt else 'off'}, {rows} row(s) per micro-batch ({command}: {flags})"
+    )
+
+
+def plan_for(cfg, config) -> str:
+    """--plan: report() for a run's settings, at its context length (2048 tokens for "auto", capped by the model)."""
+    context = cfg.context_length if isinstance(cfg.context_length, int) else min(2048, config.max_position_embeddings)
+    dtype = torch.float32 if cfg.precision == "fp32" else torch.bfloat16
+    rows = max(1, cfg.batch_tokens // context // gpu_count(cfg.plan))  # a rank's share of a step's rows
+    base = (cfg.quantize, optimizer_bytes(cfg.optimizer))  # the run's own, for its longest row
+    return report(config, cfg.plan, context, rows, dtype, cfg.adapters(), chunked=cfg.chunked_loss, base=base)

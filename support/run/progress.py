@@ -1,0 +1,155 @@
+"""What does a run tell its user while it trains?
+
+Before the first step: how a step is split (ranks, micro-batches, rows), the memory estimate by part, and what MFU is
+measured against; the NF4 quantization error of every linear. Every step: a progress bar with loss, lr, tokens/s,
+supervised tokens/s, MFU and the time of the forward, backward and optimizer phases. After step 2: the measured peak
+memory beside the estimate. At every evaluation: each adapter's size relative to its layer (||scale B A|| / ||W||) and
+the share of B that has moved from zero, with a warning when none has: the adapters are not training.
+
+Phase times on a GPU come from CUDA events read once the step is done: the host runs ahead of the GPU, so a clock read
+on the host between a forward and a backward would count most of the backward as forward.
+"""
+
+import itertools
+import math
+import time
+
+import torch
+
+import lora
+import quant
+from support.accounting import memory
+from support.accounting.flops import fmt_flops, peak_flops
+from support.run import fsdp
+from support.run.precision import name
+
+
+class PhaseClock:
+    """Seconds spent in named phases of a step: CUDA events on a GPU (read after the step's last kernel, so timing
+    never makes the host wait mid-step), time.perf_counter on CPU. mark(phase) ends `phase` at this point."""
+
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+        self.marks = []
+        self.mark(None)
+
+    def mark(self, phase):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append((phase, event))
+        else:
+            self.marks.append((phase, time.perf_counter()))
+
+    def seconds(self) -> dict:
+        """{phase: seconds}, summed over its marks."""
+        if self.cuda:
+            self.marks[-1][1].synchronize()
+        out = {}
+        for (_, start), (phase, end) in itertools.pairwise(self.marks):
+            out[phase] = out.get(phase, 0.0) + (start.elapsed_time(end) / 1000 if self.cuda else end - start)
+        return out
+
+
+def describe_step(cfg, place, model, context, rows, micro_rows, measured) -> tuple[int, float]:
+    """Print how a step is split, the memory estimate by part (on CPU with the parts `measured`: the process's own
+    bytes before the model was built, and the heap malloc keeps, probed) and what MFU is measured against; returns
+    (estimated bytes, the peak FLOP/s MFU divides by)."""
+    parts = memory.run_estimate(cfg, model.config, micro_rows * context, place, model.mlp_tile * micro_rows) | measured
+    peak, source = peak_flops(place.device, place.dtype)
+    if fsdp.is_sharded(model):  # every rank says what it holds: its shard
+        held, whole = fsdp.resident_bytes(model)
+        print(f"FSDP: rank {place.rank} holds {memory.fmt(held)} of the model's {memory.fmt(whole)} of parameters")
+    if place.main:
+        print(
+            f"batch: {rows * place.world} rows x {context} tokens per step = {place.world} rank(s) x "
+            f"{math.ceil(rows / micro_rows)} micro-batch(es) x {micro_rows} rows"
+        )
+        by_part = ", ".join(f"{k} {memory.fmt(v)}" for k, v in parts.items())
+        if model.mlp_tile:
+            print(f"MLP in tiles of {model.mlp_tile} tokens of each row, recomputed in backward")
+        print(f"memory estimate {memory.fmt(sum(parts.values()))}: {by_part}")
+        print(f"MFU is measured against a {source} {name(place.dtype)} peak of {fmt_flops(peak)}")
+    return sum(parts.values()), peak
+
+
+def nf4_error(model) -> dict | None:
+    """The NF4 quantization error quant.quantize_ recorded, printed in one line; None for a 16-bit base."""
+    if errors := quant.error_summary(model):
+        print(
+            f"NF4 quantization error ||W - W_nf4|| / ||W|| over {errors['layers']} linears: mean "
+            f"{errors['mean']:.4f}, worst {errors['worst']:.4f} ({errors['worst_layer']})"
+        )
+    return errors
+
+
+@torch.no_grad()
+def adapter_health(model):
+    """{module: (||scale * B A|| / ||W||, share of B's entries that moved from zero)}, Frobenius norms: how far each
+    adapter has moved its layer, and whether it is training at all (B starts at zero, so a B still all zero after
+    some steps means no gradient reaches it). ||B A||^2 = trace((B^T B)(A A^T)) is an (r, r) product, so no (out, in)
+    matrix is formed; ||W|| is computed once per module (W is frozen) and kept on it."""
+    health = {}
+    for module, m in lora.lora_modules(model).items():
+        if not hasattr(m, "base_norm"):
+            m.base_norm = float((m.dequantize() if isinstance(m, quant.NF4Linear) else m.weight).float().norm())
+        a, b = m.lora_A.weight.float(), m.lora_B.weight.float()
+        delta = m.scaling * float(torch.trace((b.t() @ b) @ (a @ a.t())).clamp(min=0).sqrt())
+        health[module] = (delta / max(m.base_norm, 1e-30), float((b != 0).float().mean()))
+    return health
+
+
+def sharded_adapter_health(model) -> dict:
+    """adapter_health of a model sharded with FSDP2, block by block: each block gathered on every rank, then freed;
+    then the root's own adapters (an adapted lm_head), the root gathered the same way."""
+    health = {}
+    for i, block in enumerate(model.model.layers):
+        block.unshard()
+        health |= {f"model.layers.{i}.{n}": h for n, h in adapter_health(block).items()}
+        block.reshard()
+    outside = {n: m for n, m in lora.lora_modules(model).items() if not n.startswith("model.layers.")}
+    if outside:
+        model.unshard()
+        health |= {n: adapter_health(m)[""] for n, m in outside.items()}
+        model.reshard()
+    return health
+
+
+def adapter_report(model, record, bar, main=True):
+    """Adapter health into `record` and one line (a warning when no B has moved: the adapters are not training). Every
+    rank of a sharded model computes it (its blocks are gathered one by one); rank 0 writes."""
+    health = sharded_adapter_health(model) if fsdp.is_sharded(model) else adapter_health(model)
+    updates = {n: u for n, (u, _) in health.items()}
+    moved = sum(m for _, m in health.values()) / len(health)
+    worst = max(updates, key=updates.get)
+    record["adapters"] = dict(update=updates, mean=sum(updates.values()) / len(updates), b_moved=moved)
+    if not main:
+        return
+    bar.write(
+        f"adapters at step {record['step']}: ||scale B A|| / ||W|| mean {record['adapters']['mean']:.2e}, largest "
+        f"{updates[worst]:.2e} ({worst}); {100 * moved:.1f}% of B moved from zero"
+    )
+    if moved == 0:
+        bar.write(
+            f"warning: every LoRA B is still zero after {record['step']} steps: the adapters are not training "
+            "(no gradient reaches them: frozen by mistake, or cut off, e.g. by checkpointing inputs that need no grad)"
+        )
+
+
+def show_step(bar, record, place, estimated, max_steps, tracker=None):
+    """The progress bar's line for a step (and the record to the tracker); once, after step 2, the measured peak memory
+    beside the estimate."""
+    if place.device.type == "cuda":
+        record["peak_mem"] = memory.peak(place.device)
+    bar.set_postfix_str(
+        f"loss {record['loss']:.3f} lr {record['lr']:.1e} tok/s {record['tokens_per_s']:.0f} sup/s "
+        f"{record['supervised_per_s']:.0f} mfu {100 * record['mfu']:.1f}% fwd/bwd/opt "
+        f"{record['fwd_s']:.2f}/{record['bwd_s']:.2f}/{record['opt_s']:.2f}s"
+        + (f" val {record['val_loss']:.3f}" if "val_loss" in record else "")
+    )
+    bar.update(1)
+    if record["step"] == min(2, max_steps):  # the estimate, checked against what the first steps really took
+        peak = memory.fmt(memory.peak(place.device))
+        bar.write(f"measured peak memory after {record['step']} steps: {peak} (estimated {memory.fmt(estimated)})")
+    if tracker:
+        tracker.log(record)
