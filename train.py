@@ -46,7 +46,7 @@ from tqdm import tqdm
 import lora
 import pack
 import quant
-from model import Block, Llama
+from model import LOSS_CHUNK, Llama, Options, find_linears
 from support.accounting import memory
 from support.accounting.flops import batch_flops
 from support.accounting.micro_batch import cpu_heap, micro_batch_rows, mlp_tile_tokens
@@ -59,7 +59,7 @@ from support.formats import hf
 from support.formats.gguf_write import FILE_TYPES
 from support.formats.hf_config import read_config
 from support.kernels import dropout, nf4_cuda
-from support.kernels.attention import compilable, varlen_attention
+from support.kernels.attention import varlen_attention
 from support.kernels.dropout_cuda import dropout_op_for
 from support.run import checkpoint, fsdp, progress, ranks, stops, trackers
 from support.run.config import (
@@ -214,66 +214,59 @@ def build_data(cfg: Config, tok, files, max_positions: int, place: Placement):
 
 
 # ----------------------------------------------------------------------------- model
-def load_model(model_dir: str, dtype=None, device="cpu", quantize=False, add_lora=None, adapter=None):
+def load_model(model_dir: str, dtype=None, device="cpu", quantize=False, add_lora=None, adapter=None, options=None,
+               shard=None):  # fmt: skip
     """The QLoRA recipe, step by step, never holding the whole 16-bit model in memory. dtype: of the 16-bit weights and
     the compute (default: config.json's, else fp32); add_lora: lora.add_lora_'s keywords for fresh adapters; adapter: a
-    saved PEFT adapter directory instead (support/formats/hf.py reads and writes the files)."""
+    saved PEFT adapter directory instead (support/formats/hf.py reads and writes the files); options: how the training
+    forward runs (model.Options); shard: FSDP's mesh and policy, to shard each block as it is
+    built (support/run/fsdp.py)."""
     device = torch.device(device)
     config, stored = read_config(model_dir)
     dtype = dtype or stored or torch.float32
     # 1. The Llama on the meta device: shapes, no memory. Its packed-document attention kernel is chosen here, once.
     attention = varlen_attention(device, dtype, config.head_dim, windowed=bool(config.sliding_layers))
     with torch.device("meta"):
-        model = Llama(config, attention)
+        model = Llama(config, attention, options)
     ckpt, weights = hf.open_checkpoint(model_dir, model)
-    # 2. The block linears become NF4: each 16-bit weight read, rounded to `dtype` and quantized, one at a time.
-    if quantize or hf.is_prequantized(ckpt):
-        dequantize = nf4_cuda.dequantize_op_for(device)  # on CUDA the fastest with the reference's bits, chosen once
-        quant.quantize_(model, compute_dtype=dtype, device=device, weights=weights, dequantize_op=dequantize)
-    # 3. Everything else (embeddings, norms, lm_head) read in `dtype`.
-    hf.load_weights_(model, ckpt, dtype, device)
-    # 4. LoRA's A and B beside the chosen linears: fresh, or read from a saved adapter. Their dropout's kernel is
-    #    chosen here too (on CUDA one Triton kernel with the reference's bits).
-    if add_lora:
-        lora.add_lora_(model, **add_lora, dropout_op=dropout_op_for(device))
-    if adapter:  # a saved adapter: the adapters its config describes, then its tensors into them
-        lora.add_lora_(model, **hf.adapter_settings(adapter, model), dropout_op=dropout_op_for(device))
+    nf4 = list(find_linears(model)) if quantize or hf.is_prequantized(ckpt) else []
+    ckpt, weights = fsdp.what_this_rank_reads(model, ckpt, weights, device, shard)  # sharded: rank 0 reads alone
+    adapters = add_lora or (hf.adapter_settings(adapter, model) if adapter else None)
+    adapted = list(find_linears(model, adapters["targets"])) if adapters else []
+    lora_kw = {k: v for k, v in (adapters or {}).items() if k != "targets"} | dict(dropout_op=dropout_op_for(device))
+    dequantize = nf4_cuda.dequantize_op_for(device)  # on CUDA the fastest kernel with the reference's bits, once
+    model.requires_grad_(False)
+    # 2-4 block by block, then the rest (embeddings, final norm, lm_head): a sharded run holds one part whole at most.
+    for prefix, part in [*((f"model.layers.{i}.", block) for i, block in enumerate(model.model.layers)), ("", model)]:
+        # 2. Its linears become NF4: each 16-bit weight read, rounded to `dtype` and quantized, one at a time.
+        quant.quantize_(model, of_part(nf4, prefix), dtype, device, weights, dequantize)
+        # 3. Everything else of it (its norms; at the end the embeddings and lm_head) read in `dtype`.
+        hf.load_weights_(model, ckpt, dtype, device, within=prefix)
+        # 4. LoRA's A and B beside its chosen linears; their dropout's kernel is chosen here too.
+        if adapters:
+            lora.add_lora_(model, of_part(adapted, prefix), **lora_kw)
+        fsdp.shard_part(part, shard)  # sharded: from here on this rank keeps only its shard of the part
+    if adapters:
+        print(lora.describe(model, adapters["r"], len(adapted)) + fsdp.sharded_over(shard))
+    if adapter:
         hf.load_adapter_(model, adapter)
     return model
 
 
-def build_model(cfg: Config, place: Placement, model_dir: str):
-    """The run's QLoRA (or LoRA) model: its adapters in fp32, sharded when parallel=fsdp (support/run/fsdp.py takes the
-    same steps block by block), with its switches for checkpointing, the loss and compile."""
+def of_part(names, prefix):
+    """The module names inside the block `prefix` ("model.layers.3."), or for prefix "" outside every block."""
+    return [n for n in names if (n.startswith(prefix) if prefix else not n.startswith("model.layers."))]
+
+
+def build_model(cfg: Config, place: Placement, model_dir: str, mlp_tile: int):
+    """The run's QLoRA (or LoRA) model: its adapters in fp32, sharded when parallel=fsdp, built with the run's
+    checkpointing, MLP tiles, loss and compile."""
     torch.manual_seed(cfg.seed)  # the same adapter init on every rank
+    options = Options(cfg.activation_checkpointing, cfg.offload_checkpoints, mlp_tile,
+                      LOSS_CHUNK if cfg.chunked_loss else 0, cfg.compile)  # fmt: skip
+    shard = fsdp.sharding(place.device, place.world, cfg.cpu_offload) if cfg.parallel == "fsdp" else None
     adapters = cfg.adapters() | dict(lora_dtype=torch.float32)
-    if cfg.parallel == "fsdp":
-        model = fsdp.load_sharded(model_dir, place.dtype, place.device, place.world, cfg.quantize, adapters,
-                                  cfg.cpu_offload)  # fmt: skip
-    else:
-        model = load_model(model_dir, place.dtype, place.device, quantize=cfg.quantize, add_lora=adapters)
-    model.activation_checkpointing = cfg.activation_checkpointing
-    model.offload_checkpoints = cfg.offload_checkpoints
-    model.loss_chunk = model.loss_chunk if cfg.chunked_loss else 0
-    if cfg.compile:
-        compile_blocks(model)
-    return model
-
-
-def compile_blocks(model):
-    """torch.compile each block's training forward: one graph for every block, dynamic shapes (no recompiling for other
-    document counts and lengths), the per-document attention an opaque op (no graph break). The block's call and its
-    hooks (FSDP's gathering of its weights) stay outside; forwards without grad (evaluation, generation) stay eager."""
-    # shape_padding off: on CUDA it recompiled for every new row width (docs/internals.md)
-    compiled = torch.compile(Block.forward, dynamic=True, options={"shape_padding": False})  # the block is an input
-    for block in model.model.layers:
-        block.self_attn.varlen = compilable(block.self_attn.varlen)
-        block.forward = functools.partial(compiled_in_training, compiled, block)  # a copy of the model binds its own
-
-
-def compiled_in_training(compiled, block, *args, **kwargs):
-    """A compiled block's forward: the graph where gradients are recorded, the plain Block.forward elsewhere."""
-    return (compiled if torch.is_grad_enabled() else Block.forward)(block, *args, **kwargs)
+    return load_model(model_dir, place.dtype, place.device, cfg.quantize, adapters, options=options, shard=shard)
 
 
 # ----------------------------------------------------------------------------- optimizer
@@ -405,8 +398,8 @@ def train(cfg: Config) -> list[dict]:
     dtype = pick_precision(cfg.precision, place.device, architecture, place.main)
     place.dtype = agreed(dtype, place.world, place.device)  # every rank computes in rank 0's choice
     measured = {"process": memory.process_rss()} if place.device.type == "cpu" else {}  # CPU: the peak is the process's
-    model = build_model(cfg, place, model_dir)
-    model.mlp_tile = mlp_tile_tokens(cfg, place, model.config, trainset.context_length)  # 0 unless a row needs it
+    mlp_tile = mlp_tile_tokens(cfg, place, architecture, trainset.context_length)  # 0 unless a row needs it
+    model = build_model(cfg, place, model_dir, mlp_tile)
     opt = make_optimizer(cfg, [p for p in model.parameters() if p.requires_grad], place.device)
     scaler = torch.amp.GradScaler("cuda", enabled=place.dtype == torch.float16)
     micro_rows = micro_batch_rows(cfg, place, model, trainset, rows, forward_loss)

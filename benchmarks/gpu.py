@@ -29,9 +29,21 @@ import torch
 
 import train
 from benchmarks.common import OUT_DIR, REPO, cpu_name, package_versions, print_table
-from benchmarks.gpu_systems import FAILURES, LORA, SHAPES, SYSTEMS, build_systems, free_cache, one_line
+from benchmarks.gpu_systems import (
+    FAILURES,
+    LORA,
+    LR,
+    SHAPES,
+    SYSTEMS,
+    build_systems,
+    free_cache,
+    one_line,
+    our_llama,
+    ours_system,
+    weights_of,
+)
 from benchmarks.gpu_workloads import equal_work, natural_work, resident_bytes, run_workload, timed_step, workload_result
-from model import Llama
+from model import Llama, Options
 from support.accounting import memory
 from support.accounting.flops import flops_per_token, fmt_flops, peak_flops
 from support.formats import atomic
@@ -86,14 +98,17 @@ def print_profile(label, p):
     print("by kind: " + ", ".join(f"{k} {v:.1%}" for k, v in p["kinds"].items()))
 
 
-def memory_rows(system, cfg, cells, device, dtype):
-    """One step of `system` (our QLoRA) on an equal-work batch for each cell (rows, tokens per row, checkpointing): the
-    measured peak (resident + the step's own allocation) beside the total of support.accounting.memory.run_estimate, the
-    memory estimate train.py prints, for the same setting."""
+def memory_rows(weights, cfg, cells, device, dtype):
+    """One step of our QLoRA over `weights` (gpu_systems.weights_of) on an equal-work batch for each cell (rows, tokens
+    per row, checkpointing): the measured peak (resident + the step's own allocation) beside the total of
+    support.accounting.memory.run_estimate, the memory estimate train.py prints, for the same setting."""
     out, adapters = [], dict(lora_r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"])
-    place = train.Placement(0, 1, device, dtype)
+    place, systems = train.Placement(0, 1, device, dtype), {}
     for rows, row, ckpt in cells:
-        system.model.activation_checkpointing = ckpt
+        if ckpt not in systems:  # a model built with checkpointing, or without, over the same NF4 weights
+            model = our_llama(cfg, weights, device, dtype, Options(checkpointing=ckpt), nf4=True)
+            systems[ckpt] = ours_system("ours-qlora", model, device, dtype, LR)
+        system = systems[ckpt]
         setting = train.Config(quantize=True, activation_checkpointing=ckpt, lora_targets="all-linear", **adapters)
         est = memory.run_estimate(setting, cfg, rows * row, place)  # what train.py prints
         rec = dict(rows=rows, row=row, checkpointing=ckpt, estimate_bytes=sum(est.values()))
@@ -112,7 +127,6 @@ def memory_rows(system, cfg, cells, device, dtype):
             free_cache(device)
         out.append(rec)
         print(f"memory: {rows} x {row}, checkpointing {'on' if ckpt else 'off'}: {rec.get('status', 'done')}")
-    system.model.activation_checkpointing = False
     return out
 
 
@@ -295,8 +309,9 @@ def finish_gpu(args, results, systems, cfg, row, device, dtype, batch):
             print("\n--memory: our QLoRA system did not run")
         else:
             cells = [(rows, row, ckpt) for ckpt in (False, True) for rows in (1, 2, 4)]
-            results["memory"] = memory_rows(qlora[0], cfg, cells, device, dtype)
-            print_memory(qlora[0].label, results["memory"])
+            label, weights = qlora[0].label, weights_of(qlora.pop().model)  # the system goes, its weights stay
+            results["memory"] = memory_rows(weights, cfg, cells, device, dtype)
+            print_memory(label, results["memory"])
     atomic.write_json(args.out, results)
     inside = os.path.abspath(args.out).startswith(REPO + os.sep)
     print(f"\nraw results: {os.path.relpath(args.out, REPO) if inside else args.out}")

@@ -28,11 +28,13 @@ from benchmarks.gpu_systems import (
     SHAPES,
     free_cache,
     one_line,
+    our_llama,
     ours_system,
-    qlora_llama,
     random_llama,
+    weights_of,
 )
 from benchmarks.gpu_workloads import resident_bytes, timed_step
+from model import Options
 from support.accounting import memory, plan
 from support.formats import atomic
 from support.formats.hf_config import from_hf
@@ -51,14 +53,21 @@ def one_row(length, doc, vocab, seed=0):
     return dict(input_ids=ids, labels=ids.clone(), position_ids=(torch.arange(length) % doc)[None])
 
 
-def qlora_system(cfg, device, dtype):
-    """Our QLoRA system (train.py's model, loss and optimizer) on random weights; the dense weights it was quantized
-    from are freed."""
-    dense = random_llama(cfg, device, dtype)
-    model = qlora_llama(cfg, dict(dense.state_dict()), device, dtype)
+def qlora_weights(cfg, device, dtype):
+    """Random weights of shape `cfg` with the block linears in NF4 (gpu_systems.weights_of), the dense weights they
+    were quantized from freed: what each setting's model is built over."""
+    dense = dict(random_llama(cfg, device, dtype).state_dict())
+    weights = weights_of(our_llama(cfg, dense, device, dtype, nf4=True))
     del dense
     free_cache(device)
-    return ours_system("ours-qlora", model, device, dtype, LR)
+    return weights
+
+
+def qlora_system(cfg, weights, device, dtype, tiled, offloaded):
+    """Our QLoRA system (train.py's model, loss and optimizer) over `weights`, built with checkpointing and the
+    setting's MLP tiles and offloaded checkpoints."""
+    options = Options(checkpointing=True, offload_checkpoints=offloaded, mlp_tile=cfg.hidden_size if tiled else 0)
+    return ours_system("ours-qlora", our_llama(cfg, weights, device, dtype, options, nf4=True), device, dtype, LR)
 
 
 def setting_config(tiled, offloaded):
@@ -80,11 +89,9 @@ def predicted(cfg, budget, dtype, tiled, offloaded):
 
 
 def try_length(system, cfg, length, doc, place, tiled, offloaded):
-    """One training step on one row of `length` tokens with the setting switched on: its record."""
-    model = system.model
-    model.mlp_tile = cfg.hidden_size if tiled else 0
-    model.offload_checkpoints = offloaded
-    est = memory.run_estimate(setting_config(tiled, offloaded), cfg, length, place, tile_tokens=model.mlp_tile)
+    """One training step of `system` (built with the setting) on one row of `length` tokens: its record."""
+    tile = system.model.options.mlp_tile
+    est = memory.run_estimate(setting_config(tiled, offloaded), cfg, length, place, tile_tokens=tile)
     rec = dict(tokens=length, estimate_bytes=sum(est.values()))
     try:
         step = timed_step(system, one_row(length, doc, cfg.vocab_size), place.device, cfg)
@@ -102,12 +109,13 @@ def try_length(system, cfg, length, doc, place, tiled, offloaded):
     return rec
 
 
-def longest_for(system, cfg, setting, seconds, place, budget, doc, out, save):
+def longest_for(weights, cfg, setting, seconds, place, budget, doc, out, save):
     """The attempts of one setting within `seconds`, appended to `out` (save() after each): a step at one document's
     length measures the setting's rate; then a row of min(prediction, what that rate trains in the time left), 15%
     shorter after each step out of memory."""
     label, tiled, offloaded = setting
     end = time.time() + seconds
+    system = qlora_system(cfg, weights, place.device, place.dtype, tiled, offloaded)
     calibration = try_length(system, cfg, doc, doc, place, tiled, offloaded)
     rate = calibration.get("tokens_per_s", 0.0)
     tokens, limit = predicted(cfg, budget, place.dtype, tiled, offloaded)
@@ -136,8 +144,7 @@ def bench_gpu_context(args):
     budget = torch.cuda.get_device_properties(device).total_memory if cuda else int(args.budget_gib * memory.GIB)
     results = dict(shape=args.shape, device=torch.cuda.get_device_name(device) if cuda else "cpu", doc=doc)
     results |= dict(budget_bytes=budget, precision=str(dtype).removeprefix("torch."), settings=[])
-    system = qlora_system(cfg, device, dtype)
-    system.model.activation_checkpointing = True
+    weights = qlora_weights(cfg, device, dtype)
     deadline = args.deadline or time.time() + 600
     for i, setting in enumerate(SETTINGS):
         results["settings"].append(dict(setting=setting[0]))
@@ -147,7 +154,10 @@ def bench_gpu_context(args):
             print(f"{setting[0]}: skipped, the deadline has passed", flush=True)
             continue
         save = lambda: atomic.write_json(args.out, results)  # noqa: E731
-        longest_for(system, cfg, setting, left / (len(SETTINGS) - i), place, budget, doc, results["settings"][-1], save)
+        longest_for(
+            weights, cfg, setting, left / (len(SETTINGS) - i), place, budget, doc, results["settings"][-1], save
+        )
+        free_cache(device)  # the setting's system (its adapters, optimizer state, activations) went with the call
     atomic.write_json(args.out, results)
 
 

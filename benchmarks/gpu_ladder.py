@@ -11,11 +11,11 @@ shaped like instruction data, prompts unsupervised), bf16 weights, LoRA r=16 on 
     1  + packing: documents packed into full rows, attention within each document
     2  + chunked cross-entropy: the head and the loss a chunk of supervised tokens at a time
     3  + checkpointing off (what the memory saved by 1 and 2 pays for)
-    4  + compiled blocks (train.compile_blocks)
+    4  + compiled blocks (model.Options.compile)
     5  + NF4 base (QLoRA): what 4-bit weights cost in speed and save in memory
 
-Rungs 0-3 are one model whose switches change between steps, 4 a second model over the same weight tensors, 5 the NF4
-model; all run interleaved, step s of every rung, then s + 1, so every gain is the median of per-round ratios. Per rung:
+Each rung is a model of its own, built with the rung's options over the same weight tensors (5 quantized from them);
+all run interleaved, step s of every rung, then s + 1, so every gain is the median of per-round ratios. Per rung:
 supervised tokens/s, MFU, peak memory (resident + the step's own allocation; on CUDA), gain over the rung before and
 over the baseline. Results: --out (JSON), written when the rungs end.
 """
@@ -25,68 +25,37 @@ import time
 import torch
 
 from benchmarks.common import median_ratio
-from benchmarks.gpu_systems import (
-    FAILURES,
-    LR,
-    SHAPES,
-    System,
-    dense_llama,
-    one_line,
-    ours_system,
-    qlora_llama,
-    random_llama,
-)
+from benchmarks.gpu_systems import FAILURES, LR, SHAPES, System, one_line, our_llama, ours_system, random_llama
 from benchmarks.gpu_workloads import natural_work, run_workload, workload_result
-from model import LOSS_CHUNK
+from model import LOSS_CHUNK, Options
 from support.accounting.flops import peak_flops
 from support.formats import atomic
 from support.formats.hf_config import from_hf
 from support.run.precision import pick_precision
 
-# (label, packed rows, loss chunk, checkpointing, model: "eager", "compiled" or "nf4")
+# (label, packed rows, loss chunk, checkpointing, compiled, NF4): each rung a model of its own over the same weights
 RUNGS = [
-    ("baseline: padded, full-vocabulary logits, checkpointing, eager", False, 0, True, "eager"),
-    ("+ packing", True, 0, True, "eager"),
-    ("+ chunked cross-entropy", True, LOSS_CHUNK, True, "eager"),
-    ("+ checkpointing off", True, LOSS_CHUNK, False, "eager"),
-    ("+ compiled blocks", True, LOSS_CHUNK, False, "compiled"),
-    ("+ NF4 base (QLoRA)", True, LOSS_CHUNK, False, "nf4"),
+    ("baseline: padded, full-vocabulary logits, checkpointing, eager", False, 0, True, False, False),
+    ("+ packing", True, 0, True, False, False),
+    ("+ chunked cross-entropy", True, LOSS_CHUNK, True, False, False),
+    ("+ checkpointing off", True, LOSS_CHUNK, False, False, False),
+    ("+ compiled blocks", True, LOSS_CHUNK, False, True, False),
+    ("+ NF4 base (QLoRA)", True, LOSS_CHUNK, False, True, True),
 ]
 
 
-def rung_system(i, model_system):
-    """Rung i as a System over `model_system` (its model, parameters and optimizer): its forward sets the rung's
-    switches first, so rungs sharing a model can take turns."""
-    _, _, chunk, checkpointing, _ = RUNGS[i]
-    model = model_system.model
-
-    def forward(batch):
-        model.loss_chunk, model.activation_checkpointing = chunk, checkpointing
-        return model_system.forward(batch)
-
-    return System(f"rung{i}", forward, model, model_system.params, model_system.opt, within=model_system.within)
-
-
 def build_rungs(cfg, device, dtype):
-    """The three models (eager, compiled, NF4 compiled) on one set of random weights, and a System per rung; a model
-    that cannot be built leaves its rungs with the reason."""
-    dense = random_llama(cfg, device, dtype)
-    base = dict(dense.state_dict())
-    builders = {
-        "nf4": lambda: ours_system("nf4", qlora_llama(cfg, base, device, dtype), device, dtype, LR, compile=True),
-        "compiled": lambda: ours_system("compiled", dense_llama(cfg, base, device, dtype), device, dtype, LR, True),
-        "eager": lambda: ours_system("eager", dense, device, dtype, LR),  # last: it adapts `dense` in place
-    }
-    models = {}
-    for name, build in builders.items():
+    """A System per rung, each its own model built with the rung's options over one set of random weights (the NF4
+    rung quantized from them); a rung that cannot be built keeps its row with the reason."""
+    base = dict(random_llama(cfg, device, dtype).state_dict())
+    rungs = []
+    for i, (_, _, chunk, checkpointing, compiled, nf4) in enumerate(RUNGS):
+        options = Options(checkpointing=checkpointing, loss_chunk=chunk, compile=compiled)
         try:
-            models[name] = build()
+            rungs.append(ours_system(f"rung{i}", our_llama(cfg, base, device, dtype, options, nf4), device, dtype, LR))
         except FAILURES as e:
-            models[name] = System(name, status=f"failed: {one_line(e)}")
-    return [
-        rung_system(i, models[m]) if not models[m].status else System(f"rung{i}", status=models[m].status)
-        for i, (*_, m) in enumerate(RUNGS)
-    ]
+            rungs.append(System(f"rung{i}", status=f"failed: {one_line(e)}"))
+    return rungs
 
 
 def gains(result, warmup):

@@ -41,7 +41,7 @@ import lora
 import quant
 import train
 from benchmarks.common import OUT_DIR, SEED, hf_batch
-from model import Llama
+from model import Llama, Options
 from support.formats import atomic, hf_config
 from support.formats.hf_config import to_hf
 from support.kernels import dropout, dropout_cuda, nf4_cuda
@@ -165,36 +165,33 @@ def random_llama(cfg, device, dtype):
     return model
 
 
-def dense_llama(cfg, base, device, dtype):
-    """A second dense Llama over the tensors of `base` (a state dict), no copy: for a system of its own on the same
-    weights."""
+def our_llama(cfg, base, device, dtype, options=None, nf4=False):
+    """Our Llama over the weights `base` (name -> tensor; a quantized linear's weight may be its NF4Weight), built with
+    `options` (model.Options): its block linears quantized from them on `device` when nf4, everything else the very
+    storage of base (no copy), so that many systems share one set of weights."""
     with torch.device("meta"):
-        model = Llama(cfg, varlen_attention(device, dtype, cfg.head_dim, windowed=bool(cfg.sliding_layers)))
-    model.load_state_dict(base, assign=True)
+        model = Llama(cfg, varlen_attention(device, dtype, cfg.head_dim, windowed=bool(cfg.sliding_layers)), options)
+    if nf4:
+        kernel = nf4_cuda.dequantize_op_for(device)
+        quant.quantize_(model.to(dtype), compute_dtype=dtype, device=device, weights=base.get, dequantize_op=kernel)
+    model.load_state_dict({k: base[k] for k, v in model.state_dict().items() if v.is_meta}, strict=False, assign=True)
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     return model
 
 
-def qlora_llama(cfg, base, device, dtype):
-    """Our NF4 model of the weights `base` (a state dict): block linears quantized from them on `device`, the
-    embeddings, norms and lm_head shared with them (the same storage)."""
-    with torch.device("meta"):
-        model = Llama(cfg, varlen_attention(device, dtype, cfg.head_dim, windowed=bool(cfg.sliding_layers)))
-    kernel = nf4_cuda.dequantize_op_for(device)
-    quant.quantize_(model.to(dtype), compute_dtype=dtype, device=device, weights=base.__getitem__, dequantize_op=kernel)
-    rest = {k: base[k] for k, v in model.state_dict().items() if v.is_meta}
-    model.load_state_dict(rest, strict=False, assign=True)
-    return model
+def weights_of(model):
+    """`model`'s base weights, adapters left out, each NF4 linear's weight as its NF4Weight: what our_llama builds
+    another model over, sharing their storage."""
+    weights = {k: v for k, v in model.state_dict().items() if ".lora_" not in k}
+    return weights | {f"{n}.weight": m.nf4_weight() for n, m in model.named_modules() if isinstance(m, quant.NF4Linear)}
 
 
-def ours_system(key, model, device, dtype, lr, compile=False):
-    """Adapters on our model, as train.build_model adds them; the loss and optimizer of train.py."""
+def ours_system(key, model, device, dtype, lr):
+    """Adapters on our model, as train.load_model adds them; the loss and optimizer of train.py."""
     torch.manual_seed(SEED)  # the same adapters on LoRA and QLoRA
     dropout_op = dropout_cuda.dropout_op_for(device)  # as train.load_model chooses it
     lora.add_lora_(model, "all-linear", *LORA.values(), lora_dtype=torch.float32, dropout_op=dropout_op)
-    if compile:
-        train.compile_blocks(model)
     place = train.Placement(0, 1, device, dtype)
     params = [p for p in model.parameters() if p.requires_grad]
 
@@ -297,8 +294,8 @@ def peer_system(key, model, device, dtype, lr, compile=False):
     return System(key, forward, model, params, torch.optim.AdamW(params, lr=lr, fused=True))
 
 
-def build_system(key, cfg, base, base_model, device, dtype):
-    """One system on the weights `base` (the state dict of `base_model`, our dense Llama)."""
+def build_system(key, cfg, base, device, dtype):
+    """One system on the weights `base` (the state dict of our random dense Llama)."""
     if key == "peer-lora":
         return peer_system(key, peer_llama(cfg, base, device, dtype), device, dtype, LR)
     if key == "peer-qlora":
@@ -307,29 +304,24 @@ def build_system(key, cfg, base, base_model, device, dtype):
         return peer_system(key, peer_liger_llama(cfg, base, device, dtype), device, dtype, LR)
     if key == "peer-compile":
         return peer_system(key, peer_llama(cfg, base, device, dtype), device, dtype, LR, compile=True)
-    compiled = key.endswith("-compiled")
-    if key.startswith("ours-qlora"):
-        model = qlora_llama(cfg, base, device, dtype)
-    else:  # our LoRA adapts base_model itself, which only the last-built system may do
-        model = dense_llama(cfg, base, device, dtype) if compiled else base_model
-    return ours_system(key, model, device, dtype, LR, compiled)
+    options = Options(compile=key.endswith("-compiled"))
+    model = our_llama(cfg, base, device, dtype, options, nf4=key.startswith("ours-qlora"))
+    return ours_system(key, model, device, dtype, LR)
 
 
 def build_systems(cfg, keys, device, dtype):
     """The systems named in `keys`, in SYSTEMS order, all on one set of random weights; a system that cannot be built
     gets its reason as status. The dense base tensors live on only as long as some system holds them."""
-    base_model = random_llama(cfg, device, dtype)
-    base = dict(base_model.state_dict())  # references, no copies
+    base = dict(random_llama(cfg, device, dtype).state_dict())  # references, no copies
     built = {}
-    # The peers and our QLoRA read `base` before our LoRA model takes its linears over (add_lora_ adapts in place);
-    # Liger's peer after the other peers, since applying it also swaps the classes transformers builds Llamas from.
-    order = ("peer-lora", "peer-compile", "peer-qlora", "peer-liger", "ours-qlora", "ours-qlora-compiled")
-    for key in (*order, "ours-lora-compiled", "ours-lora"):
+    # Liger's peer after the other peers: applying it also swaps the classes transformers builds Llamas from.
+    order = ("peer-lora", "peer-compile", "peer-qlora", "peer-liger")
+    for key in (*order, *(k for k in SYSTEMS if k.startswith("ours"))):
         if key not in keys:
             continue
         start = time.perf_counter()
         try:
-            built[key] = build_system(key, cfg, base, base_model, device, dtype)
+            built[key] = build_system(key, cfg, base, device, dtype)
         except Skipped as e:
             built[key] = System(key, status=f"skipped: {e}")
         except FAILURES as e:

@@ -62,7 +62,7 @@ def main(out, model_dir=None):
 
 def load_and_step(cfg, place, model_dir) -> dict:
     """The tiny model's bytes held and read, as the file docstring says."""
-    built, loading, fully_shard, open_checkpoint = [], {"blocks": 0, "root": 0}, fsdp.fully_shard, fsdp.open_checkpoint
+    built, loading, fully_shard, open_checkpoint = [], {"blocks": 0, "root": 0}, fsdp.fully_shard, hf.open_checkpoint
 
     def open_and_keep(path, model):  # the loader's model, so that every byte it holds can be counted
         built.append(model)
@@ -81,8 +81,8 @@ def load_and_step(cfg, place, model_dir) -> dict:
         read[0] += t.nbytes
         return t
 
-    fsdp.open_checkpoint, fsdp.fully_shard, hf.Checkpoint.get = open_and_keep, shard_and_count, get_and_count
-    model = train.build_model(cfg, place, model_dir)
+    hf.open_checkpoint, fsdp.fully_shard, hf.Checkpoint.get = open_and_keep, shard_and_count, get_and_count
+    model = train.build_model(cfg, place, model_dir, mlp_tile=0)
     between, whole = fsdp.resident_bytes(model)
     during = []
     for block in model.model.layers:

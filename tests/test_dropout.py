@@ -12,17 +12,17 @@ import torch
 from conftest import TINY
 
 import lora
-from model import Llama, LlamaConfig
+from model import Llama, LlamaConfig, Options
 from support.kernels.dropout import KeyedDropout, dropout_rows, keyed_dropout, row_keys, tile_of_rows
 
 IDS = torch.tensor([[1, 5, 9, 17, 33, 2, 60, 7, 100, 3], [4, 4, 8, 15, 16, 23, 42, 0, 99, 1]])
 CONFIG = LlamaConfig(vocab_size=128, head_dim=16, max_position_embeddings=64, **TINY)
 
 
-def adapted_llama(r, dropout, seed=0):
+def adapted_llama(r, dropout, seed=0, checkpointing=False):
     """A tiny random fp32 Llama with LoRA on every block linear."""
     torch.manual_seed(seed)
-    model = Llama(CONFIG)
+    model = Llama(CONFIG, options=Options(checkpointing=checkpointing))
     lora.add_lora_(model, "all-linear", r=r, alpha=2 * r, dropout=dropout)
     return model
 
@@ -83,12 +83,11 @@ def test_live_dropout_gives_the_same_gradients_however_the_rows_are_split(checkp
     rows and as two of one row each, keyed by their rows, with activation checkpointing (which recomputes the forward
     in the backward, so the masks must come out the same again) and without: within fp32 rounding (1e-5 of each
     gradient's largest entry; a mask drawn differently moves them by tens of percent)."""
-    model = adapted_llama(r=4, dropout=0.5)
+    model = adapted_llama(r=4, dropout=0.5, checkpointing=checkpointing).train()
     with torch.no_grad():
         for name, p in model.named_parameters():
             if ".lora_B." in name:
                 p.normal_(0, 0.3)
-    model.train().activation_checkpointing = checkpointing
     labels = IDS.roll(-1, 1)
     results = []
     for split in ([[0, 1]], [[0], [1]]):

@@ -17,7 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 import lora
 import quant
-from model import Llama, LlamaConfig
+from model import Llama, LlamaConfig, Options
 from support.kernels.dropout import dropout_rows, row_keys
 from support.kernels.long_context import OffloadedSaves
 
@@ -26,10 +26,11 @@ CONFIG = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=160, num_
 DOCS = [(2500, 1596), (1000, 3096)]  # two documents in each of two 4,096-token rows
 
 
-def qlora_model():
-    """A tiny fp32 QLoRA Llama with LoRA (dropout 0.1) on every block linear, B away from zero."""
+def qlora_model(**options):
+    """A tiny fp32 QLoRA Llama with LoRA (dropout 0.1) on every block linear, B away from zero, built with these
+    options (model.Options): the same weights whatever the options."""
     torch.manual_seed(0)
-    model = quant.quantize_(Llama(CONFIG), compute_dtype=torch.float32)
+    model = quant.quantize_(Llama(CONFIG, options=Options(**options)), compute_dtype=torch.float32)
     lora.add_lora_(model, "all-linear", r=4, alpha=8, dropout=0.1, lora_dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -38,13 +39,13 @@ def qlora_model():
     return model.train()
 
 
-def step(model, checkpointing, offload, tile):
-    """(loss, LoRA gradients) of one forward and backward on the two rows, dropout keyed by row."""
+def step(checkpointing, offload, tile):
+    """(loss, LoRA gradients) of one forward and backward on the two rows, dropout keyed by row, by the model built
+    with these options."""
+    model = qlora_model(checkpointing=checkpointing, offload_checkpoints=offload, mlp_tile=tile)
     torch.manual_seed(1)
     ids = torch.randint(0, 128, (2, 4096))
     pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in DOCS])
-    model.zero_grad()
-    model.activation_checkpointing, model.offload_checkpoints, model.mlp_tile = checkpointing, offload, tile
     with dropout_rows(model, row_keys(1337, 3, [0, 1])):
         loss, _ = model(ids, pos, labels=ids.roll(-1, 1))
         loss.backward()
@@ -54,18 +55,16 @@ def step(model, checkpointing, offload, tile):
 @pytest.mark.parametrize("offload, tile", [(False, 1000), (True, 0), (True, 1000)])
 def test_checkpointed_steps_equal_the_plain_checkpointed_step(offload, tile):
     """With checkpointing: a tiled MLP (tiles of 1,000 tokens, the last one shorter), offloaded checkpoints, both."""
-    model = qlora_model()
-    want_loss, want = step(model, True, False, 0)
-    loss, grads = step(model, True, offload, tile)
+    want_loss, want = step(True, False, 0)
+    loss, grads = step(True, offload, tile)
     assert loss == pytest.approx(want_loss, rel=1e-6)
     for got, ref in zip(grads, want, strict=True):
         assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
 def test_tiled_mlp_without_checkpointing_equals_the_plain_step():
-    model = qlora_model()
-    want_loss, want = step(model, False, False, 0)
-    loss, grads = step(model, False, False, 512)
+    want_loss, want = step(False, False, 0)
+    loss, grads = step(False, False, 512)
     assert loss == pytest.approx(want_loss, rel=1e-6)
     for got, ref in zip(grads, want, strict=True):
         assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
@@ -120,13 +119,11 @@ def test_on_a_gpu_offloading_frees_the_block_inputs_and_keeps_the_gradients():
     the checkpointed step's (within 1e-6 of the loss, 1e-5 of each gradient's largest entry: the tiles' matmuls are
     of other shapes and their gradients summed in another order), and its peak GPU memory is lower by at least the
     block inputs it moved."""
-    model = qlora_model().cuda()
     ids = torch.randint(0, 128, (2, 4096), device="cuda")
     pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in DOCS]).cuda()
 
     def run(offload, tile):
-        model.zero_grad()
-        model.activation_checkpointing, model.offload_checkpoints, model.mlp_tile = True, offload, tile
+        model = qlora_model(checkpointing=True, offload_checkpoints=offload, mlp_tile=tile).cuda()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         with dropout_rows(model, row_keys(1337, 3, [0, 1])):

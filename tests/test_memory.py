@@ -17,7 +17,7 @@ import torch
 import lora
 import quant
 import train
-from model import Llama, LlamaConfig
+from model import LOSS_CHUNK, Llama, LlamaConfig, Options
 from support.accounting import memory
 
 CFG = dict(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4)
@@ -33,9 +33,9 @@ def adapters(r, targets, dropout):
     return train.Config(lora_r=r, lora_alpha=2.0 * r, lora_dropout=dropout, lora_targets=names).adapters()
 
 
-def qlora(cfg, targets, dropout, dtype=torch.bfloat16):
+def qlora(cfg, targets, dropout, dtype=torch.bfloat16, **options):
     torch.manual_seed(0)
-    model = quant.quantize_(Llama(cfg).to(dtype), compute_dtype=dtype)
+    model = quant.quantize_(Llama(cfg, options=Options(**options)).to(dtype), compute_dtype=dtype)
     lora.add_lora_(model, targets, r=4, alpha=8, dropout=dropout, lora_dtype=torch.float32)
     return model
 
@@ -84,9 +84,8 @@ def test_activations_equal_what_autograd_saves(dropout, checkpointing, chunked, 
     tiled MLP (64-token tiles) keeps none of the MLP's intermediates; offloaded checkpoints none of the block inputs
     (the model's own saved-tensor hooks take them, not the test's)."""
     cfg, tokens = config(num_hidden_layers=4, vocab_size=2048), 256
-    model = qlora(cfg, "all-linear", dropout).train()
-    model.activation_checkpointing, model.loss_chunk = checkpointing, model.loss_chunk if chunked else 0
-    model.mlp_tile, model.offload_checkpoints = tile, offload
+    options = dict(checkpointing=checkpointing, loss_chunk=LOSS_CHUNK if chunked else 0, mlp_tile=tile)
+    model = qlora(cfg, "all-linear", dropout, offload_checkpoints=offload, **options).train()
     pos = torch.cat([torch.arange(n) for n in (100, 60, 96)])[None]
     ids, labels = torch.randint(0, 128, (1, tokens)), torch.randint(0, 128, (1, tokens))
     got, loss = saved_bytes(model, ids, pos, labels)

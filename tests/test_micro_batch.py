@@ -49,7 +49,7 @@ def test_the_cpu_heap_probe_measures_what_the_estimate_leaves_out(tiny_dir, tmp_
     place = train.Placement(0, 1, torch.device("cpu"))
     model_dir, files = train.claim_inputs(cfg)
     trainset = train.build_data(cfg, train.Tokenizer(model_dir), files, 2048, place)[0]
-    model = train.build_model(cfg, place, tiny_dir)
+    model = train.build_model(cfg, place, tiny_dir, mlp_tile=0)
     rows = []
     monkeypatch.setattr(micro_batch, "reset_peak", lambda device: None)
     monkeypatch.setattr(micro_batch, "vm_hwm", lambda: 300 * 2**20 if rows else 1)  # after the step: 300 MiB more

@@ -17,7 +17,6 @@ On CPU the comparisons run on tiny random models in fp32 (the compiled step also
 to float rounding.
 """
 
-import copy
 import json
 import weakref
 
@@ -37,7 +36,7 @@ from support.evaluation.sampling import generate
 from support.formats.hf_config import to_hf
 from support.kernels import dropout_cuda, nf4_cuda
 from support.kernels.dropout import dropout_rows, row_keys
-from train import compile_blocks, load_model
+from train import load_model
 
 LLAMA3 = dict(
     rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=16
@@ -208,9 +207,15 @@ def test_packed_rows_match_documents_alone():
         assert (model(ids[:1]) - model(ids[:1], torch.arange(15)[None])).abs().max() < 1e-5
 
 
+def rebuilt(model, **options):
+    """A Llama of `model`'s config with these options (model.Options), holding a copy of its weights."""
+    twin = Llama(model.config, options=M.Options(**options))
+    twin.load_state_dict(model.state_dict())
+    return twin
+
+
 def test_chunked_loss_and_grads():
-    model = Llama(tiny_config(num_hidden_layers=3))
-    model.loss_chunk = 4  # 21 supervised tokens -> 6 chunks, the last one partial
+    model = Llama(tiny_config(num_hidden_layers=3), options=M.Options(loss_chunk=4))  # 21 supervised tokens: 6 chunks
     ids, pos, _ = packed_batch()
     labels = torch.randint(0, 97, (2, 15))
     labels[torch.rand(2, 15) < 0.3] = -100
@@ -229,18 +234,14 @@ def test_chunked_loss_and_grads():
         loss, n = model(ids, pos, labels=labels)
     assert n == int((labels != -100).sum()) and loss.dtype == torch.float32
     assert not [s for s in saved if s[-1] == 97], "vocabulary-wide logits were kept for the backward pass"
-    for checkpointed in (False, True):
-        model.activation_checkpointing = checkpointed
-        got_loss, got_grads = run(lambda: model(ids, pos, labels=labels)[0])
+    # checkpointed, and the naive full-logits path (loss_chunk 0): the same loss and gradients
+    for twin in (model, rebuilt(model, loss_chunk=4, checkpointing=True), rebuilt(model, loss_chunk=0)):
+        twin.zero_grad()
+        got_loss = twin(ids, pos, labels=labels)[0]
+        got_loss.backward()
         assert torch.allclose(got_loss, ref_loss, rtol=1e-5)
-        for g, r in zip(got_grads, ref_grads, strict=True):
+        for g, r in zip([p.grad for p in twin.parameters()], ref_grads, strict=True):
             assert torch.allclose(g, r, atol=1e-5, rtol=1e-4)
-    model.loss_chunk = 0  # the naive full-logits path gives the same loss and gradients
-    got_loss, got_grads = run(lambda: model(ids, pos, labels=labels)[0])
-    assert torch.allclose(got_loss, ref_loss, rtol=1e-5)
-    for g, r in zip(got_grads, ref_grads, strict=True):
-        assert torch.allclose(g, r, atol=1e-5, rtol=1e-4)
-    model.loss_chunk = 4
     # nothing supervised: zero loss that still backpropagates
     loss, n = model(ids, pos, labels=torch.full_like(labels, -100))
     loss.backward()
@@ -297,12 +298,14 @@ def rel(a, b):
     return float((a - b).norm() / b.norm())
 
 
-def qlora_tiny(seed=0, dtype=torch.float32, dropout=0.0, device="cpu"):
-    """A tiny QLoRA model as load_model builds it for `device`: the base in `dtype`, NF4 block linears dequantizing
-    with the device's op, fp32 adapters whose dropout the device's op applies, B random."""
+def qlora_tiny(seed=0, dtype=torch.float32, dropout=0.0, device="cpu", compile=False):
+    """A tiny QLoRA model as load_model builds it for `device`: the base in `dtype`, the attention and NF4 kernels
+    the device's, fp32 adapters whose dropout the device's op applies, B random; its blocks compiled or not."""
     torch.manual_seed(seed)
     kernel = nf4_cuda.dequantize_op_for(device)
-    model = quant.quantize_(Llama(tiny_config()).to(dtype), compute_dtype=dtype, dequantize_op=kernel)
+    attention = A.varlen_attention(device, dtype, tiny_config().head_dim)
+    model = Llama(tiny_config(), attention, M.Options(compile=compile)).to(dtype)
+    model = quant.quantize_(model, compute_dtype=dtype, dequantize_op=kernel)
     drop = dropout_cuda.dropout_op_for(device)
     lora.add_lora_(model, "all-linear", r=2, alpha=4, dropout=dropout, lora_dtype=torch.float32, dropout_op=drop)
     with torch.no_grad():
@@ -318,28 +321,24 @@ COMPILED += [pytest.param("cuda", dtype, marks=cuda) for dtype in (torch.float32
 
 @pytest.mark.parametrize("device, dtype", COMPILED)
 def test_compiled_training_step_has_no_breaks_and_no_recompiles(device, dtype):
-    """train.compile_blocks on packed QLoRA training steps, LoRA dropout live (inductor; bf16 autocast too; on CUDA with
-    the attention varlen_attention picks there): the compiled blocks run inside each block's call, so hooks on a block
-    (FSDP's gathering) run around them; no graph break in a block (NF4 dequantization and the per-document attention
-    are opaque ops); the first step's graphs serve every later batch, whatever its document count and lengths; loss
-    and LoRA gradients equal eager's, dropout masks included: within 1e-4 in fp32; in bf16, where compiled kernels
-    round differently, each no farther from the fp32 step than twice eager's distance plus 1e-4 (gradients: 1.5x at
-    most on CPU; the loss differs by about 1e-4 either way); evaluation and generation never reach the compiler."""
+    """Compiled blocks (model.Options.compile) on packed QLoRA training steps, LoRA dropout live (inductor; bf16
+    autocast too; on CUDA with the attention varlen_attention picks there): the compiled blocks run inside each block's
+    call, so hooks on a block (FSDP's gathering) run around them; no graph break in a block (NF4 dequantization and the
+    per-document attention are opaque ops); the first step's graphs serve every later batch, whatever its document count
+    and lengths; loss and LoRA gradients equal eager's, dropout masks included: within 1e-4 in fp32; in bf16, where
+    compiled kernels round differently, each no farther from the fp32 step than twice eager's distance plus 1e-4
+    (gradients: 1.5x at most on CPU; the loss differs by about 1e-4 either way); evaluation and generation never reach
+    the compiler."""
     torch._dynamo.reset()
     counters.clear()
     torch.backends.cuda.matmul.fp32_precision = "ieee"  # the fp32 reference; conftest's autouse fixture restores it
-    eager, compiled = (qlora_tiny(dtype=dtype, dropout=0.25, device=device).to(device) for _ in range(2))
+    built = (qlora_tiny(dtype=dtype, dropout=0.25, device=device, compile=c).to(device) for c in (False, True))
+    eager, compiled = built
     models = [eager, compiled]
     if dtype != torch.float32:  # the same weights and NF4 codes, every matmul in fp32
-        models.append(copy.deepcopy(eager).float())
-        for m in models[2].modules():
-            if isinstance(m, quant.NF4Linear):
-                m.compute_dtype = torch.float32
+        models.append(qlora_tiny(dtype=torch.float32, dropout=0.25, device=device).to(device))
+        models[2].load_state_dict(eager.state_dict())  # eager's bf16 weights, in fp32, and its NF4 codes
     kind = lambda model: next(model.parameters()).dtype  # noqa: E731 (bf16 for eager and compiled in bf16)
-    for model in models:  # the kernels load_model would pick for the model's dtype
-        for block in model.model.layers:
-            block.self_attn.varlen = A.varlen_attention(device, kind(model), model.config.head_dim)
-    compile_blocks(compiled)
     calls = []
     for block in compiled.model.layers:
         block.register_forward_pre_hook(lambda *_: calls.append(1))
@@ -390,14 +389,14 @@ def test_quantize_and_lora_pick_the_same_linears(targets):
 def test_adapted_lm_head_needs_the_full_logits_loss():
     """LoRA on lm_head: the chunked loss refuses it in one line; with loss_chunk=0 it trains (lm_head's A and B get
     gradients) and gives the full-logits loss."""
-    model = Llama(tiny_config())
-    lora.add_lora_(model, ["lm_head", "q_proj"], r=2, alpha=4, dropout=0.0)
+    chunked, model = Llama(tiny_config()), Llama(tiny_config(), options=M.Options(loss_chunk=0))
+    for m in (chunked, model):
+        lora.add_lora_(m, ["lm_head", "q_proj"], r=2, alpha=4, dropout=0.0)
     ids, pos, _ = packed_batch()
     labels = torch.randint(0, 97, (2, 15))
     with pytest.raises(ValueError, match="lm_head is a LoRALinear: the chunked loss needs a plain nn.Linear head") as e:
-        model(ids, pos, labels=labels)
+        chunked(ids, pos, labels=labels)
     assert "\n" not in str(e.value)
-    model.loss_chunk = 0
     loss, n = model(ids, pos, labels=labels)
     loss.backward()
     ref = F.cross_entropy(model(ids, pos).flatten(0, 1), labels.flatten(), reduction="sum")

@@ -1,13 +1,12 @@
 """support/evaluation/sampling.py: continuing a prompt through the model's KV cache.
 
-What this file proves: greedy generation through the cache equals recomputing the whole sequence for every token (in
-training mode with activation checkpointing on too), the cache fed in two chunks gives the full pass's logits (and
-last_only its last position's), generation stops at any of several eos ids, nucleus sampling with a vanishing top_p
-is greedy and a seed repeats a sample; and greedy generation equals transformers' generate on the same weights (the
-families' own cases, sliding windows included, are in tests/test_model.py). Batched greedy generation with left
+What this file proves: greedy generation through the cache equals recomputing the whole sequence for every token (a
+model built with activation checkpointing, in training mode, too), the cache fed in two chunks gives the full pass's
+logits at each chunk's last position, generation stops at any of several eos ids, nucleus sampling with a vanishing
+top_p is greedy and a seed repeats a sample; and greedy generation equals transformers' generate on the same weights
+(the families' own cases, sliding windows included, are in tests/test_model.py). Batched greedy generation with left
 padding gives every prompt what generate() gives it alone (rows ending at eos or at the caller's `done` at different
-steps, sliding windows too), and dense_weights computes the NF4 model's logits bit for bit and puts the NF4 layers
-back.
+steps, sliding windows too), and dense_weights computes the NF4 model's logits bit for bit and puts the NF4 layers back.
 """
 
 import torch
@@ -15,7 +14,7 @@ from test_model import hf_model, tiny_config
 
 import lora
 import quant
-from model import KVCache, Llama
+from model import KVCache, Llama, Options
 from support.evaluation.sampling import dense_weights, generate, generate_batch
 from train import load_model
 
@@ -34,16 +33,15 @@ def test_kv_cache_generation_matches_full_recompute():
     cache = KVCache(model.config, 17)
     seq = torch.tensor([ids])
     with torch.no_grad():
-        first = model(seq[:, :9], cache=cache)
-        assert cache.length == 9
-        chunked = torch.cat([first, model(seq[:, 9:], cache=cache)], dim=1)
-        assert (chunked - model(seq)).abs().max() < 1e-5
-        last = model(seq, cache=KVCache(model.config, 17), last_only=True)  # (1, 1, vocab): the head on one position
-        assert last.shape == (1, 1, chunked.shape[-1]) and (last - chunked[:, -1:]).abs().max() < 1e-5
+        full = model(seq)
+        first = model.decode(seq[:, :9], cache)  # (1, 1, vocab): the head on the last position only
+        assert cache.length == 9 and first.shape == (1, 1, full.shape[-1])
+        second = model.decode(seq[:, 9:], cache)
+        assert (first - full[:, 8:9]).abs().max() < 1e-5 and (second - full[:, -1:]).abs().max() < 1e-5
     assert generate(model, prompt, 12, eos_id=[96, new[3]]) == new[: new.index(new[3]) + 1]
-    model.train().activation_checkpointing = True  # generation never recomputes: the cache is filled all the same
-    assert generate(model, prompt, 12) == new
-    model.eval()
+    checkpointed = Llama(tiny_config(), options=Options(checkpointing=True)).train()  # decoding never recomputes
+    checkpointed.load_state_dict(model.state_dict())
+    assert generate(checkpointed, prompt, 12) == new
     # nucleus sampling with a vanishing top_p keeps only the most likely token
     assert generate(model, prompt, 12, temperature=0.7, top_p=1e-9, seed=1) == new
     sampled = generate(model, prompt, 12, temperature=1.0, seed=3)

@@ -709,7 +709,7 @@ def qlora_step(model_dir, device, compute, adapters=None):
     cfg = train.Config(model=model_dir, device=device, precision=compute, lora_r=4, lora_alpha=8.0, lora_dropout=0.0)
     dtype = precision.pick_precision(cfg.precision, torch.device(device), read_config(model_dir)[0])
     place = train.Placement(0, 1, torch.device(device), dtype)
-    model = train.build_model(cfg, place, model_dir)
+    model = train.build_model(cfg, place, model_dir, mlp_tile=0)
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     with torch.no_grad():
         for n, p in params.items():
@@ -771,7 +771,7 @@ def test_probe_fits_under_a_capped_memory_fraction(smollm2_dir, tmp_path):
     cfg.max_examples, cfg.cache_dir = 600, str(tmp_path / "cache")
     place = train.Placement(1, 1, torch.device("cuda"), torch.bfloat16)  # rank 1: builds quietly
     trainset = train.build_data(cfg, Tokenizer(model_dir), 8192, place)[0]
-    model = train.build_model(cfg, place, model_dir)
+    model = train.build_model(cfg, place, model_dir, mlp_tile=0)
     longest = sorted(range(len(trainset)), key=lambda r: -sum(trainset.lens[d] for d in trainset.rows[r]))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
 

@@ -34,7 +34,9 @@ def micro_batch_rows(cfg, place, model, trainset, rows_per_rank, forward_loss) -
         return probe_cuda_rows(cfg, place, model, trainset, rows_per_rank, forward_loss)
 
     def fits(rows):
-        return fits_in_memory(run_estimate(cfg, model.config, rows * context, place, model.mlp_tile * rows), place)
+        return fits_in_memory(
+            run_estimate(cfg, model.config, rows * context, place, model.options.mlp_tile * rows), place
+        )
 
     if place.device.type == "cuda":
         rows = rows_per_rank
@@ -95,7 +97,9 @@ def cpu_heap(cfg, place, model, trainset, rows, micro_rows, forward_loss) -> dic
             loss.backward()
     finally:
         model.zero_grad(set_to_none=True)
-    counted = run_estimate(cfg, model.config, micro_rows * trainset.context_length, place, model.mlp_tile * micro_rows)
+    counted = run_estimate(
+        cfg, model.config, micro_rows * trainset.context_length, place, model.options.mlp_tile * micro_rows
+    )
     counted = counted["activations"] + counted["transient"] + counted["gradients"]
     return {"heap": max(0, vm_hwm() - before - counted)}
 

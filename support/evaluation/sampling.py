@@ -37,7 +37,7 @@ def generate(model, prompt_ids, max_new_tokens, temperature=0.0, top_p=1.0, eos_
     gen = None if seed is None else torch.Generator(weight.device).manual_seed(seed)
     ids, out = torch.tensor([prompt_ids], device=weight.device), []
     for _ in range(max_new_tokens):
-        logits = model(ids, cache=cache, last_only=True)[0, -1].float()  # (vocab,)
+        logits = model.decode(ids, cache)[0, -1].float()  # (vocab,)
         if temperature == 0:
             tok = int(logits.argmax())
         else:
@@ -102,7 +102,7 @@ def generate_batch(model, prompts, max_new_tokens, eos_id=None, done=None, pad_i
     rows, out = list(range(len(prompts))), [[] for _ in prompts]  # rows: the prompt each batch row answers
     live = set(rows)
     for _ in range(max_new_tokens):
-        toks = model(ids, cache=cache, last_only=True)[:, -1].float().argmax(-1).tolist()  # (rows,) greedy
+        toks = model.decode(ids, cache)[:, -1].float().argmax(-1).tolist()  # (rows,) greedy
         for i, t in zip(rows, toks, strict=True):
             if i in live:
                 out[i].append(t)

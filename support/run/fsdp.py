@@ -13,10 +13,11 @@ bytes a rank gathers are bit for bit the bytes a single process holds, and dequa
 offset, a 0-d tensor, becomes shape (1,), which broadcasts the same. No MixedPrecisionPolicy: every tensor stays in
 its stored dtype (NF4 bytes, a 16-bit base, fp32 LoRA masters) and bf16 autocast computes as without sharding.
 
-Loading (`load_sharded`): the model is built on the meta device, then block by block: rank 0 reads its 16-bit weights
-and quantizes them one at a time while the other ranks hold zeros of the same shapes, every rank adds the block's
-adapters (in the same order, so from the same random draws, as one process adds them), the block is sharded, and
-rank 0 sends each rank its shards of what it read (`shard_from_rank0`), which frees the whole block everywhere. The
+Loading: train.load_model builds every model block by block, and a sharded one takes a step more after each part: rank
+0 reads its 16-bit weights and quantizes them one at a time while the other ranks hold zeros of the same shapes
+(`what_this_rank_reads`), every rank adds the block's adapters (in the same order, so from the same random draws, as
+one process adds them), the block is sharded, and rank 0 sends each rank its shards of what it read (`shard_part`),
+which frees the whole block everywhere. The
 checkpoint is read, and quantized, once across the ranks, and no rank ever holds more than its shards plus one
 block. The loss: each rank divides its summed loss by the global number of supervised tokens, so the gradients must be
 summed over ranks, not averaged: the divide factor is 1. With several micro-batches a step, gradients are
@@ -24,7 +25,7 @@ reduce-scattered after the last one only (`sync_gradients`).
 
 What needs every rank: a sharded model computes only when all ranks run the same forward, so evaluation, samples and
 adapter health run on every rank (rank 0 keeps the results); checkpoints gather full tensors so that a run resumes on
-any number of ranks, or on one process. torch.compile (train.compile_blocks) compiles each block's forward, which
+any number of ranks, or on one process. torch.compile (model.Options.compile) compiles each block's forward, which
 runs inside the block's own call, so FSDP's hooks gather and free its weights around the graph. A merged export
 is not offered with FSDP: it needs the whole model in one place.
 """
@@ -36,14 +37,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-import lora
 import quant
-from model import Llama, find_linears
-from support.formats.hf import is_prequantized, load_weights_, open_checkpoint
-from support.formats.hf_config import read_config
-from support.kernels import nf4_cuda
-from support.kernels.attention import varlen_attention
-from support.kernels.dropout_cuda import dropout_op_for
+from model import Llama
 
 
 def params_from_nf4(module):
@@ -56,42 +51,40 @@ def params_from_nf4(module):
                 m.register_parameter(name, nn.Parameter(t.reshape(1) if name == "offset" else t, requires_grad=False))
 
 
-def load_sharded(model_dir, dtype, device, world, quantize, adapters, cpu_offload=False):
-    """The QLoRA (or LoRA) model of model_dir, sharded over `world` ranks block by block, as the file docstring says:
-    rank 0 reads and quantizes, the others hold zeros of the same shapes until rank 0 scatters their shards.
-    adapters: train.Config.adapters() plus lora_dtype."""
-    config = read_config(model_dir)[0]  # train.load_model's steps: the meta Llama, then each block in turn
-    kernel = varlen_attention(device, dtype, config.head_dim, windowed=bool(config.sliding_layers))
-    with torch.device("meta"):
-        model = Llama(config, kernel)
-    ckpt, weights = open_checkpoint(model_dir, model)
+def sharding(device, world, cpu_offload=False) -> dict:
+    """fully_shard's mesh (`world` ranks) and policy (parameters in CPU memory between uses, or not)."""
     mesh = init_device_mesh(device.type, (world,))
-    shard = dict(mesh=mesh, offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
-    chosen = list(find_linears(model, adapters["targets"]))  # in the order one process adds them (same draws)
-    lora_kw = {k: v for k, v in adapters.items() if k != "targets"} | dict(dropout_op=dropout_op_for(device))
-    quantized = list(find_linears(model)) if quantize or is_prequantized(ckpt) else []
-    if dist.get_rank() != 0:  # nothing is read here: each tensor's place is held by zeros of its shape
-        ckpt = weights = Unread(model, device)
-    model.requires_grad_(False)
-    for i, block in enumerate(model.model.layers):
-        prefix = f"model.layers.{i}."
-        if quantized:
-            names = [n for n in quantized if n.startswith(prefix)]
-            quant.quantize_(model, names, dtype, device, weights, nf4_cuda.dequantize_op_for(device))
-        load_weights_(model, ckpt, dtype, device, within=prefix)
-        add_adapters_(model, [n for n in chosen if n.startswith(prefix)], lora_kw)
-        params_from_nf4(block)
-        shard_from_rank0(block, shard)  # from here this rank keeps only its shard of the block
-    load_weights_(model, ckpt, dtype, device)  # embeddings, the final norm, lm_head
-    add_adapters_(model, [n for n in chosen if not n.startswith("model.layers.")], lora_kw)
-    shard_from_rank0(model, shard)
-    for m in model.modules():
-        if isinstance(m, FSDPModule):
-            m.set_gradient_divide_factor(1.0)  # the loss is already divided by the global supervised-token count
-            m.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-multiplied sum)
-    trainable, total = lora.count_parameters(model)
-    print(f"LoRA r={adapters['r']} on {len(chosen)} linears, sharded over {world} rank(s): {trainable:,} trainable")
-    return model
+    return dict(mesh=mesh, offload_policy=CPUOffloadPolicy() if cpu_offload else OffloadPolicy())
+
+
+def what_this_rank_reads(model, ckpt, weights, device, shard):
+    """(checkpoint, weights) as train.load_model reads them here: the files themselves, unless the model is sharded
+    and this is not rank 0, which reads nothing and holds zeros of each tensor's shape until rank 0 scatters them."""
+    if shard is None or dist.get_rank() == 0:
+        return ckpt, weights
+    unread = Unread(model, device)
+    return unread, unread
+
+
+def sharded_over(shard) -> str:
+    """", sharded over N rank(s)", or "" when not sharded: the end of the model's one line."""
+    return "" if shard is None else f", sharded over {shard['mesh'].size()} rank(s)"
+
+
+def shard_part(part, shard):
+    """train.load_model's step for a part it has built (a block, then the whole model): its NF4 buffers become frozen
+    parameters, it is sharded, and rank 0 sends each rank its shards; the whole model's gradients are then summed.
+    Nothing when not sharded (shard None)."""
+    if shard is None:
+        return
+    if not isinstance(part, Llama):
+        params_from_nf4(part)
+    shard_from_rank0(part, shard)  # from here this rank keeps only its shard of the part
+    if isinstance(part, Llama):
+        for m in part.modules():
+            if isinstance(m, FSDPModule):
+                m.set_gradient_divide_factor(1.0)  # the loss is already divided by the global supervised-token count
+                m.set_force_sum_reduction_for_comms(True)  # a plain sum (gloo has no pre-multiplied sum)
 
 
 class Unread:
@@ -119,13 +112,6 @@ def shard_from_rank0(module, shard):
         if name in whole and shard["mesh"].size() > 1:
             sent = distribute_tensor(whole.pop(name), p.device_mesh, p.placements, src_data_rank=0)
             p.to_local().copy_(sent.to_local())
-
-
-def add_adapters_(model, names, lora_kw):
-    """LoRA on the named linears of `model` (already frozen), as lora.add_lora_ builds each."""
-    for name in names:
-        base = model.get_submodule(name)
-        model.set_submodule(name, lora.with_lora(base, **lora_kw))
 
 
 def resident_bytes(model) -> tuple[int, int]:

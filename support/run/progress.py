@@ -55,7 +55,10 @@ def describe_step(cfg, place, model, context, rows, micro_rows, measured) -> tup
     """Print how a step is split, the memory estimate by part (on CPU with the parts `measured`: the process's own
     bytes before the model was built, and the heap malloc keeps, probed) and what MFU is measured against; returns
     (estimated bytes, the peak FLOP/s MFU divides by)."""
-    parts = memory.run_estimate(cfg, model.config, micro_rows * context, place, model.mlp_tile * micro_rows) | measured
+    parts = (
+        memory.run_estimate(cfg, model.config, micro_rows * context, place, model.options.mlp_tile * micro_rows)
+        | measured
+    )
     peak, source = peak_flops(place.device, place.dtype)
     if fsdp.is_sharded(model):  # every rank says what it holds: its shard
         held, whole = fsdp.resident_bytes(model)
@@ -66,8 +69,8 @@ def describe_step(cfg, place, model, context, rows, micro_rows, measured) -> tup
             f"{math.ceil(rows / micro_rows)} micro-batch(es) x {micro_rows} rows"
         )
         by_part = ", ".join(f"{k} {memory.fmt(v)}" for k, v in parts.items())
-        if model.mlp_tile:
-            print(f"MLP in tiles of {model.mlp_tile} tokens of each row, recomputed in backward")
+        if model.options.mlp_tile:
+            print(f"MLP in tiles of {model.options.mlp_tile} tokens of each row, recomputed in backward")
         print(f"memory estimate {memory.fmt(sum(parts.values()))}: {by_part}")
         print(f"MFU is measured against a {source} {name(place.dtype)} peak of {fmt_flops(peak)}")
     return sum(parts.values()), peak
