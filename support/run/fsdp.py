@@ -67,7 +67,7 @@ def what_this_rank_reads(model, ckpt, weights, device, shard):
 
 
 def sharded_over(shard) -> str:
-    """", sharded over N rank(s)", or "" when not sharded: the end of the model's one line."""
+    """The end of the model's one line: ', sharded over N rank(s)', or '' when not sharded."""
     return "" if shard is None else f", sharded over {shard['mesh'].size()} rank(s)"
 
 
