@@ -15,9 +15,9 @@ acts on the LoRA branch's input only, with a mask keyed by (seed, step, row) ins
 (support/kernels/dropout.py), so a run on 4 ranks, on 1, or resumed on another number of ranks trains the same.
 
 QLoRA (Dettmers et al. 2023, https://arxiv.org/abs/2305.14314) keeps the frozen W in 4-bit NF4 (quant.py) and trains
-the same A, B on top: y = x dequant(W_nf4)^T + scale * B A x. The LoRA linears here are thin subclasses of the base
-class (LoRALinear(nn.Linear), LoRANF4Linear(quant.NF4Linear)) that take over the base's own tensors, so the base keeps
-its names (`q_proj.weight`, the NF4 buffers too) and the adapter adds `q_proj.lora_A.weight` / `q_proj.lora_B.weight`.
+the same A, B on top: y = x dequant(W_nf4)^T + scale * B A x. The two LoRA linears, LoRALinear(nn.Linear) and its NF4
+twin LoRANF4Linear(quant.NF4Linear), are built from a base layer whose own tensors they hold, so the base keeps its
+names (`q_proj.weight`, the NF4 buffers too) and the adapter adds `q_proj.lora_A.weight` / `q_proj.lora_B.weight`.
 LoRA parameters live in the base's floating dtype unless `lora_dtype` says otherwise (e.g. fp32 masters under bf16
 autocast); the branch always computes in the input's dtype.
 
@@ -29,9 +29,14 @@ and differs from what was trained by exactly the quantization error. merge_lora_
 it is given them and reports, per module, which weights it started from.
 
 Adapters are saved and loaded in PEFT's format by support/formats/hf.py, so transformers + PEFT read them.
+
+The base model for free: within `adapters_off(model)` every adapter is skipped, so the same model computes as its
+frozen base. Reinforcement learning (rl.py) needs the policy before training as a reference; with LoRA it is this,
+with no second copy of the model held.
 """
 
 import math
+from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -42,63 +47,102 @@ from model import find_linears
 from support.kernels.dropout import KeyedDropout
 
 
-class LoRA:
-    """What both LoRA linears add to their base class: the adapter lora_A (r, in), lora_B (out, r) and the dropout on
-    its input (set by lora_linear), the forward `out = base(x) + scale * B(A(dropout(x)))` and the merged delta."""
+class LoRALinear(nn.Linear):
+    """A frozen nn.Linear with an adapter: y = x W^T + b + scale * B(A(dropout(x))). It holds the base layer's own
+    weight and bias (no copy: they keep their names, `q_proj.weight`, and stay frozen) beside the adapter's
+    lora_A (r, in) and lora_B (out, r), fresh: A Kaiming-uniform, B zero."""
+
+    def __init__(self, base, r, alpha, dropout=0.0, use_rslora=False, lora_dtype=None, dropout_op=None):
+        super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
+        self.weight, self.bias = base.weight, base.bias
+        device, dtype = base.weight.device, lora_dtype or base.weight.dtype
+        self.lora_A = nn.Linear(base.in_features, r, bias=False, device=device, dtype=dtype)  # weight (r, in)
+        self.lora_B = nn.Linear(r, base.out_features, bias=False, device=device, dtype=dtype)  # weight (out, r)
+        self.lora_dropout = KeyedDropout(dropout, dropout_op) if dropout > 0 else nn.Identity()  # same on any ranks
+        self.r, self.lora_alpha, self.use_rslora = r, alpha, use_rslora
+        self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r  # rsLoRA: alpha / sqrt(r)
+        self.enabled = True  # False within adapters_off: the base alone
+        start_adapter_(self)
+        self.train(base.training)  # an adapter put on a model in eval mode must not start with live dropout
 
     def forward(self, x):  # x (..., in) -> (..., out)
-        out = super().forward(x)  # the frozen base: nn.Linear's forward, or NF4Linear's
-        a = self.lora_A.weight.to(x.dtype)  # (r, in): the branch computes in x's dtype (fp32 masters under bf16)
-        b = self.lora_B.weight.to(x.dtype)  # (out, r)
-        lora_out = F.linear(F.linear(self.lora_dropout(x), a), b) * self.scaling
-        return out + lora_out.to(out.dtype)
-
-    def delta_weight(self):  # scale * B @ A: (out, r) @ (r, in) -> (out, in), in fp32
-        return self.scaling * (self.lora_B.weight.float() @ self.lora_A.weight.float())
+        return adapted(self, x, super().forward(x))
 
 
-class LoRALinear(LoRA, nn.Linear):
-    """nn.Linear with an adapter."""
+class LoRANF4Linear(quant.NF4Linear):
+    """The same adapter over a frozen quant.NF4Linear (QLoRA): y = x dequant(W)^T + b + scale * B(A(dropout(x))). It
+    holds the base layer's four NF4 buffers and bias under their names, its quantization error and its kernel."""
+
+    def __init__(self, base, r, alpha, dropout=0.0, use_rslora=False, lora_dtype=None, dropout_op=None):
+        super().__init__(base.in_features, base.out_features, base.bias is not None, base.compute_dtype, device="meta")
+        for name, t in zip(quant.BUFFERS, base.nf4_weight(), strict=True):
+            setattr(self, name, t)
+        self.bias, self.rel_error, self.dequantize_op = base.bias, base.rel_error, base.dequantize_op
+        device, dtype = base.weight.device, lora_dtype or base.compute_dtype
+        self.lora_A = nn.Linear(base.in_features, r, bias=False, device=device, dtype=dtype)  # weight (r, in)
+        self.lora_B = nn.Linear(r, base.out_features, bias=False, device=device, dtype=dtype)  # weight (out, r)
+        self.lora_dropout = KeyedDropout(dropout, dropout_op) if dropout > 0 else nn.Identity()
+        self.r, self.lora_alpha, self.use_rslora = r, alpha, use_rslora
+        self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
+        self.enabled = True
+        start_adapter_(self)
+        self.train(base.training)
+
+    def forward(self, x):  # x (..., in) -> (..., out)
+        return adapted(self, x, super().forward(x))
 
 
-class LoRANF4Linear(LoRA, quant.NF4Linear):
-    """quant.NF4Linear with an adapter."""
+LORA = (LoRALinear, LoRANF4Linear)
 
 
-def lora_linear(base, lora_A, lora_B, lora_dropout, alpha, use_rslora):
-    """`base` (nn.Linear or quant.NF4Linear) with the adapter lora_A, lora_B and the module lora_dropout on its input: a
-    LoRA linear of base's class that holds base's own tensors (no copy, so they keep their names and stay frozen), in
-    base's train/eval mode (an adapter loaded into a model in eval mode must not start with live dropout)."""
-    has_bias = base.bias is not None
-    if isinstance(base, quant.NF4Linear):
-        layer = LoRANF4Linear(base.in_features, base.out_features, has_bias, base.compute_dtype, device="meta")
-        layer.rel_error = base.rel_error  # the quantization error and the kernel survive the swap
-        layer.dequantize_op = base.dequantize_op
-    else:
-        layer = LoRALinear(base.in_features, base.out_features, bias=has_bias, device="meta")
-    layer.requires_grad_(False)  # assign=True keeps the module's requires_grad, so the taken-over base stays frozen
-    layer.load_state_dict(base.state_dict(keep_vars=True), assign=True)
-    layer.lora_A = lora_A
-    layer.lora_B = lora_B
-    layer.lora_dropout = lora_dropout
-    layer.r = lora_A.out_features
-    layer.lora_alpha = alpha
-    layer.use_rslora = use_rslora
-    layer.scaling = alpha / math.sqrt(layer.r) if use_rslora else alpha / layer.r  # rsLoRA: alpha / sqrt(r)
-    return layer.train(base.training)
+def start_adapter_(layer):
+    """A as nn.Linear and PEFT start it (kaiming_uniform_, a = sqrt(5)), B = 0: the adapted model starts as the base."""
+    nn.init.kaiming_uniform_(layer.lora_A.weight, a=math.sqrt(5))
+    nn.init.zeros_(layer.lora_B.weight)
 
 
-def with_lora(base, r, alpha, dropout, use_rslora, lora_dtype, dropout_op=None):
-    """`base` with a fresh adapter of rank r on its device, in lora_dtype (default: the base's floating dtype), and
-    dropout with probability `dropout` on the adapter's input, applied by `dropout_op` (default: the reference)."""
-    dtype = lora_dtype or (base.compute_dtype if isinstance(base, quant.NF4Linear) else base.weight.dtype)
-    device = next(iter(base.state_dict().values())).device
-    lora_A = nn.Linear(base.in_features, r, bias=False, device=device, dtype=dtype)  # weight (r, in)
-    lora_B = nn.Linear(r, base.out_features, bias=False, device=device, dtype=dtype)  # weight (out, r)
-    nn.init.kaiming_uniform_(lora_A.weight, a=math.sqrt(5))  # as nn.Linear and PEFT start A
-    nn.init.zeros_(lora_B.weight)  # B = 0: the adapted model starts as the base model
-    lora_dropout = KeyedDropout(dropout, dropout_op) if dropout > 0 else nn.Identity()  # same mask on any ranks
-    return lora_linear(base, lora_A, lora_B, lora_dropout, alpha, use_rslora)
+def adapted(layer, x, out):
+    """The base's output `out` (..., out) plus the adapter's scale * B(A(dropout(x))), computed in x's dtype (fp32
+    masters under bf16 autocast), unless adapters_off holds."""
+    if not layer.enabled:
+        return out
+    a, b = layer.lora_A.weight.to(x.dtype), layer.lora_B.weight.to(x.dtype)  # (r, in), (out, r)
+    return out + (F.linear(F.linear(layer.lora_dropout(x), a), b) * layer.scaling).to(out.dtype)
+
+
+def delta_weight(layer):
+    """scale * B @ A: (out, r) @ (r, in) -> (out, in), in fp32: what merging adds to the base weight."""
+    return layer.scaling * (layer.lora_B.weight.float() @ layer.lora_A.weight.float())
+
+
+def with_lora(base, r, alpha, dropout=0.0, use_rslora=False, lora_dtype=None, dropout_op=None):
+    """`base` (nn.Linear, or quant.NF4Linear) with a fresh adapter of rank r: the LoRA linear of its kind, the adapter
+    in lora_dtype (default: the base's floating dtype), its dropout applied by `dropout_op` (default the reference)."""
+    kind = LoRANF4Linear if isinstance(base, quant.NF4Linear) else LoRALinear
+    return kind(base, r, alpha, dropout, use_rslora, lora_dtype, dropout_op)
+
+
+def over(base, layer):
+    """A LoRA linear over `base` (another nn.Linear or NF4Linear for the same weight) with `layer`'s adapter: the same
+    A, B, dropout and scale, not copies."""
+    twin = with_lora(base, layer.r, layer.lora_alpha)
+    twin.lora_A, twin.lora_B, twin.lora_dropout = layer.lora_A, layer.lora_B, layer.lora_dropout
+    twin.use_rslora, twin.scaling = layer.use_rslora, layer.scaling
+    return twin.train(layer.training)
+
+
+@contextmanager
+def adapters_off(model):
+    """Within the block every adapter of `model` is skipped and the model computes as its frozen base: with LoRA the
+    reference policy of rl.py is the same model, no second copy held."""
+    layers = lora_modules(model).values()
+    for m in layers:
+        m.enabled = False
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.enabled = True
 
 
 def frozen_linear(weight, bias):
@@ -110,7 +154,7 @@ def frozen_linear(weight, bias):
 
 
 def lora_modules(model):
-    return {n: m for n, m in model.named_modules() if isinstance(m, LoRA)}
+    return {n: m for n, m in model.named_modules() if isinstance(m, LORA)}
 
 
 def count_parameters(model):
@@ -129,7 +173,7 @@ def add_lora_(model, targets, r, alpha, dropout, use_rslora=False, lora_dtype=No
         chosen = find_linears(model, targets, (nn.Linear, quant.NF4Linear))
     except ValueError as e:
         raise ValueError(f"add_lora_: {e}") from None
-    if twice := [n for n, m in chosen.items() if isinstance(m, LoRA)]:
+    if twice := [n for n, m in chosen.items() if isinstance(m, LORA)]:
         raise ValueError(f"add_lora_: {twice[0]} already has a LoRA adapter")
     earlier = {id(p) for m in lora_modules(model).values() for p in (m.lora_A.weight, m.lora_B.weight)}
     for p in model.parameters():
@@ -151,7 +195,7 @@ def rebase_(model, original=None):
     mapping name -> tensor) holds `<module>.weight`, else its dequantized copy. Returns {module: "dense" |
     "original" | "dequantized"}, the weights each LoRA or NF4 linear now computes with."""
     sources = {}
-    layers = {n: m for n, m in model.named_modules() if isinstance(m, (LoRA, quant.NF4Linear))}  # before any swap
+    layers = {n: m for n, m in model.named_modules() if isinstance(m, (*LORA, quant.NF4Linear))}  # before any swap
     for name, m in layers.items():
         if not isinstance(m, quant.NF4Linear):
             sources[name] = "dense"
@@ -167,8 +211,8 @@ def rebase_(model, original=None):
             sources[name] = "dequantized"
         device = next(iter(m.state_dict().values())).device
         dense = frozen_linear(w.to(device, m.compute_dtype), m.bias)
-        if isinstance(m, LoRA):  # the same adapter, scale and dropout, now over the 16-bit weight
-            dense = lora_linear(dense, m.lora_A, m.lora_B, m.lora_dropout, m.lora_alpha, m.use_rslora)
+        if isinstance(m, LORA):  # the same adapter, scale and dropout, now over the 16-bit weight
+            dense = over(dense, m)
         model.set_submodule(name, dense.train(m.training))  # in eval mode, dropout stays off
     return sources
 
@@ -180,7 +224,7 @@ def fold_(model):
     for name, m in lora_modules(model).items():
         if isinstance(m, quant.NF4Linear):
             raise ValueError(f"fold_: {name} has a 4-bit base; call rebase_ first")
-        merged = (m.weight.float() + m.delta_weight()).to(m.weight.dtype)
+        merged = (m.weight.float() + delta_weight(m)).to(m.weight.dtype)
         model.set_submodule(name, frozen_linear(merged, m.bias))
 
 

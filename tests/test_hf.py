@@ -108,7 +108,7 @@ def test_load_model_hands_the_nf4_layers_the_kernel_chosen_for_the_device(saved,
     model = load_model(saved, torch.float32, quantize=True, add_lora=adapters)
     layers = [m for m in model.modules() if isinstance(m, quant.NF4Linear)]
     assert asked == [torch.device("cpu")] and len(layers) == 14 and all(m.dequantize_op is kernel for m in layers)
-    assert sum(isinstance(m, lora.LoRA) for m in layers) == 2
+    assert sum(isinstance(m, lora.LORA) for m in layers) == 2
 
 
 def test_error_missing_model_file(saved):

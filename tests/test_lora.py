@@ -94,6 +94,30 @@ def randomize_B(model):
 
 
 @pytest.mark.parametrize("nf4", [False, True])
+def test_adapters_off_is_the_base_model(base_dir, nf4):
+    """Within lora.adapters_off a trained-looking adapter (B away from zero) is skipped: the logits are the base
+    model's exactly, with gradients flowing to nothing; after the block, and after an exception inside it, the
+    adapters are back."""
+    model = ours(base_dir)
+    if nf4:
+        quant.quantize_(model, compute_dtype=torch.float32)
+    with torch.no_grad():
+        ref = model(IDS)
+    lora.add_lora_(model, "all-linear", r=4, alpha=8, dropout=0.0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+        adapted = model(IDS)
+        assert (adapted - ref).abs().max() > 1e-3
+        with lora.adapters_off(model):
+            assert torch.equal(model(IDS), ref)
+        with pytest.raises(RuntimeError, match="inside"), lora.adapters_off(model):
+            raise RuntimeError("inside")
+        assert torch.equal(model(IDS), adapted)
+
+
+@pytest.mark.parametrize("nf4", [False, True])
 def test_zero_B_is_the_base_model(base_dir, nf4):
     model = ours(base_dir)
     dense_total = sum(p.numel() for p in model.parameters())

@@ -67,10 +67,10 @@ def test_a_merge_that_drops_one_delta_fails_the_check(base_dir, base, monkeypatc
         quant.quantize_(model, compute_dtype=torch.float32)
     lora.add_lora_(model, "all-linear", r=4, alpha=8, dropout=0.0)
     randomize_B(model)
-    delta_weight = lora.LoRA.delta_weight
+    delta_weight = lora.delta_weight
     dropped = lora.lora_modules(model)["model.layers.1.mlp.down_proj"]
     lora_B = dropped.lora_B  # rebase_ keeps the adapter's own A and B: the dropped layer is the one holding this B
-    monkeypatch.setattr(lora.LoRA, "delta_weight", lambda m: delta_weight(m) * (m.lora_B is not lora_B))
+    monkeypatch.setattr(lora, "delta_weight", lambda m: delta_weight(m) * (m.lora_B is not lora_B))
     original = Checkpoint(base_dir) if base == "original" else None
     with pytest.raises(ValueError) as e:
         merge_and_check_(model, [[1, 2, 3, 4], [9, 8, 7]], original=original)
@@ -126,8 +126,8 @@ def test_the_check_tells_a_wrong_merge_from_rounding_on_smollm2(smollm2_adapted,
     model, prompt = copy.deepcopy(smollm2_adapted[0]), smollm2_adapted[1]
     dropped_B = lora.lora_modules(model)["model.layers.1.mlp.down_proj"].lora_B
     kept = dict(none=lambda m: True, all=lambda m: False, one=lambda m: m.lora_B is not dropped_B)[dropped]
-    delta_weight = lora.LoRA.delta_weight
-    monkeypatch.setattr(lora.LoRA, "delta_weight", lambda m: delta_weight(m) * kept(m))
+    delta_weight = lora.delta_weight
+    monkeypatch.setattr(lora, "delta_weight", lambda m: delta_weight(m) * kept(m))
     if dropped == "none":
         _, report = merge_and_check_(model, [prompt])
         assert report["merge_error"] < report["tolerance"] < 0.01 * report["adapter_effect"]

@@ -674,13 +674,13 @@ def test_a_wrong_merge_ends_in_one_line_and_writes_no_merged_model(tiny_dir, tmp
     checkpoint are written, and no merged directory appears."""
     import lora
 
-    delta_weight, dropped = lora.LoRA.delta_weight, []
+    delta_weight, dropped = lora.delta_weight, []
 
     def delta_but_the_first(m):  # the first module folded (layer 0's q_proj) loses its delta
         dropped.append(dropped[0] if dropped else m)
         return delta_weight(m) * (m is not dropped[0])
 
-    monkeypatch.setattr(lora.LoRA, "delta_weight", delta_but_the_first)
+    monkeypatch.setattr(lora, "delta_weight", delta_but_the_first)
     err = one_line_error(args(tiny_dir, tmp_path, "--max_steps=2", "--eval_every=0", "--export_merged"), capsys)
     assert err.startswith("error: merge check: the merged model's logits are up to ") and "the merge is wrong" in err
     out = tmp_path / "out"

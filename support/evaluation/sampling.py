@@ -72,8 +72,8 @@ def dense_weights(model):
         with torch.no_grad():
             for name, m in swapped.items():
                 dense = lora.frozen_linear(m.dequantize(), m.bias)
-                if isinstance(m, lora.LoRA):  # the same adapter tensors over the dense weight
-                    dense = lora.lora_linear(dense, m.lora_A, m.lora_B, m.lora_dropout, m.lora_alpha, m.use_rslora)
+                if isinstance(m, lora.LORA):  # the same adapter tensors over the dense weight
+                    dense = lora.over(dense, m)
                 model.set_submodule(name, dense.train(m.training))
         yield model
     finally:

@@ -315,7 +315,7 @@ def load_adapter_(model, adapter_dir):
     mods = lora.lora_modules(model)
     if not mods:
         raise ValueError(f"{cfg_path}: the model has no LoRA modules to load it into (add them with lora.add_lora_)")
-    scaling = alpha / math.sqrt(r) if use_rslora else alpha / r  # as lora.lora_linear scales
+    scaling = alpha / math.sqrt(r) if use_rslora else alpha / r  # as lora's layers scale
     for n, m in mods.items():
         if m.r != r or not math.isclose(m.scaling, scaling):
             raise ValueError(
@@ -339,7 +339,7 @@ def load_adapter_(model, adapter_dir):
 # ----------------------------------------------------------------------------- merged export
 def export_merged(model, out_dir, tokenizer_dir=None, shard_size=5 * 10**9):
     """Write a merged model as a HF-format directory: config.json, safetensors shards (+ index), tokenizer files."""
-    leftover = [n for n, m in model.named_modules() if isinstance(m, (lora.LoRA, quant.NF4Linear))]
+    leftover = [n for n, m in model.named_modules() if isinstance(m, (*lora.LORA, quant.NF4Linear))]
     if leftover:
         raise ValueError(f"export_merged: {leftover[0]} is still a LoRA/NF4 linear (call merge_lora_ first)")
     # Still tied only if lm_head still is the embedding: a merged lm_head adapter unties the two, and then both go in
