@@ -42,9 +42,8 @@ dequantizes again and returns only the input gradient dL/dx = dL/dy W: the base 
 the 4-bit buffers.
 
 Where dequantization runs. `dequantize_nf4` below is the reference: a few PyTorch ops, fp32 math, one rounding. Each
-NF4Linear calls the op in its `dequantize_op`, the reference's unless the model's builder hands it a faster kernel with
-the same bits (on CUDA, support/kernels/nf4_cuda.py). To torch.compile the op is opaque, a torch.library custom op with
-a "fake" that gives its output's shape (docs/internals.md says why).
+NF4Linear dequantizes with its `dequantize_op`, the reference unless the model's builder hands it an op with the same
+bits (support/kernels/nf4_ops.py: on CUDA a faster kernel; everywhere an op torch.compile treats as opaque).
 
 Quantization error. quantize_ records on each layer it quantizes from 16-bit weights the relative error
 ||W - dequant(W)||_F / ||W||_F (`rel_error`); `error_summary` gives the mean and the worst layer. For Gaussian
@@ -57,7 +56,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
 from model import find_linears
 
@@ -171,43 +170,23 @@ def zeros_nf4(n, device=None):
     )
 
 
-# ----------------------------------------------------------------------------- the op and the linear
-@torch.library.custom_op("nanoqlora::dequantize_nf4", mutates_args=())
-def dequantize(
-    weight: Tensor, absmax: Tensor, nested_absmax: Tensor, offset: Tensor, shape: list[int], dtype: torch.dtype
-) -> Tensor:
-    """dequantize_nf4 as one opaque op, on every device."""
-    return dequantize_nf4(weight, absmax, nested_absmax, offset, shape, dtype)
-
-
-@dequantize.register_fake
-def _(weight, absmax, nested_absmax, offset, shape, dtype):  # what the compiler needs: the output's metadata
-    return weight.new_empty(shape, dtype=dtype)
-
-
-# The op as torch.ops holds it: what an NF4Linear keeps and calls, since copy.deepcopy copies it as itself (the
-# CustomOpDef above cannot be copied, and a model holding it could not be either).
-REFERENCE_OP = torch.ops.nanoqlora.dequantize_nf4.default
-
-
-class _DequantLinear(torch.autograd.Function):
-    """y = x W^T + b with W dequantized from its buffers on the fly by the op `dequantize_op`; backward gives x and b
-    gradients, the frozen buffers none. Only the 4-bit buffers are saved, not W, and ctx holds plain values and the op,
-    so dynamo traces both passes."""
+# ----------------------------------------------------------------------------- the linear
+class DequantizeLinear(torch.autograd.Function):
+    """y = x dequant(W)^T + b, W (out, in) dequantized from its 4-bit buffers by `dequantize` in forward, used and
+    dropped, and dequantized again in backward for dx = dy W: only the 4-bit buffers are saved, never W, and the frozen
+    buffers get no gradient. (The buffers and the op come in as arguments, so torch.compile traces both passes.)"""
 
     @staticmethod
-    def forward(ctx, x, bias, dequantize_op, weight, absmax, nested_absmax, offset, shape):  # x (..., in), [out, in]
+    def forward(ctx, x, bias, dequantize, weight, absmax, nested_absmax, offset, shape):  # x (..., in), [out, in]
         ctx.save_for_backward(weight, absmax, nested_absmax, offset)
-        ctx.dequantize_op = dequantize_op
-        ctx.shape = shape
-        ctx.dtype = x.dtype
-        return F.linear(x, dequantize_op(weight, absmax, nested_absmax, offset, shape, x.dtype), bias)
+        ctx.dequantize, ctx.shape, ctx.dtype = dequantize, shape, x.dtype
+        return F.linear(x, dequantize(weight, absmax, nested_absmax, offset, shape, x.dtype), bias)
 
     @staticmethod
     def backward(ctx, grad):  # grad (..., out)
         dx = db = None
-        if ctx.needs_input_grad[0]:
-            dx = grad @ ctx.dequantize_op(*ctx.saved_tensors, ctx.shape, ctx.dtype).to(grad.dtype)  # (..., in)
+        if ctx.needs_input_grad[0]:  # dL/dx = dL/dy W, W as the forward had it
+            dx = grad @ ctx.dequantize(*ctx.saved_tensors, ctx.shape, ctx.dtype).to(grad.dtype)  # (..., in)
         if ctx.needs_input_grad[1]:
             db = grad.flatten(0, -2).sum(0)  # (out,)
         return dx, db, None, None, None, None, None, None
@@ -215,8 +194,8 @@ class _DequantLinear(torch.autograd.Function):
 
 class NF4Linear(nn.Module):
     """A frozen linear whose weight (out, in) lives in NF4 double-quantized buffers (see the file docstring).
-    rel_error: ||W - dequant(W)|| / ||W|| when this layer was quantized from a 16-bit W, else None. dequantize_op: the
-    op that dequantizes the weight, REFERENCE_OP unless the model's builder hands it a faster one."""
+    rel_error: ||W - dequant(W)|| / ||W|| when this layer was quantized from a 16-bit W, else None. dequantize_op: what
+    dequantizes the weight, dequantize_nf4 unless the model's builder hands it an op (support/kernels/nf4_ops.py)."""
 
     def __init__(self, in_features, out_features, bias=False, compute_dtype=torch.bfloat16, device=None):
         super().__init__()
@@ -224,7 +203,7 @@ class NF4Linear(nn.Module):
         self.out_features = out_features
         self.compute_dtype = compute_dtype
         self.rel_error = None
-        self.dequantize_op = REFERENCE_OP
+        self.dequantize_op = dequantize_nf4
         for name, t in zip(BUFFERS, zeros_nf4(in_features * out_features, device), strict=True):
             self.register_buffer(name, t)
         self.bias = nn.Parameter(torch.zeros(out_features, dtype=compute_dtype, device=device)) if bias else None
@@ -262,7 +241,7 @@ class NF4Linear(nn.Module):
     def forward(self, x):  # x (..., in) -> (..., out) in x's dtype
         bias = None if self.bias is None else self.bias.to(self.compute_dtype)
         shape = [self.out_features, self.in_features]
-        y = _DequantLinear.apply(x.to(self.compute_dtype), bias, self.dequantize_op, *self.nf4_weight(), shape)
+        y = DequantizeLinear.apply(x.to(self.compute_dtype), bias, self.dequantize_op, *self.nf4_weight(), shape)
         return y.to(x.dtype)
 
     def extra_repr(self):
@@ -279,7 +258,7 @@ def relative_error(w, q):
 
 
 def quantize_(
-    model, targets="all-linear", compute_dtype=torch.bfloat16, device=None, weights=None, dequantize_op=REFERENCE_OP
+    model, targets="all-linear", compute_dtype=torch.bfloat16, device=None, weights=None, dequantize_op=dequantize_nf4
 ):
     """Swap the chosen nn.Linear modules of `model` for NF4Linear, one weight at a time; returns the model.
 
@@ -290,7 +269,7 @@ def quantize_(
     or fp32 weight is rounded to compute_dtype before it is quantized, as transformers + bitsandbytes do when they load
     a checkpoint in that dtype, so the bytes equal theirs whatever the stored dtype. device: where the buffers go
     (default: the linear's device, or CPU for a meta linear); on CUDA each weight is quantized on the GPU as it arrives.
-    dequantize_op: the op every new NF4Linear dequantizes with (support/kernels/nf4_cuda.py chooses one for CUDA).
+    dequantize_op: the op every new NF4Linear dequantizes with (support/kernels/nf4_ops.py chooses one for CUDA).
     """
     for name, linear in find_linears(model, targets).items():
         dev = torch.device(device or ("cpu" if linear.weight.is_meta else linear.weight.device))

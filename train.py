@@ -58,7 +58,7 @@ from support.evaluation.sampling import prompt_and_answer
 from support.formats import hf
 from support.formats.gguf_write import FILE_TYPES
 from support.formats.hf_config import read_config
-from support.kernels import dropout, nf4_cuda
+from support.kernels import dropout, nf4_ops
 from support.kernels.attention import varlen_attention
 from support.kernels.dropout_cuda import dropout_op_for
 from support.run import checkpoint, fsdp, progress, ranks, stops, trackers
@@ -234,7 +234,7 @@ def load_model(model_dir: str, dtype=None, device="cpu", quantize=False, add_lor
     adapters = add_lora or (hf.adapter_settings(adapter, model) if adapter else None)
     adapted = list(find_linears(model, adapters["targets"])) if adapters else []
     lora_kw = {k: v for k, v in (adapters or {}).items() if k != "targets"} | dict(dropout_op=dropout_op_for(device))
-    dequantize = nf4_cuda.dequantize_op_for(device)  # on CUDA the fastest kernel with the reference's bits, once
+    dequantize = nf4_ops.dequantize_op_for(device)  # on CUDA the fastest kernel with the reference's bits, once
     model.requires_grad_(False)
     # 2-4 block by block, then the rest (embeddings, final norm, lm_head): a sharded run holds one part whole at most.
     for prefix, part in [*((f"model.layers.{i}.", block) for i, block in enumerate(model.model.layers)), ("", model)]:

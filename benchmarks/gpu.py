@@ -50,7 +50,7 @@ from support.formats import atomic
 from support.formats.hf_config import from_hf, to_hf
 from support.kernels import dropout_cuda
 from support.kernels.attention import varlen_attention
-from support.kernels.nf4_cuda import cuda_dequantize
+from support.kernels.nf4_ops import cuda_dequantize
 from support.run.precision import pick_precision
 
 # Kinds of kernel (on CPU: of operator) by name, for the profile's summary line; the first pattern that matches wins.
@@ -60,7 +60,7 @@ KERNEL_KINDS = [
     (
         "NF4 dequantize",
         r"dequant",
-    ),  # bitsandbytes' kDequantizeBlockwise, support/kernels/nf4_cuda.py's nf4_dequantize_kernel
+    ),  # bitsandbytes' kDequantizeBlockwise, support/kernels/nf4_ops.py's nf4_dequantize_kernel
     ("LoRA dropout", r"keyed_dropout"),  # support/kernels/dropout_cuda.py's keyed_dropout_kernel
 ]
 

@@ -44,7 +44,7 @@ from benchmarks.common import OUT_DIR, SEED, hf_batch
 from model import Llama, Options
 from support.formats import atomic, hf_config
 from support.formats.hf_config import to_hf
-from support.kernels import dropout, dropout_cuda, nf4_cuda
+from support.kernels import dropout, dropout_cuda, nf4_ops
 from support.kernels.attention import varlen_attention
 
 _LLAMA3 = dict(
@@ -172,7 +172,7 @@ def our_llama(cfg, base, device, dtype, options=None, nf4=False):
     with torch.device("meta"):
         model = Llama(cfg, varlen_attention(device, dtype, cfg.head_dim, windowed=bool(cfg.sliding_layers)), options)
     if nf4:
-        kernel = nf4_cuda.dequantize_op_for(device)
+        kernel = nf4_ops.dequantize_op_for(device)
         quant.quantize_(model.to(dtype), compute_dtype=dtype, device=device, weights=base.get, dequantize_op=kernel)
     model.load_state_dict({k: base[k] for k, v in model.state_dict().items() if v.is_meta}, strict=False, assign=True)
     if cfg.tie_word_embeddings:

@@ -27,7 +27,7 @@ The GPU benchmark (`bench.py gpu`):
 - the equal-work batches are full rows, every token supervised, identical for both systems; the peer built by
   build_systems holds our very weight tensors and computes our loss on them;
 - the profile sorts kernels as an H200 names them: FlashAttention's (whose names hold "cutlass") as attention, cuBLAS's
-  as matmuls, support/kernels/nf4_cuda.py's Triton kernel as NF4 dequantization, Inductor's fused kernels as other.
+  as matmuls, support/kernels/nf4_ops.py's Triton kernel as NF4 dequantization, Inductor's fused kernels as other.
 """
 
 import json

@@ -11,7 +11,7 @@ no break).
 
 import pytest
 import torch
-from test_nf4_cuda import interpret
+from test_nf4_ops import interpret
 
 import lora
 from model import Llama, LlamaConfig

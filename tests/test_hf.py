@@ -33,7 +33,7 @@ from model import Llama, LlamaConfig
 from support.formats.atomic import atomic_write, write_json, write_safetensors
 from support.formats.hf import export_merged, save_adapter, save_quantized
 from support.formats.hf_config import config_json, read_config, to_hf
-from support.kernels import nf4_cuda
+from support.kernels import nf4_ops
 from train import load_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -96,14 +96,14 @@ def test_loaded_model_keeps_no_view_of_the_file(saved):
 
 
 def test_load_model_hands_the_nf4_layers_the_kernel_chosen_for_the_device(saved, monkeypatch):
-    """load_model asks support/kernels/nf4_cuda.py once for the op that dequantizes on its device and every NF4 linear
-    gets it, adapted ones included (on CPU: the reference op; the choice itself is tested in test_nf4_cuda.py)."""
+    """load_model asks support/kernels/nf4_ops.py once for the op that dequantizes on its device and every NF4 linear
+    gets it, adapted ones included (on CPU: the reference op; the choice itself is tested in test_nf4_ops.py)."""
     assert {m.dequantize_op for m in load_quantized(saved).modules() if isinstance(m, quant.NF4Linear)} == {
-        quant.REFERENCE_OP
+        nf4_ops.REFERENCE_OP
     }
     asked = []
-    kernel = lambda *args: quant.REFERENCE_OP(*args)  # noqa: E731
-    monkeypatch.setattr(nf4_cuda, "dequantize_op_for", lambda device: asked.append(device) or kernel)
+    kernel = lambda *args: nf4_ops.REFERENCE_OP(*args)  # noqa: E731
+    monkeypatch.setattr(nf4_ops, "dequantize_op_for", lambda device: asked.append(device) or kernel)
     adapters = dict(targets=["q_proj"], r=2, alpha=4, dropout=0.0)
     model = load_model(saved, torch.float32, quantize=True, add_lora=adapters)
     layers = [m for m in model.modules() if isinstance(m, quant.NF4Linear)]

@@ -146,7 +146,7 @@ def test_an_adapted_nf4_linear_keeps_its_base_s_kernel_and_error():
     rel_error, and its forward dequantizes with that op."""
     base = quant.NF4Linear.from_linear(torch.nn.Linear(64, 32), torch.float32)
     calls = []
-    base.dequantize_op = lambda *args: calls.append(args[4]) or quant.dequantize(*args)
+    base.dequantize_op = lambda *args: calls.append(args[4]) or quant.dequantize_nf4(*args)
     layer = lora.with_lora(base, r=2, alpha=4, dropout=0.0, use_rslora=False, lora_dtype=None)
     assert layer.dequantize_op is base.dequantize_op and layer.rel_error == base.rel_error is not None
     layer(torch.randn(3, 64))

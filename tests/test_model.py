@@ -34,7 +34,7 @@ import support.kernels.attention as A
 from model import Llama, LlamaConfig
 from support.evaluation.sampling import generate
 from support.formats.hf_config import to_hf
-from support.kernels import dropout_cuda, nf4_cuda
+from support.kernels import dropout_cuda, nf4_ops
 from support.kernels.dropout import dropout_rows, row_keys
 from train import load_model
 
@@ -302,7 +302,7 @@ def qlora_tiny(seed=0, dtype=torch.float32, dropout=0.0, device="cpu", compile=F
     """A tiny QLoRA model as load_model builds it for `device`: the base in `dtype`, the attention and NF4 kernels
     the device's, fp32 adapters whose dropout the device's op applies, B random; its blocks compiled or not."""
     torch.manual_seed(seed)
-    kernel = nf4_cuda.dequantize_op_for(device)
+    kernel = nf4_ops.dequantize_op_for(device)
     attention = A.varlen_attention(device, dtype, tiny_config().head_dim)
     model = Llama(tiny_config(), attention, M.Options(compile=compile)).to(dtype)
     model = quant.quantize_(model, compute_dtype=dtype, dequantize_op=kernel)

@@ -34,7 +34,7 @@ import quant
 from model import Llama, LlamaConfig
 from support.formats.hf import Checkpoint, load_weights_
 from support.formats.hf_config import to_hf
-from support.kernels import nf4_cuda
+from support.kernels import nf4_ops
 from train import load_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -141,7 +141,7 @@ def test_quantization_error_is_nf4_sized():
 def test_nf4linear_matches_linear4bit_and_f_linear(bnb, compute_dtype):
     """Forward output and input gradient equal bitsandbytes' Linear4bit (same bytes, bias on) and F.linear on the
     dequantized weight; only the bias is a parameter, the buffers never get a gradient; bitsandbytes' kernel (the
-    CUDA path's QuantState over our buffers, nf4_cuda.dequantize_layer_bnb) gives the same weight."""
+    CUDA path's QuantState over our buffers, nf4_ops.dequantize_layer_bnb) gives the same weight."""
     linear = nn.Linear(128, 96, bias=True)
     ours = quant.NF4Linear.from_linear(linear, compute_dtype)
     ref = bnb.nn.Linear4bit(128, 96, bias=True, compute_dtype=compute_dtype, quant_type="nf4", compress_statistics=True)
@@ -149,7 +149,7 @@ def test_nf4linear_matches_linear4bit_and_f_linear(bnb, compute_dtype):
     ref.bias = nn.Parameter(linear.bias.data.clone())
     ref = ref.to("cpu")  # quantizes
     assert torch.equal(ref.weight.data, ours.weight)
-    assert torch.equal(nf4_cuda.dequantize_layer_bnb(ours), ours.dequantize())
+    assert torch.equal(nf4_ops.dequantize_layer_bnb(ours), ours.dequantize())
 
     x = torch.randn(2, 5, 128, dtype=compute_dtype, requires_grad=True)
     x_ref, x_f = (x.detach().clone().requires_grad_(True) for _ in range(2))
@@ -192,16 +192,16 @@ def test_quantize_swaps_exactly_the_block_linears():
 
 def test_quantize_hands_every_layer_the_dequantize_op_it_is_given():
     """quantize_ gives every NF4Linear it makes the op it is handed (how a model built on a GPU gets its kernel,
-    support/kernels/nf4_cuda.py), and the layer's forward, backward and dequantize() all run that op; by default it is
-    the reference op, and a model holding it deep-copies."""
+    support/kernels/nf4_ops.py), and the layer's forward, backward and dequantize() all run that op; by default it is
+    the reference function, and a model holding it deep-copies."""
     copied = copy.deepcopy(quant.quantize_(tiny_llama()))
     default = [m for m in copied.modules() if isinstance(m, quant.NF4Linear)]
-    assert len(default) == 14 and all(m.dequantize_op is quant.REFERENCE_OP for m in default)
+    assert len(default) == 14 and all(m.dequantize_op is quant.dequantize_nf4 for m in default)
     shapes = []
 
     def recorded(*args):
         shapes.append(tuple(args[4]))
-        return quant.REFERENCE_OP(*args)
+        return quant.dequantize_nf4(*args)
 
     model = quant.quantize_(tiny_llama(), compute_dtype=torch.float32, dequantize_op=recorded)
     layers = [m for m in model.modules() if isinstance(m, quant.NF4Linear)]
@@ -278,18 +278,6 @@ def test_smollm2_blocks_take_at_most_4_13_bits_per_parameter(smollm2_nf4):
 # ----------------------------------------------------------------------------- the Triton kernel, on CPU
 
 
-def test_dequantize_op_contract():
-    """torch.ops.nanoqlora.dequantize_nf4 passes torch.library.opcheck (schema, fake tensor, dispatch) for every dtype,
-    returns dequantize_nf4's tensor on CPU, and its fake implementation gives the real output's shape and dtype."""
-    q = quant.quantize_nf4(torch.randn(10, 100))
-    for dtype in DTYPES:
-        torch.library.opcheck(quant.dequantize, (*q, [10, 100], dtype))
-        assert torch.equal(quant.dequantize(*q, [10, 100], dtype), quant.dequantize_nf4(*q, (10, 100), dtype))
-    with torch._subclasses.FakeTensorMode() as mode:
-        fake = quant.dequantize(*(mode.from_tensor(t) for t in q), [10, 100], torch.bfloat16)
-    assert fake.shape == (10, 100) and fake.dtype == torch.bfloat16
-
-
 def test_nf4linear_traces_as_one_graph_and_saves_only_4_bit_buffers():
     """dynamo traces an NF4Linear forward (with its backward, as autograd functions are traced) as one graph with no
     break; AOTAutograd's forward graph calls the dequantize op once and keeps for backward the four NF4 buffers and no
@@ -298,6 +286,7 @@ def test_nf4linear_traces_as_one_graph_and_saves_only_4_bit_buffers():
     from torch._functorch.aot_autograd import make_boxed_func
 
     layer = quant.NF4Linear.from_linear(nn.Linear(128, 96, bias=True), torch.float32)
+    layer.dequantize_op = nf4_ops.REFERENCE_OP  # the opaque op a model's builder hands its layers
     x = torch.randn(2, 5, 128, requires_grad=True)
     step = lambda x: layer(x).square().sum()  # noqa: E731
     explained = torch._dynamo.explain(step)(x)
@@ -330,6 +319,7 @@ def test_compiled_nf4linear_equals_eager(compute_dtype):
     """torch.compile (Inductor, CPU) of an NF4Linear gives eager's output, input gradient and bias gradient (up to the
     summation order of the matmuls), and a compiled dequantize() gives eager's weight bit for bit."""
     layer = quant.NF4Linear.from_linear(nn.Linear(128, 96, bias=True), compute_dtype)
+    layer.dequantize_op = nf4_ops.REFERENCE_OP  # the opaque op a model's builder hands its layers
     x = torch.randn(2, 5, 128, dtype=compute_dtype, requires_grad=True)
     x_c = x.detach().clone().requires_grad_(True)
     compiled = torch.compile(layer)
@@ -350,7 +340,8 @@ def test_quantized_llama_training_step_has_no_graph_break_in_quant():
     """A training forward with loss of a one-block Llama quantized by quantize_ (7 NF4 linears): dynamo's graph breaks
     (model.py's data-dependent loss code) never come from quant.py, and the traced graphs hold every NF4 linear's
     autograd function with the dequantize op in its forward and its backward: 2 x 7 calls."""
-    model = quant.quantize_(Llama(LlamaConfig(**TINY | dict(num_hidden_layers=1))), compute_dtype=torch.float32)
+    model = Llama(LlamaConfig(**TINY | dict(num_hidden_layers=1)))
+    model = quant.quantize_(model, compute_dtype=torch.float32, dequantize_op=nf4_ops.REFERENCE_OP)
     ids = torch.randint(0, 128, (2, 12))
     labels = ids.masked_fill(torch.arange(12) < 3, -100)
 

@@ -10,7 +10,7 @@ model.Llama ("model.layers.0.self_attn.q_proj.weight"), so nothing is renamed.
 
 train.load_model builds a model from these files without ever holding the whole 16-bit model in memory: the Llama on
 the meta device (shapes only), quant.quantize_ reading and quantizing one 16-bit weight at a time through
-open_checkpoint's `weights` (each NF4 linear handed the dequantize op support/kernels/nf4_cuda.py chooses
+open_checkpoint's `weights` (each NF4 linear handed the dequantize op support/kernels/nf4_ops.py chooses
 for the device), load_weights_ filling what is left (embeddings, norms, lm_head), then the adapters.
 
 bnb-4bit

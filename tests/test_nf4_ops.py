@@ -1,4 +1,7 @@
-"""support/kernels/nf4_cuda.py: the CUDA kernels that dequantize NF4, and their choice.
+"""support/kernels/nf4_ops.py: the ops that dequantize NF4 for a built model, the CUDA kernels, and their choice.
+
+The reference op (torch.ops.nanoqlora.dequantize_nf4) passes torch.library's opcheck and gives quant.dequantize_nf4's
+tensor; its fake gives the shape and dtype.
 
 Proven without a GPU (on Linux: triton has no release for macOS or Windows, where these tests skip, saying so): the
 Triton kernel, run by Triton's CPU interpreter, is bit-identical to the PyTorch reference (quant.dequantize_nf4) for
@@ -24,22 +27,22 @@ from test_requirements import OURS
 from torch import nn
 
 import quant
-from support.kernels import nf4_cuda
+from support.kernels import nf4_ops
 
 INTERPRET = """
 import json, sys, torch, quant
-from support.kernels import nf4_cuda
+from support.kernels import nf4_ops
 torch.manual_seed(0)
-kernel = type(nf4_cuda._triton_kernel()).__name__
+kernel = type(nf4_ops._triton_kernel()).__name__
 results = []
 for shape in json.loads(sys.argv[1]):
     for name in ("float32", "bfloat16", "float16"):
         dtype = getattr(torch, name)
         q = quant.quantize_nf4((torch.randn(shape) * 0.02).to(dtype))
-        ref, out = quant.dequantize_nf4(*q, shape, dtype), nf4_cuda.dequantize_triton(*q, shape, dtype)
+        ref, out = quant.dequantize_nf4(*q, shape, dtype), nf4_ops.dequantize_triton(*q, shape, dtype)
         same = out.dtype == dtype and out.shape == ref.shape and torch.equal(out, ref)
         results.append(dict(shape=shape, dtype=name, equal=same, differ=int((out != ref).sum())))
-tried = nf4_cuda.runs_like_reference(nf4_cuda.dequantize_triton, "cpu")
+tried = nf4_ops.runs_like_reference(nf4_ops.dequantize_triton, "cpu")
 print(json.dumps(dict(kernel=kernel, results=results, tried=tried)))
 """
 
@@ -88,9 +91,9 @@ def ptx(dtype, capability, options):
 
     out = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16"}[dtype]
     pointers = dict(packed="*u8", absmax="*u8", nested_absmax="*fp32", offset="*fp32", nf4="*fp32", dyn="*fp32")
-    consts = dict(SIZE=nf4_cuda.TRITON_BLOCK, Q=quant.BLOCK, NESTED=quant.NESTED_BLOCK, BF16=dtype == torch.bfloat16)
+    consts = dict(SIZE=nf4_ops.TRITON_BLOCK, Q=quant.BLOCK, NESTED=quant.NESTED_BLOCK, BF16=dtype == torch.bfloat16)
     signature = pointers | dict(out=out, n="i32") | dict.fromkeys(consts, "constexpr")
-    source = ASTSource(nf4_cuda._triton_kernel(), signature, constexprs=consts)
+    source = ASTSource(nf4_ops._triton_kernel(), signature, constexprs=consts)
     return triton.compile(source, target=GPUTarget("cuda", capability, 32), options=options).asm["ptx"]
 
 
@@ -101,7 +104,7 @@ def test_triton_kernel_compiles_for_gpus_without_fma():
     need_triton()
     for capability in (75, 80, 90, 100, 120):
         for dtype in DTYPES:
-            code = ptx(dtype, capability, nf4_cuda.TRITON_OPTIONS)
+            code = ptx(dtype, capability, nf4_ops.TRITON_OPTIONS)
             assert "st.global" in code and not re.search(r"\bfma\.", code), (capability, dtype)
     assert re.search(r"\bfma\.rn\.f32", ptx(torch.float32, 90, dict(enable_fp_fusion=True)))
 
@@ -111,7 +114,7 @@ def test_a_kernel_that_fails_or_differs_is_not_chosen(capsys, monkeypatch):
     Triton does where it cannot build its launcher, or here, handed CPU tensors outside its interpreter) or returns
     other bits fails, each with one line naming the kernel and saying that PyTorch dequantizes instead. Without
     bitsandbytes, cuda_dequantize takes the Triton kernel exactly when the trial passes."""
-    assert nf4_cuda.runs_like_reference(quant.dequantize_nf4, "cpu")
+    assert nf4_ops.runs_like_reference(quant.dequantize_nf4, "cpu")
     assert capsys.readouterr().out == ""
 
     def no_compiler(*args):
@@ -124,36 +127,36 @@ def test_a_kernel_that_fails_or_differs_is_not_chosen(capsys, monkeypatch):
 
     failing = [no_compiler, off_by_one_ulp]
     if importlib.util.find_spec("triton") and not os.environ.get("TRITON_INTERPRET"):  # interpreted, it would run
-        failing.append(nf4_cuda.dequantize_triton)
+        failing.append(nf4_ops.dequantize_triton)
     for impl in failing:
-        assert not nf4_cuda.runs_like_reference(impl, "cpu"), impl.__name__
+        assert not nf4_ops.runs_like_reference(impl, "cpu"), impl.__name__
         lines = capsys.readouterr().out.splitlines()
         assert len(lines) == 1 and lines[0].startswith(impl.__name__), lines
         assert lines[0].endswith("NF4 dequantizes with PyTorch"), lines
     print(f"\n{lines[0]}")
 
-    monkeypatch.setattr(nf4_cuda, "_bnb_functional", lambda: None)
+    monkeypatch.setattr(nf4_ops, "_bnb_functional", lambda: None)
     for verdict in (False, True):
         tried = []
         trial = lambda impl, device, v=verdict, t=tried: t.append(impl) or v  # noqa: E731
-        monkeypatch.setattr(nf4_cuda, "runs_like_reference", trial)
-        chosen = nf4_cuda.cuda_dequantize.__wrapped__()  # the choice itself, not the one cached for this process
-        assert tried == [nf4_cuda.dequantize_triton]
-        assert chosen is (nf4_cuda.dequantize_triton if verdict else quant.dequantize_nf4), chosen.__name__
+        monkeypatch.setattr(nf4_ops, "runs_like_reference", trial)
+        chosen = nf4_ops.cuda_dequantize.__wrapped__()  # the choice itself, not the one cached for this process
+        assert tried == [nf4_ops.dequantize_triton]
+        assert chosen is (nf4_ops.dequantize_triton if verdict else quant.dequantize_nf4), chosen.__name__
 
 
 def test_a_model_built_on_cuda_gets_the_cuda_op(monkeypatch):
     """dequantize_op_for: off CUDA the reference op; on CUDA dequantize_cuda's, its kernel chosen
     then (a failing trial speaks while the model is built, not at the first step); the CUDA op's fake implementation
     gives torch.compile the output's shape and dtype without a GPU."""
-    assert nf4_cuda.dequantize_op_for("cpu") is quant.REFERENCE_OP is torch.ops.nanoqlora.dequantize_nf4.default
+    assert nf4_ops.dequantize_op_for("cpu") is nf4_ops.REFERENCE_OP is torch.ops.nanoqlora.dequantize_nf4.default
     choices = []
-    monkeypatch.setattr(nf4_cuda, "cuda_dequantize", lambda: choices.append("chosen"))
-    assert nf4_cuda.dequantize_op_for(torch.device("cuda", 1)) is torch.ops.nanoqlora.dequantize_nf4_cuda.default
+    monkeypatch.setattr(nf4_ops, "cuda_dequantize", lambda: choices.append("chosen"))
+    assert nf4_ops.dequantize_op_for(torch.device("cuda", 1)) is torch.ops.nanoqlora.dequantize_nf4_cuda.default
     assert choices == ["chosen"]
     q = quant.quantize_nf4(torch.randn(10, 100))
     with torch._subclasses.FakeTensorMode() as mode:
-        fake = nf4_cuda.dequantize_cuda(*(mode.from_tensor(t) for t in q), [10, 100], torch.bfloat16)
+        fake = nf4_ops.dequantize_cuda(*(mode.from_tensor(t) for t in q), [10, 100], torch.bfloat16)
     assert fake.shape == (10, 100) and fake.dtype == torch.bfloat16
 
 
@@ -164,21 +167,21 @@ def test_a_model_built_on_cuda_gets_the_cuda_op(monkeypatch):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", SHAPES)
 def test_cuda_dequantize_equals_cpu_reference(shape, dtype):
-    """On CUDA, NF4Linear.dequantize() (through the op a model built there gets, nf4_cuda.dequantize_cuda) and every
+    """On CUDA, NF4Linear.dequantize() (through the op a model built there gets, nf4_ops.dequantize_cuda) and every
     installed implementation (the PyTorch reference, the Triton kernel, bitsandbytes' kernel) equal the CPU reference
     bit for bit."""
     q = quant.quantize_nf4((torch.randn(shape) * 0.02).to(dtype))
     ref = quant.dequantize_nf4(*q, shape, dtype)
     layer = quant.NF4Linear.from_nf4(q.to("cuda"), *shape, compute_dtype=dtype)
-    layer.dequantize_op = nf4_cuda.dequantize_op_for("cuda")  # as a model built on CUDA gets it
-    assert torch.equal(layer.dequantize().cpu(), ref), nf4_cuda.cuda_dequantize().__name__
+    layer.dequantize_op = nf4_ops.dequantize_op_for("cuda")  # as a model built on CUDA gets it
+    assert torch.equal(layer.dequantize().cpu(), ref), nf4_ops.cuda_dequantize().__name__
     impls = [quant.dequantize_nf4]
-    impls += [nf4_cuda.dequantize_triton] if importlib.util.find_spec("triton") else []
-    impls += [nf4_cuda.dequantize_bnb] if importlib.util.find_spec("bitsandbytes") else []
+    impls += [nf4_ops.dequantize_triton] if importlib.util.find_spec("triton") else []
+    impls += [nf4_ops.dequantize_bnb] if importlib.util.find_spec("bitsandbytes") else []
     for impl in impls:
         out = impl(*q.to("cuda"), shape, dtype)
         assert out.dtype == dtype and out.shape == shape and torch.equal(out.cpu(), ref), impl.__name__
-    chosen = nf4_cuda.cuda_dequantize().__name__
+    chosen = nf4_ops.cuda_dequantize().__name__
     print(f"\nCUDA: chosen {chosen}; equal to the CPU reference: {[f.__name__ for f in impls]}")
 
 
@@ -190,7 +193,7 @@ def test_cuda_nf4linear_matches_f_linear(compute_dtype):
     linear = nn.Linear(128, 96, bias=True)
     cpu = quant.NF4Linear.from_linear(linear, compute_dtype)
     ours = quant.NF4Linear.from_linear(linear, compute_dtype).cuda()
-    ours.dequantize_op = nf4_cuda.dequantize_op_for("cuda")  # as a model built on CUDA gets it
+    ours.dequantize_op = nf4_ops.dequantize_op_for("cuda")  # as a model built on CUDA gets it
     w = ours.dequantize()
     assert torch.equal(w.cpu(), cpu.dequantize())
     x = torch.randn(2, 5, 128, dtype=compute_dtype, device="cuda", requires_grad=True)
@@ -204,3 +207,15 @@ def test_cuda_nf4linear_matches_f_linear(compute_dtype):
     torch.testing.assert_close(x.grad, x_f.grad)
     torch.testing.assert_close(ours.bias.grad, bias_f.grad)
     assert all(not b.requires_grad and b.grad is None for b in ours.buffers())
+
+
+def test_dequantize_op_contract():
+    """torch.ops.nanoqlora.dequantize_nf4 passes torch.library.opcheck (schema, fake tensor, dispatch) for every dtype,
+    returns dequantize_nf4's tensor on CPU, and its fake implementation gives the real output's shape and dtype."""
+    q = quant.quantize_nf4(torch.randn(10, 100))
+    for dtype in DTYPES:
+        torch.library.opcheck(nf4_ops.dequantize, (*q, [10, 100], dtype))
+        assert torch.equal(nf4_ops.dequantize(*q, [10, 100], dtype), quant.dequantize_nf4(*q, (10, 100), dtype))
+    with torch._subclasses.FakeTensorMode() as mode:
+        fake = nf4_ops.dequantize(*(mode.from_tensor(t) for t in q), [10, 100], torch.bfloat16)
+    assert fake.shape == (10, 100) and fake.dtype == torch.bfloat16

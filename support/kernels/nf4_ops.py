@@ -1,6 +1,10 @@
-"""Which kernel dequantizes NF4 on a GPU?
+"""Which op dequantizes the NF4 weights of a model built on this device?
 
-quant.dequantize_nf4 is the reference: a few PyTorch ops, fp32 math, one rounding. On CUDA the implementation is
+quant.dequantize_nf4 is the reference: a few PyTorch ops, fp32 math, one rounding. The model's builder hands every
+NF4Linear an op instead (`dequantize_op_for`), a torch.library custom op with a "fake" that gives its output's shape,
+so that torch.compile sees one opaque operator: Dynamo does not trace into it (table lookups, optional imports, Triton
+launches stay out of the graph) and Inductor never fuses it into a form that would change its bits. Off CUDA the op
+runs the reference (`dequantize`, torch.ops.nanoqlora.dequantize_nf4). On CUDA the implementation is
 chosen once, when the first model is built there (`dequantize_op_for`): bitsandbytes' kernel when bitsandbytes imports
 with a CUDA build (`dequantize_bnb`), else a small Triton kernel when triton is installed and the kernel, tried once on
 a small tensor, builds and matches the reference there (`dequantize_triton`: one launch instead of a dozen PyTorch
@@ -9,9 +13,9 @@ reference's order and is launched with `enable_fp_fusion=False`, so the compiler
 into one FMA (one rounding instead of two): its output is bit-identical to the reference, which the tests prove on CPU
 through Triton's interpreter and on a GPU directly. Neither package is required; without them CUDA runs the reference.
 
-The choice reaches the model as an op: `dequantize_cuda` (torch.ops.nanoqlora.dequantize_nf4_cuda, opaque to
-torch.compile as quant.dequantize is), which the model's builder hands to quant.quantize_ and so to every NF4Linear.
-This file imports quant.py; quant.py imports nothing from here.
+The choice reaches the model as the op `dequantize_cuda` (torch.ops.nanoqlora.dequantize_nf4_cuda). A layer holds an
+op as torch.ops has it (REFERENCE_OP, CUDA_OP), which copy.deepcopy copies as itself, so a model holding it can be
+copied. This file imports quant.py; quant.py imports nothing from here.
 """
 
 import contextlib
@@ -22,6 +26,22 @@ from torch import Tensor
 
 import quant
 from support.run import optional
+
+
+@torch.library.custom_op("nanoqlora::dequantize_nf4", mutates_args=())
+def dequantize(
+    weight: Tensor, absmax: Tensor, nested_absmax: Tensor, offset: Tensor, shape: list[int], dtype: torch.dtype
+) -> Tensor:
+    """quant.dequantize_nf4 as one opaque op, on every device."""
+    return quant.dequantize_nf4(weight, absmax, nested_absmax, offset, shape, dtype)
+
+
+@dequantize.register_fake
+def _(weight, absmax, nested_absmax, offset, shape, dtype):  # what the compiler needs: the output's metadata
+    return weight.new_empty(shape, dtype=dtype)
+
+
+REFERENCE_OP = torch.ops.nanoqlora.dequantize_nf4.default
 
 
 @functools.cache  # looked up by every dequantize of the bitsandbytes path
@@ -108,18 +128,18 @@ def dequantize_cuda(
 
 
 @dequantize_cuda.register_fake
-def _(weight, absmax, nested_absmax, offset, shape, dtype):  # what the compiler needs: the output's metadata
+def _(weight, absmax, nested_absmax, offset, shape, dtype):
     return weight.new_empty(shape, dtype=dtype)
 
 
-CUDA_OP = torch.ops.nanoqlora.dequantize_nf4_cuda.default  # as layers hold it (see quant.REFERENCE_OP)
+CUDA_OP = torch.ops.nanoqlora.dequantize_nf4_cuda.default
 
 
 def dequantize_op_for(device):
     """The op the NF4 linears of a model built on `device` dequantize with: on CUDA dequantize_cuda's, its kernel
     chosen now (a kernel that fails its trial says so while the model is built), elsewhere the reference's."""
     if torch.device(device).type != "cuda":
-        return quant.REFERENCE_OP
+        return REFERENCE_OP
     cuda_dequantize()
     return CUDA_OP
 
