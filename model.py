@@ -77,7 +77,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from support.kernels.attention import Docs, causal_sdpa, compilable, pad_to_bucket, sdpa_varlen
+from support.kernels.attention import Docs, causal_sdpa, compilable, in_buckets, sdpa_varlen
 from support.kernels.long_context import OffloadedSaves, tiled_mlp
 
 LOSS_CHUNK = 1024  # supervised tokens per lm_head + cross-entropy chunk
@@ -148,27 +148,20 @@ def doc_bounds(position_ids):
 
 def linear_cross_entropy(h, weight, labels, chunk, grad=False):
     """sum_i CE(h_i W^T, y_i) over rows h (n, hidden), chunk rows at a time; with grad=True also dL/dh (n, hidden)
-    and dL/dW (None for a frozen W), from dL/dlogits = softmax(logits) - onehot(y) while each chunk's logits exist.
-    A chunk of c rows is padded with zero rows to bucket(c), so the matmuls meet a few shapes over a run, not one per
-    supervised-token count (see sdpa_varlen for why that matters on CPU)."""
+    and dL/dW (None for a frozen W), from dL/dlogits = softmax(logits) - onehot(y) while each chunk's logits exist."""
     loss = torch.zeros((), dtype=torch.float32, device=h.device)
     grad_h = torch.empty_like(h) if grad else None
     grad_w = torch.zeros_like(weight, dtype=torch.float32) if grad and weight.requires_grad else None
     for i in range(0, labels.numel(), chunk):
-        yc = labels[i : i + chunk]
-        c = yc.numel()
-        hc = pad_to_bucket(h[i : i + chunk])
-        # hc (P, hidden): zero rows up to P = bucket(c). logits (P, vocab) fp32: the only vocabulary-wide tensor, one
-        # chunk at a time.
-        logits = (hc @ weight.t()).float()
-        lse = logits.logsumexp(-1)  # (P,)
-        loss += (lse[:c] - logits[:c].gather(1, yc[:, None])[:, 0]).sum()
+        hc, yc = h[i : i + chunk], labels[i : i + chunk]  # (c, hidden), (c,)
+        logits = (hc @ weight.t()).float()  # (c, vocab) fp32: the only vocabulary-wide tensor, one chunk at a time
+        lse = logits.logsumexp(-1)  # (c,)
+        loss += (lse - logits.gather(1, yc[:, None])[:, 0]).sum()
         if grad:
             g = logits.sub_(lse[:, None]).exp_()  # softmax, in place of the logits
-            g[c:] = 0  # the padding rows carry no loss
-            g[torch.arange(c, device=g.device), yc] -= 1
+            g[torch.arange(yc.numel(), device=g.device), yc] -= 1
             g = g.to(h.dtype)
-            grad_h[i : i + chunk] = (g @ weight.to(h.dtype))[:c]  # (c, hidden)
+            grad_h[i : i + chunk] = g @ weight.to(h.dtype)  # (c, hidden)
             if grad_w is not None:
                 grad_w += (g.t() @ hc).float()  # (vocab, hidden)
             del g
@@ -182,15 +175,15 @@ class LinearCrossEntropy(torch.autograd.Function):
     still never keeps (n, vocab) logits."""
 
     @staticmethod
-    def forward(ctx, h, weight, labels, chunk):
-        loss, ctx.grad_h, ctx.grad_w = linear_cross_entropy(h, weight, labels, chunk, grad=True)
+    def forward(ctx, h, weight, labels, chunk, cross_entropy):  # cross_entropy: linear_cross_entropy, or its kernel
+        loss, ctx.grad_h, ctx.grad_w = cross_entropy(h, weight, labels, chunk, grad=True)
         ctx.weight_dtype = weight.dtype
         return loss
 
     @staticmethod
     def backward(ctx, grad):  # grad: d(outer loss)/d(our loss), a scalar
         grad_w = None if ctx.grad_w is None else (ctx.grad_w * grad).to(ctx.weight_dtype)
-        return ctx.grad_h * grad.to(ctx.grad_h.dtype), grad_w, None, None
+        return ctx.grad_h * grad.to(ctx.grad_h.dtype), grad_w, None, None, None
 
 
 class KVCache:
@@ -312,6 +305,9 @@ class Llama(nn.Module):
         super().__init__()
         self.config = config
         self.options = options = options or Options()
+        # Where attention runs as a loop over documents (CPU), the loss's chunks are padded to a few lengths as well
+        # (support/kernels/attention.py: CPU kernels keep state for every shape they meet).
+        self.cross_entropy = in_buckets(linear_cross_entropy) if varlen is sdpa_varlen else linear_cross_entropy
         varlen = compilable(varlen) if options.compile else varlen  # the compiler sees the per-document loop as one op
         embed = nn.Embedding(config.vocab_size, config.hidden_size)
         layers = nn.ModuleList(Block(config, i, varlen, options.compile) for i in range(config.num_hidden_layers))
@@ -377,10 +373,10 @@ class Llama(nn.Module):
             logits = self.lm_head(h).float().flatten(0, 1)
             return F.cross_entropy(logits, labels.flatten(), ignore_index=-100, reduction="sum"), int(keep.sum())
         h, labels = h.flatten(0, 1)[keep], labels.flatten()[keep]  # (n, hidden): only supervised tokens
-        w = self.lm_head.weight
+        w, cross_entropy = self.lm_head.weight, self.cross_entropy
         if torch.is_grad_enabled() and (h.requires_grad or w.requires_grad):
-            return LinearCrossEntropy.apply(h, w, labels, chunk), labels.numel()
-        return linear_cross_entropy(h, w, labels, chunk)[0], labels.numel()
+            return LinearCrossEntropy.apply(h, w, labels, chunk, cross_entropy), labels.numel()
+        return cross_entropy(h, w, labels, chunk)[0], labels.numel()
 
 
 def find_linears(model, targets="all-linear", types=(nn.Linear,)):

@@ -57,7 +57,7 @@ def causal_sdpa(q, k, v, window=None, start=0, pad=None):
 
 def bucket(n):
     """n >= 1 rounded up to a power of two up to SHAPE_BUCKET, to a multiple of SHAPE_BUCKET beyond: the few lengths
-    that sdpa_varlen and linear_cross_entropy hand their kernels, whatever the data (powers of two keep a short
+    that sdpa_varlen and in_buckets hand their kernels, whatever the data (powers of two keep a short
     document's padding under its own length)."""
     return 1 << (n - 1).bit_length() if n <= SHAPE_BUCKET else -(-n // SHAPE_BUCKET) * SHAPE_BUCKET
 
@@ -66,6 +66,28 @@ def pad_to_bucket(t):
     """t (n, ...) with zero rows appended up to bucket(n) rows; t itself when n is a bucket length already."""
     n = t.shape[0]
     return t if bucket(n) == n else F.pad(t, (0, 0) * (t.dim() - 1) + (0, bucket(n) - n))
+
+
+def in_buckets(cross_entropy):
+    """model.linear_cross_entropy (h, weight, labels, chunk, grad) with each chunk's c rows zero-padded to bucket(c)
+    rows (label 0), so that its matmuls meet a few shapes over a run, not one per supervised-token count (see
+    sdpa_varlen). A zero row's logits are all 0: its loss is exactly log(vocab) as logsumexp gives it, taken off
+    again, its dL/dh dropped, and its share of dL/dW zero."""
+
+    def padded(h, weight, labels, chunk, grad=False):
+        zero_row = torch.zeros(1, weight.shape[0], device=h.device).logsumexp(-1)[0]  # the loss of one zero row
+        loss, grad_h, grad_w = torch.zeros((), device=h.device), torch.empty_like(h) if grad else None, None
+        for i in range(0, labels.numel(), chunk):
+            c = labels[i : i + chunk].numel()
+            yc = F.pad(labels[i : i + chunk], (0, bucket(c) - c))
+            part, gh, gw = cross_entropy(pad_to_bucket(h[i : i + chunk]), weight, yc, bucket(c), grad)
+            loss += part - (bucket(c) - c) * zero_row
+            if grad:
+                grad_h[i : i + c] = gh[:c]
+                grad_w = gw if grad_w is None or gw is None else grad_w + gw
+        return loss, grad_h, grad_w
+
+    return padded
 
 
 def sdpa_varlen(q, k, v, docs, window=None):
