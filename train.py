@@ -49,7 +49,7 @@ import quant
 from model import LOSS_CHUNK, Llama, Options, find_linears
 from support.accounting import memory
 from support.accounting.flops import batch_flops
-from support.accounting.micro_batch import cpu_heap, micro_batch_rows, mlp_tile_tokens
+from support.accounting.micro_batch import micro_batch_rows, mlp_tile_tokens
 from support.accounting.plan import plan_for
 from support.data import examples, preview
 from support.data.tokenizer import Tokenizer
@@ -397,16 +397,14 @@ def train(cfg: Config) -> list[dict]:
         return []
     dtype = pick_precision(cfg.precision, place.device, architecture, place.main)
     place.dtype = agreed(dtype, place.world, place.device)  # every rank computes in rank 0's choice
-    measured = {"process": memory.process_rss()} if place.device.type == "cpu" else {}  # CPU: the peak is the process's
     mlp_tile = mlp_tile_tokens(cfg, place, architecture, trainset.context_length)  # 0 unless a row needs it
     model = build_model(cfg, place, model_dir, mlp_tile)
     opt = make_optimizer(cfg, [p for p in model.parameters() if p.requires_grad], place.device)
     scaler = torch.amp.GradScaler("cuda", enabled=place.dtype == torch.float16)
     micro_rows = micro_batch_rows(cfg, place, model, trainset, rows, forward_loss)
     micro_rows = ranks.agreed_min(micro_rows, place.world, place.device)  # what each rank's memory allows: the least
-    measured |= cpu_heap(cfg, place, model, trainset, rows, micro_rows, forward_loss)  # CPU: what malloc keeps
     context_length = trainset.context_length
-    estimated, peak_flops = progress.describe_step(cfg, place, model, context_length, rows, micro_rows, measured)
+    estimated, peak_flops = progress.describe_step(cfg, place, model, context_length, rows, micro_rows)
     run = Run(model, opt, scaler, trainset, valset, tok, prompts, problems, rows, micro_rows, estimated, peak_flops)
     run.tracker = trackers.open_tracker(cfg) if place.main else None
     if cfg.resume:

@@ -342,7 +342,7 @@ def gpu_arguments(sub):
         "--precision",
         choices=["auto", "bf16", "fp32"],
         default="auto",
-        help="auto: bf16 on a GPU, the faster of bf16 and fp32 on CPU (support.run.precision.pick_precision)",
+        help="auto: bf16 on a GPU, on CPU what it declares (support.run.precision.pick_precision)",
     )
     g.add_argument("--deadline", type=float, default=0, help="time.time() after which no round starts (0: none)")
     g.add_argument("--memory", action="store_true", help="QLoRA peak memory at 1, 2, 4 rows, checkpointing off/on")

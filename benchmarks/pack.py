@@ -14,6 +14,7 @@ not measured). Each measurement is a fresh process, so that its peak resident se
   ranks map the same files, so a rank adds only what is its own).
 """
 
+import gc
 import json
 import os
 import socket
@@ -138,9 +139,7 @@ def _child(mode, path, cache, out):
 def _resident():
     """{"all": resident bytes, "anon": its private (anonymous) part}: the rest is file pages, such as the token cache's
     memory maps, which the kernel keeps once for every process that maps them."""
-    from support.accounting import memory
-
-    memory.process_rss()  # collects garbage and trims the heap first
+    gc.collect()
     with open("/proc/self/status") as f:
         kib = {k: int(v.split()[0]) for k, v in (line.split(":", 1) for line in f if line.startswith("Rss"))}
     return {"all": (kib["RssAnon"] + kib["RssFile"] + kib["RssShmem"]) * 1024, "anon": kib["RssAnon"] * 1024}

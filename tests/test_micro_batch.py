@@ -1,8 +1,7 @@
 """support/accounting/micro_batch.py: the micro-batch probe finds the largest size that fits under a simulated
 out-of-memory allocator, frees each failed attempt before the next and resets the peak statistics (on a GPU,
-test_train.py runs the probe under a capped memory fraction); the CPU heap probe reports the resident growth the
-estimate leaves out; the MLP is tiled where one row of the context does not fit untiled, and only there. (That the
-estimate with the heap holds within 15% of the measured peak is test_train.py's memory test, on the default run.)
+test_train.py runs the probe under a capped memory fraction); the MLP is tiled where one row of the context does not
+fit untiled, and only there.
 """
 
 import weakref
@@ -34,39 +33,6 @@ def test_micro_batch_probe_under_simulated_oom(monkeypatch, fit_up_to, max_rows)
     tried = [e for e in events if isinstance(e, int)]
     assert tried[0] == max_rows and len(tried) <= 1 + max_rows.bit_length()
     assert events.count("empty_cache") == len(tried) and events[-1] == "reset_peak"
-
-
-def test_the_cpu_heap_probe_measures_what_the_estimate_leaves_out(tiny_dir, tmp_path, monkeypatch):
-    """cpu_heap runs one step's forward and backward passes (4 rows, 2 a micro-batch: two passes) on the longest rows
-    and leaves no gradient behind; the heap it reports is the peak resident growth it read less the activations,
-    transient and gradients the estimate counts for a micro-batch (here, a growth set by hand: 300 MiB), never below
-    zero; on a GPU it reports nothing."""
-    import train
-    from support.accounting.memory import run_estimate
-
-    cfg = train.Config(model=tiny_dir, max_examples=64, context_length=128, cache_dir=str(tmp_path))
-    cfg.out_dir = str(tmp_path / "out")
-    place = train.Placement(0, 1, torch.device("cpu"))
-    model_dir, files = train.claim_inputs(cfg)
-    trainset = train.build_data(cfg, train.Tokenizer(model_dir), files, 2048, place)[0]
-    model = train.build_model(cfg, place, tiny_dir, mlp_tile=0)
-    rows = []
-    monkeypatch.setattr(micro_batch, "reset_peak", lambda device: None)
-    monkeypatch.setattr(micro_batch, "vm_hwm", lambda: 300 * 2**20 if rows else 1)  # after the step: 300 MiB more
-    monkeypatch.setattr("psutil.Process.memory_info", lambda self: type("rss", (), {"rss": 0}))
-
-    def forward_loss(model, batch, place):
-        rows.append(len(batch["labels"]))
-        return train.forward_loss(model, batch, place)
-
-    heap = micro_batch.cpu_heap(cfg, place, model, trainset, 4, 2, forward_loss)["heap"]
-    parts = run_estimate(cfg, model.config, 2 * trainset.context_length, place)
-    assert rows == [2, 2] and all(p.grad is None for p in model.parameters())
-    assert heap == 300 * 2**20 - parts["activations"] - parts["transient"] - parts["gradients"] > 0
-    monkeypatch.setattr(micro_batch, "vm_hwm", lambda: 1)  # no growth: no heap, not a negative one
-    assert micro_batch.cpu_heap(cfg, place, model, trainset, 4, 2, forward_loss) == {"heap": 0}
-    gpu = train.Placement(0, 1, torch.device("cuda"))
-    assert micro_batch.cpu_heap(cfg, gpu, model, trainset, 4, 2, forward_loss) == {}
 
 
 def test_the_mlp_is_tiled_where_one_row_does_not_fit_untiled(monkeypatch):

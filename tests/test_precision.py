@@ -1,8 +1,8 @@
 """support/run/precision.py: precision "auto" follows the hardware.
 
-On simulated GPUs it is fp16 before compute capability 8.0 and bf16 from it, without measuring; on CPU, given the two
-measured rates (a stand-in), it takes the faster and says why in one line, an explicit bf16 stays bf16 with a warning
-where it is the slower, and only rank 0 measures.
+On simulated GPUs it is fp16 before compute capability 8.0 and bf16 from it, without measuring; on CPU it follows the
+flags the CPU declares (read from cpuinfo files of the three kinds), measuring only where none are readable, and says
+why in one line; an explicit bf16 stays bf16 with a warning where the CPU lacks it.
 """
 
 import pytest
@@ -22,28 +22,58 @@ def test_auto_precision_on_simulated_gpus(monkeypatch, capability, want):
     assert precision.pick_precision("auto", torch.device("cuda"), LlamaConfig(64, 64, 128, 1, 4, 2, 16)) == want
 
 
+@pytest.mark.parametrize("declared, want", [(True, torch.bfloat16), (False, torch.float32)])
+def test_auto_precision_on_cpu_follows_what_it_declares(monkeypatch, capsys, declared, want):
+    """A CPU that declares native bf16 gets bf16, one that declares neither AMX nor AVX512-BF16 fp32, each said in one
+    line, nothing measured (a busy machine's measurement could mislead); an explicit bf16 stays bf16, warned about
+    where the CPU lacks it; every rank decides alike."""
+    config = LlamaConfig(64, 576, 1536, 1, 4, 2, 16)
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: declared)
+    monkeypatch.setattr(precision, "matmul_rates", lambda *a: pytest.fail("a CPU that declares is not measured"))
+    assert precision.pick_precision("auto", torch.device("cpu"), config) == want
+    line = capsys.readouterr().out.strip()
+    assert line.startswith(f"precision auto: {precision.name(want)} on this CPU: it declares ") and "\n" not in line
+    assert precision.pick_precision("bf16", torch.device("cpu"), config) == torch.bfloat16
+    assert ("warning: precision bf16 on a CPU that emulates it" in capsys.readouterr().out) == (not declared)
+    assert precision.pick_precision("auto", torch.device("cpu"), config, main=False) == want
+    assert precision.pick_precision("fp32", torch.device("cpu"), config) == torch.float32
+
+
 @pytest.mark.parametrize("bf16_rate, want", [(2e9, torch.float32), (1e11, torch.float32), (3e11, torch.bfloat16)])
-def test_auto_precision_on_cpu_follows_the_measurement(monkeypatch, capsys, bf16_rate, want):
-    """Given the two rates (a stand-in for the measurement), auto takes the faster (fp32 on a tie: it rounds less)
-    and says why in one line; an explicit bf16 stays bf16, warned about where it is the slower; fp32 and fp16 measure
-    nothing."""
+def test_a_cpu_that_declares_nothing_is_measured(monkeypatch, capsys, bf16_rate, want):
+    """Where the CPU declares nothing readable (macOS, Windows), given the two rates (a stand-in for the measurement)
+    auto takes the faster (fp32 on a tie: it rounds less) and says why in one line, at the model's own MLP shape; only
+    rank 0 measures (another takes rank 0's choice through agreed)."""
     config, asked = LlamaConfig(64, 576, 1536, 1, 4, 2, 16), []
 
     def rates(shape, dtypes, device):
         asked.append(shape)
         return {torch.bfloat16: bf16_rate, torch.float32: 1e11}
 
+    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: None)
     monkeypatch.setattr(precision, "matmul_rates", rates)
     assert precision.pick_precision("auto", torch.device("cpu"), config) == want
     line = capsys.readouterr().out.strip()
-    assert line.startswith(f"precision auto: {'bf16' if want == torch.bfloat16 else 'fp32'} on this CPU")
+    assert line.startswith(f"precision auto: {precision.name(want)} on this CPU: measured")
     assert f"{fmt_flops(bf16_rate)} in bf16, 100 GFLOP/s in fp32 (128 x 576 x 1536 matmuls)" in line
     assert asked == [(128, 576, 1536)]  # the model's own MLP shape, for a micro-batch's worth of rows
-    assert precision.pick_precision("bf16", torch.device("cpu"), config) == torch.bfloat16
-    assert ("warning: precision bf16 runs slower than fp32" in capsys.readouterr().out) == (want == torch.float32)
-    assert precision.pick_precision("fp32", torch.device("cpu"), config) == torch.float32
-    assert len(asked) == 2
-    # another rank than 0 measures nothing and prints nothing: it takes rank 0's choice (agreed) in place of fp32
     assert precision.pick_precision("auto", torch.device("cpu"), config, main=False) == torch.float32
-    assert precision.pick_precision("bf16", torch.device("cpu"), config, main=False) == torch.bfloat16
-    assert len(asked) == 2 and capsys.readouterr().out == ""
+    assert len(asked) == 1 and capsys.readouterr().out == ""
+
+
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512_vnni\n", True),  # AMD Zen 4/5
+        ("flags\t\t: fpu avx2 amx_bf16 amx_tile\n", True),  # Intel with AMX
+        ("flags\t\t: fpu sse avx2 fma\n", False),  # AVX2 only
+        ("Features\t: fp asimd bf16 i8mm\n", True),  # Arm with bf16 (ARMv8.6)
+        ("processor\t: 0\n", None),  # no flags line
+    ],
+)
+def test_cpu_flags_are_read_from_cpuinfo(tmp_path, text, want):
+    """cpu_has_bf16 reads the flags (or Arm's Features) line of a cpuinfo file; no such line, or no file, says
+    nothing (None)."""
+    (tmp_path / "cpuinfo").write_text(text)
+    assert precision.cpu_has_bf16(str(tmp_path / "cpuinfo")) is want
+    assert precision.cpu_has_bf16(str(tmp_path / "missing")) is None

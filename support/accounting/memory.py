@@ -39,26 +39,17 @@ else is alive: its fp32 logits, and beside them the matmul's 16-bit output, logs
 gradient, 8 bytes per logit.
 
 Beyond torch's own count: a GPU holds the CUDA context and kernels (about 1 GiB, which torch.cuda.max_memory_allocated
-does not see but the card's capacity must; support/accounting/plan.py takes it off the card). On CPU, peak RSS also
-holds the process itself (Python, torch, the tokenizer, the data), which train.py measures before building the model
-once the heap that conversion and tokenization freed is handed back (malloc_trim). And it holds a heap: glibc's malloc
-serves mid-sized blocks from arenas and keeps what is freed for reuse, and the holes a forward's freed temporaries (norm
-statistics, projection sums, RoPE pieces) leave between the saved tensors are rarely the right size for what comes next,
-so the resident set grows by a share of the activations (about a half to one more copy) that no shape formula derives.
-train.py measures it instead (`micro_batch.cpu_heap`: a probe step's forward and backward passes before training, the
-peak resident set's growth less what this estimate counts) and adds it as the "heap" part; glibc's mmap threshold is
-fixed for it (`steady_heap`), so that the probe and the steps allocate alike. Serving every large block by its own mmap
-would leave only live tensors resident, but re-faulting every activation's pages each step made CPU steps 2.4 times
-slower (docs/performance.md).
+does not see but the card's capacity must; support/accounting/plan.py takes it off the card).
 
 The measurement
 ---------------
-train.py prints the estimate beside what the first steps really took: torch's allocator peak on CUDA, the process's
-peak resident set (VmHWM) on CPU, both reset after loading so that they count the steps alone.
+train.py prints the estimate beside what the steps really took: on CUDA torch's allocator peak, reset after loading
+so that it counts the steps alone, which the estimate describes within 15% (docs/performance.md). On CPU it prints the
+process's peak resident set (VmHWM on Linux) with no such promise: the process itself (Python, torch, the tokenizer,
+the data), loading and glibc's heap (which keeps freed blocks for reuse, with holes between the saved tensors) are in
+it, and no shape formula derives them.
 """
 
-import ctypes
-import gc
 import math
 import os
 
@@ -213,46 +204,7 @@ def vm_hwm(pid="self") -> int:
 
 
 def reset_peak(device):
-    """Start the peak afresh, so that it measures the training steps, not loading (a checkpoint read through mmap
-    counts in the resident set) or data preparation. On CPU the heap that loading and evaluation freed is handed back
-    first (trim_heap), so that the peak starts from what is live; on Linux, writing 5 to /proc/self/clear_refs then
-    resets VmHWM to the resident set."""
+    """Start the CUDA allocator's peak afresh, so that it measures the training steps, not loading; on CPU the peak is
+    the process's since it started."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    elif os.path.exists("/proc/self/clear_refs"):
-        trim_heap()
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-
-
-def process_rss() -> int:
-    """The process's resident bytes now (psutil), once Python's unreachable objects are collected and the freed heap
-    is handed back (trim_heap): what the process holds, not what converting the model or tokenizing the data left
-    behind."""
-    import psutil
-
-    gc.collect()
-    trim_heap()
-    return psutil.Process().memory_info().rss
-
-
-def steady_heap(threshold=32 * 2**20):
-    """Fix glibc's mmap threshold at `threshold` (its own ceiling): blocks below it come from the heap from the first
-    step on. Left dynamic, it starts at 128 KiB and rises as mapped blocks are freed, so the first forward (mapped,
-    resident only while live) and the later ones (heap, with holes) would use memory differently, and a probe of the
-    first could not speak for the rest. Nothing where the C library has no mallopt."""
-    try:
-        mallopt = ctypes.CDLL(None).mallopt
-    except (AttributeError, OSError, TypeError):  # TypeError: Windows' ctypes cannot open the process itself
-        return
-    mallopt(-3, threshold)  # -3: M_MMAP_THRESHOLD in malloc.h
-
-
-def trim_heap():
-    """Hand the C heap's free pages back to the OS: glibc's malloc_trim(0), which releases free chunks in every arena,
-    those in the middle of a heap too; nothing where the C library has no such call (macOS, musl, Windows)."""
-    try:
-        release = ctypes.CDLL(None).malloc_trim
-    except (AttributeError, OSError, TypeError):  # TypeError: Windows' ctypes cannot open the process itself
-        return
-    release(0)

@@ -8,15 +8,11 @@ fewer rows if the estimate says they would not fit. A micro_batch_tokens setting
 
 Before that, `mlp_tile_tokens` decides whether the MLP runs in tiles (support/kernels/long_context.py): where the
 estimate says that one row of the context would not fit without them.
-
-On CPU the same kind of probe measures what the estimate cannot derive: the heap glibc's malloc keeps beside the live
-tensors (`cpu_heap`, support/accounting/memory.py says why), a step's forward and backward passes before training.
 """
 
 import torch
 
-from support.accounting.memory import optimizer_bytes, reset_peak, run_estimate, steady_heap, vm_hwm
-from support.run.fsdp import sync_gradients
+from support.accounting.memory import optimizer_bytes, reset_peak, run_estimate
 
 CPU_MICRO_TOKENS = 512  # tokens per micro-batch on CPU when micro_batch_tokens is "auto"
 
@@ -73,35 +69,6 @@ def mlp_tile_tokens(cfg, place, config, context) -> int:
 def longest_rows(trainset) -> list[int]:
     """The dataset's rows, the most tokens first: what a probe's worst case runs on."""
     return sorted(range(len(trainset)), key=lambda r: -sum(trainset.lens[d] for d in trainset.rows[r]))
-
-
-def cpu_heap(cfg, place, model, trainset, rows, micro_rows, forward_loss) -> dict:
-    """On CPU, {"heap": bytes}: what glibc's malloc keeps resident beyond the tensors the estimate counts, measured by a
-    probe step: the forward and backward passes of one step's micro-batches (`rows` rows, `micro_rows` at a time) on the
-    longest rows, gradients accumulating as in training; the growth of the process's peak resident set (VmHWM, reset
-    first) over its resident set before, less the activations, transient and gradients support/accounting/memory.py
-    gives a micro-batch. The heap's mmap threshold is fixed first (steady_heap), so the probe and the steps allocate
-    alike. {} on a GPU, whose allocator the estimate describes, and where VmHWM cannot be read (not Linux)."""
-    if place.device.type != "cpu" or not vm_hwm():
-        return {}
-    import psutil
-
-    steady_heap()
-    reset_peak(place.device)
-    before = psutil.Process().memory_info().rss
-    longest = longest_rows(trainset)[:rows]  # fewer where the dataset holds fewer rows than a step takes
-    try:
-        for i in range(0, len(longest), micro_rows):
-            sync_gradients(model, i + micro_rows >= len(longest))  # sharded: reduce-scattered after the last, as a step
-            loss, _ = forward_loss(model, trainset.collate(longest[i : i + micro_rows]), place)
-            loss.backward()
-    finally:
-        model.zero_grad(set_to_none=True)
-    counted = run_estimate(
-        cfg, model.config, micro_rows * trainset.context_length, place, model.options.mlp_tile * micro_rows
-    )
-    counted = counted["activations"] + counted["transient"] + counted["gradients"]
-    return {"heap": max(0, vm_hwm() - before - counted)}
 
 
 def probe_cuda_rows(cfg, place, model, trainset, rows_per_rank, forward_loss) -> int:

@@ -3,10 +3,11 @@
 precision "auto" means bf16 where the hardware runs it natively, because bf16 halves the memory of weights and
 activations and tensor cores (and AMX on Intel, AVX512-BF16 on AMD Zen 4/5) run it several times faster than fp32.
 On a GPU the answer is a property of the card: bf16 from compute capability 8.0 (Ampere) on, fp16 with a loss scaler
-before (T4, V100), where torch would emulate bf16. On a CPU the answer cannot be read off reliably, and getting it
-wrong is ruinous: a CPU with AVX2 only emulates bf16 matmuls hundreds of times slower than fp32 (a 2048^3 matmul took
-79-120 s against 0.24 s). So it is measured, once per run, at the model's own MLP shape for a micro-batch's worth of
-rows, and the faster dtype wins; an explicit bf16 is kept, with a warning where it is the slower one.
+before (T4, V100), where torch would emulate bf16. On a CPU it is what the CPU declares (Linux's /proc/cpuinfo flags):
+bf16 with AMX or AVX512-BF16 (or an Arm CPU's bf16 feature), fp32 with neither. Getting it wrong is ruinous: a CPU with
+AVX2 only emulates bf16 matmuls hundreds of times slower than fp32. Where the CPU declares nothing readable (macOS,
+Windows) the two are measured once, at the model's own MLP shape, and the faster wins; a measurement on a busy machine
+can mislead, which is why flags come first. An explicit bf16 is kept, with a warning where the CPU lacks it.
 """
 
 import torch
@@ -15,36 +16,52 @@ import torch.distributed as dist
 from support.accounting.flops import fmt_flops, matmul_rates
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+BF16_FLAGS = {"amx_bf16", "avx512_bf16", "bf16"}  # x86's AMX and AVX512-BF16; Arm's bf16 feature (ARMv8.6)
 
 
 def pick_precision(precision, device, config, main=True) -> torch.dtype:
     """The compute dtype for `precision` ("auto", "bf16", "fp16" or "fp32") on `device`, for a model of `config`'s
-    shapes. On CPU only `main` (rank 0) measures, and prints what it measured: another rank's measurement would
-    compete with it for the same cores, and agreed() gives every rank rank 0's choice in place of the fp32 stand-in."""
+    shapes. Where a CPU must be measured, only `main` (rank 0) measures, and prints what it measured: another rank's
+    measurement would compete with it for the same cores, and agreed() gives every rank rank 0's choice."""
     p = precision
     if device.type == "cuda" and p == "auto":
         p = "bf16" if torch.cuda.get_device_capability(device)[0] >= 8 else "fp16"
     elif p == "fp16" and device.type == "cpu":
         raise ValueError("precision: fp16 is not supported on CPU (its matmuls run single-threaded); use bf16 or fp32")
-    elif device.type == "cpu" and p == "auto" and not main:
-        p = "fp32"
-    elif device.type == "cpu" and p in ("auto", "bf16") and main:
-        shape = (128, min(config.hidden_size, 2048), min(config.intermediate_size, 4096))
-        rates = matmul_rates(shape, (torch.bfloat16, torch.float32), device)
-        faster = faster_precision(rates)
-        why = f"{fmt_flops(rates[torch.bfloat16])} in bf16, {fmt_flops(rates[torch.float32])} in fp32"
-        why += f" ({' x '.join(map(str, shape))} matmuls)"
-        if p == "auto":
-            print(f"precision auto: {faster} on this CPU, the faster here: {why}")
-        elif faster == "fp32":
-            print(f"warning: precision bf16 runs slower than fp32 on this CPU, which emulates bf16: {why}")
-        p = faster if p == "auto" else p
+    elif device.type == "cpu" and p in ("auto", "bf16"):
+        native = cpu_has_bf16()
+        if native is None and main:  # nothing declared: measured
+            native, why = measured_bf16(config, device)
+        elif native is None:
+            native, why = False, ""  # rank 0's measurement decides (agreed)
+        else:
+            why = "it declares " + ("AMX or AVX512-BF16" if native else "neither AMX nor AVX512-BF16")
+        if p == "auto" and main:
+            print(f"precision auto: {'bf16' if native else 'fp32'} on this CPU: {why}")
+        elif p == "bf16" and not native and main:
+            print(f"warning: precision bf16 on a CPU that emulates it, many times slower than fp32: {why}")
+        p = "bf16" if native or p == "bf16" else "fp32"
     return PRECISIONS[p]
 
 
-def faster_precision(rates) -> str:
-    """Which of bf16 and fp32 has the higher measured FLOP/s in {dtype: rate} (fp32 on a tie: it rounds less)."""
-    return "bf16" if rates[torch.bfloat16] > rates[torch.float32] else "fp32"
+def cpu_has_bf16(cpuinfo="/proc/cpuinfo") -> bool | None:
+    """Whether this CPU declares native bf16 matmuls (Linux's /proc/cpuinfo flags), or None where it declares nothing
+    readable."""
+    try:
+        with open(cpuinfo) as f:
+            line = next((line for line in f if line.split(":")[0].strip() in ("flags", "Features")), None)
+    except OSError:
+        return None
+    return None if line is None else bool(BF16_FLAGS & set(line.split(":", 1)[1].split()))
+
+
+def measured_bf16(config, device) -> tuple[bool, str]:
+    """(whether bf16 matmuls are faster than fp32 here, the rates that say so), at the model's MLP shape for a
+    micro-batch's worth of rows (fp32 on a tie: it rounds less)."""
+    shape = (128, min(config.hidden_size, 2048), min(config.intermediate_size, 4096))
+    rates = matmul_rates(shape, (torch.bfloat16, torch.float32), device)
+    why = f"measured {fmt_flops(rates[torch.bfloat16])} in bf16, {fmt_flops(rates[torch.float32])} in fp32"
+    return rates[torch.bfloat16] > rates[torch.float32], why + f" ({' x '.join(map(str, shape))} matmuls)"
 
 
 def name(dtype) -> str:
@@ -53,7 +70,7 @@ def name(dtype) -> str:
 
 
 def agreed(dtype, world, device) -> torch.dtype:
-    """Rank 0's dtype on every rank (on CPU only rank 0 measured, see pick_precision)."""
+    """Rank 0's dtype on every rank (where a CPU is measured, only rank 0 measured, see pick_precision)."""
     if world == 1:
         return dtype
     choice = torch.tensor(list(PRECISIONS.values()).index(dtype), device=device)

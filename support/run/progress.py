@@ -51,14 +51,11 @@ class PhaseClock:
         return out
 
 
-def describe_step(cfg, place, model, context, rows, micro_rows, measured) -> tuple[int, float]:
-    """Print how a step is split, the memory estimate by part (on CPU with the parts `measured`: the process's own
-    bytes before the model was built, and the heap malloc keeps, probed) and what MFU is measured against; returns
-    (estimated bytes, the peak FLOP/s MFU divides by)."""
-    parts = (
-        memory.run_estimate(cfg, model.config, micro_rows * context, place, model.options.mlp_tile * micro_rows)
-        | measured
-    )
+def describe_step(cfg, place, model, context, rows, micro_rows) -> tuple[int, float]:
+    """Print how a step is split, the memory estimate by part (the tensors': on CPU the process holds more, see
+    support/accounting/memory.py) and what MFU is measured against; returns (estimated bytes, the peak FLOP/s MFU
+    divides by)."""
+    parts = memory.run_estimate(cfg, model.config, micro_rows * context, place, model.options.mlp_tile * micro_rows)
     peak, source = peak_flops(place.device, place.dtype)
     if fsdp.is_sharded(model):  # every rank says what it holds: its shard
         held, whole = fsdp.resident_bytes(model)
