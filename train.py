@@ -47,8 +47,6 @@ import lora
 import pack
 import quant
 from model import LOSS_CHUNK, Llama, Options, find_linears
-from support.accounting import memory
-from support.accounting.flops import batch_flops
 from support.accounting.micro_batch import micro_batch_rows, mlp_tile_tokens
 from support.accounting.plan import plan_for
 from support.data import examples, preview
@@ -56,13 +54,11 @@ from support.data.tokenizer import Tokenizer
 from support.evaluation.humaneval import task_problems, task_record
 from support.evaluation.sampling import prompt_and_answer
 from support.formats import hf
-from support.formats.gguf_write import FILE_TYPES
 from support.formats.hf_config import read_config
-from support.kernels import dropout, nf4_ops
-from support.kernels.attention import varlen_attention
-from support.kernels.dropout_cuda import dropout_op_for
+from support.kernels import choice, dropout
 from support.run import checkpoint, fsdp, progress, ranks, stops, trackers
 from support.run.config import (
+    GGUF_TYPES,
     TARGETS,
     TASK,
     TEMPLATE,
@@ -140,7 +136,7 @@ class Config:
     eval_task_unconfined: bool = setting(False)  # run eval_task's code under the Python guards alone (no Landlock)
     log: str = setting("", ("", "tensorboard", "wandb"))  # also send the metrics to TensorBoard or W&B
     export_merged: bool = setting(False)  # also write a merged Hugging Face model (run's dtype) to out_dir/merged
-    export_gguf: str = setting("", ("", *FILE_TYPES))  # also write out_dir/model-<type>.gguf + an Ollama Modelfile
+    export_gguf: str = setting("", GGUF_TYPES)  # also write out_dir/model-<type>.gguf + an Ollama Modelfile
     cache_dir: str = setting("data/cache")  # tokenized-data cache
     device: str = setting("auto", ("auto", "cpu", "cuda"))
     parallel: str = setting("ddp", ("ddp", "fsdp"))  # under torchrun: replicate the model, or shard it (FSDP2)
@@ -224,25 +220,25 @@ def load_model(model_dir: str, dtype=None, device="cpu", quantize=False, add_lor
     device = torch.device(device)
     config, stored = read_config(model_dir)
     dtype = dtype or stored or torch.float32
-    # 1. The Llama on the meta device: shapes, no memory. Its packed-document attention kernel is chosen here, once.
-    attention = varlen_attention(device, dtype, config.head_dim, windowed=bool(config.sliding_layers))
+    # 1. The Llama on the meta device: shapes, no memory. The kernels for this device are chosen here, once: the
+    #    packed-document attention, NF4's dequantization (on CUDA the fastest with the reference's bits), LoRA dropout.
+    kernels = choice.kernels_for(device, dtype, config)
     with torch.device("meta"):
-        model = Llama(config, attention, options)
+        model = Llama(config, kernels.attention, options)
     ckpt, weights = hf.open_checkpoint(model_dir, model)
     nf4 = list(find_linears(model)) if quantize or hf.is_prequantized(ckpt) else []
     ckpt, weights = fsdp.what_this_rank_reads(model, ckpt, weights, device, shard)  # sharded: rank 0 reads alone
     adapters = add_lora or (hf.adapter_settings(adapter, model) if adapter else None)
     adapted = list(find_linears(model, adapters["targets"])) if adapters else []
-    lora_kw = {k: v for k, v in (adapters or {}).items() if k != "targets"} | dict(dropout_op=dropout_op_for(device))
-    dequantize = nf4_ops.dequantize_op_for(device)  # on CUDA the fastest kernel with the reference's bits, once
+    lora_kw = {k: v for k, v in (adapters or {}).items() if k != "targets"} | dict(dropout_op=kernels.dropout)
     model.requires_grad_(False)
     # 2-4 block by block, then the rest (embeddings, final norm, lm_head): a sharded run holds one part whole at most.
     for prefix, part in [*((f"model.layers.{i}.", block) for i, block in enumerate(model.model.layers)), ("", model)]:
         # 2. Its linears become NF4: each 16-bit weight read, rounded to `dtype` and quantized, one at a time.
-        quant.quantize_(model, of_part(nf4, prefix), dtype, device, weights, dequantize)
+        quant.quantize_(model, of_part(nf4, prefix), dtype, device, weights, kernels.dequantize)
         # 3. Everything else of it (its norms; at the end the embeddings and lm_head) read in `dtype`.
         hf.load_weights_(model, ckpt, dtype, device, within=prefix)
-        # 4. LoRA's A and B beside its chosen linears; their dropout's kernel is chosen here too.
+        # 4. LoRA's A and B beside its chosen linears.
         if adapters:
             lora.add_lora_(model, of_part(adapted, prefix), **lora_kw)
         fsdp.shard_part(part, shard)  # sharded: from here on this rank keeps only its shard of the part
@@ -417,7 +413,7 @@ def train(cfg: Config) -> list[dict]:
     adapter = {n: fsdp.full(p.detach()) for n, p in model.named_parameters() if p.requires_grad}  # gathered if sharded
     if place.main:
         write_outputs(cfg, model, tok, prompts, run.history, adapter, model_dir, run.tracker)
-        print(f"peak {'RSS' if place.device.type == 'cpu' else 'GPU memory'}: {memory.fmt(memory.peak(place.device))}")
+        progress.print_peak(place)
     history = run.history
     del run, model, opt  # a sharded model holds the process group until it is freed (ranks.end_process_group)
     ranks.end_process_group()
@@ -457,7 +453,7 @@ def loop(cfg: Config, place: Placement, run: Run):
     bar = tqdm(total=cfg.max_steps, initial=run.step, disable=not place.main, dynamic_ncols=True)
     with bar, stops.stop_requests() as asked, stops.abrupt_ends(cfg, run):
         stopping = functools.partial(stops.any_rank, asked, place.world, place.device)  # every rank agrees on it
-        memory.reset_peak(place.device)
+        progress.reset_peak(place)
         while True:
             # ---------------------------------------------- once in a while, for the step just taken
             if run.step > first:  # no evaluation when stopping: torchrun kills its workers 30 s after Ctrl-C
@@ -495,11 +491,7 @@ def optimizer_step(cfg: Config, place: Placement, run: Run) -> dict:
     if not stops.finite(record, run.scaler):
         stops.stop_not_finite(cfg, run.history + [record], run.last_saved, place.main)
     run.step = step + 1
-    seconds = time.perf_counter() - start
-    record["tokens_per_s"] = batch["input_ids"].numel() * place.world / seconds
-    record["supervised_per_s"] = record.pop("supervised") / seconds
-    record["flops"] = batch_flops(run.model.config, batch["position_ids"])  # this rank's rows, per document
-    record["mfu"] = record["flops"] / seconds / run.peak_flops  # over this rank's device
+    record = progress.with_rates(record, batch, time.perf_counter() - start, place, run.model.config, run.peak_flops)
     if place.main:
         run.history.append(record)
     return record

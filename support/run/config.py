@@ -22,6 +22,7 @@ from typing import NamedTuple
 import torch
 
 from support.evaluation import sandbox
+from support.formats.gguf_write import FILE_TYPES
 from support.run import optional
 
 
@@ -70,6 +71,9 @@ TEMPLATE = Rule(
     lambda v: not v or "{instruction}" in v and v.endswith("{response}"),
     "a format string with {instruction} that ends with {response}, or empty for the chat template",
 )
+
+
+GGUF_TYPES = ("", *FILE_TYPES)  # export_gguf: none, or a GGUF file type support/formats/gguf_write.py writes
 
 
 def resume_keys(cls) -> list[str]:

@@ -19,7 +19,7 @@ import torch
 import lora
 import quant
 from support.accounting import memory
-from support.accounting.flops import fmt_flops, peak_flops
+from support.accounting.flops import batch_flops, fmt_flops, peak_flops
 from support.run import fsdp
 from support.run.precision import name
 
@@ -153,3 +153,21 @@ def show_step(bar, record, place, estimated, max_steps, tracker=None):
         bar.write(f"measured peak memory after {record['step']} steps: {peak} (estimated {memory.fmt(estimated)})")
     if tracker:
         tracker.log(record)
+
+
+def with_rates(record, batch, seconds, place, config, peak_flops) -> dict:
+    """A step's record with its rates: tokens/s (all ranks), supervised tokens/s (in place of the count), this rank's
+    model FLOPs (per document, support/accounting/flops.py) and MFU over this rank's device."""
+    flops = batch_flops(config, batch["position_ids"])
+    rates = dict(tokens_per_s=batch["input_ids"].numel() * place.world / seconds, flops=flops)
+    rates |= dict(supervised_per_s=record["supervised"] / seconds, mfu=flops / seconds / peak_flops)
+    return {k: v for k, v in record.items() if k != "supervised"} | rates
+
+
+def reset_peak(place):
+    """The measured peak starts here, with the steps (on CUDA; a CPU's is the process's)."""
+    memory.reset_peak(place.device)
+
+
+def print_peak(place):
+    print(f"peak {'RSS' if place.device.type == 'cpu' else 'GPU memory'}: {memory.fmt(memory.peak(place.device))}")
