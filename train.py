@@ -319,6 +319,10 @@ def train_step(model, opt, scaler, batch, micro_rows, step, cfg: Config, place: 
         clock.mark("bwd_s")
         loss_sum += loss.detach().double()
     if place.world > 1 and not fsdp.is_sharded(model):  # a sharded model's gradients are reduce-scattered already
+        # Data parallel by hand rather than torch's DistributedDataParallel: the adapters' gradients are a few MB, so
+        # one all-reduce after the last micro-batch costs little next to a step, and it is the plain sum the global
+        # count asks for, where DDP would average each bucket during backward (to be undone) and needs no_sync for
+        # accumulation. The same sum on any number of ranks is what makes a resumed run equal (tests/test_train.py).
         flat = torch.cat([p.grad.flatten() for p in params])
         dist.all_reduce(flat)  # the sum over ranks: each rank already divided by the global count
         for p, g in zip(params, flat.split([p.numel() for p in params]), strict=True):

@@ -11,7 +11,6 @@ import os
 import re
 
 import pytest
-import torch
 
 import train
 from support.evaluation import sandbox
@@ -25,13 +24,13 @@ def test_config_file_overrides_and_typos(tmp_path):
         train.Config, [os.path.join(ROOT, "configs/tiny.py"), "--lr=3e-4", "--pack=False", "--model=some/dir"]
     )
     assert (cfg.lr, cfg.pack, cfg.model, cfg.context_length) == (3e-4, False, "some/dir", 128)
-    with pytest.raises(ValueError, match="--lora_alpah: unknown config key 'lora_alpah'; did you mean 'lora_alpha'"):
+    with pytest.raises(ValueError, match="--lora_alpah: .*'lora_alpha'"):
         load_config(train.Config, ["--lora_alpah=1"])
     with pytest.raises(ValueError, match="--max_steps: 'max_steps' must be int"):
         load_config(train.Config, ["--max_steps=abc"])
     bad = tmp_path / "bad.py"
     bad.write_text("lora_rank = 8\n")
-    with pytest.raises(ValueError, match=f"{bad}: unknown config key 'lora_rank'; did you mean 'lora_r'"):
+    with pytest.raises(ValueError, match=rf"{re.escape(str(bad))}: .*'lora_rank'.*'lora_r'"):
         load_config(train.Config, [str(bad)])
 
 
@@ -55,12 +54,14 @@ def test_overrides_win_wherever_they_stand_and_config_mistakes_name_the_line(tmp
     assert load_config(train.Config, [str(bom)]).lr == 2e-4
 
 
-def test_every_config_file_is_valid(monkeypatch):
-    # The configs are written for a GPU machine (llama70b offloads its shards to CPU memory, which a CPU run refuses
-    # in one line, tested in test_fsdp), so they are checked as a machine with a GPU checks them.
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    for path in sorted(os.listdir(os.path.join(ROOT, "configs"))):
-        check_config(load_config(train.Config, [os.path.join(ROOT, "configs", path)]))
+def test_every_config_file_is_valid():
+    """Every config passes the checks on the machine it names: one whose header gives the machine (`--plan=2x24GB`
+    for llama70b, whose shards go to CPU memory between uses, which a CPU run refuses) is checked as that plan is;
+    the others as this machine checks them."""
+    for name in sorted(os.listdir(os.path.join(ROOT, "configs"))):
+        path = os.path.join(ROOT, "configs", name)
+        named = re.findall(r"--plan=(\S+)", open(path).read())
+        check_config(load_config(train.Config, [path, *(f"--plan={named[0]}" for _ in named[:1])]))
 
 
 def test_offloaded_checkpoints_need_checkpointing():

@@ -170,8 +170,8 @@ def test_missing_mechanisms_are_named(monkeypatch):
         confine.landlock_abi()
     assert "\n" not in str(e.value)
     monkeypatch.setattr(confine, "syscall", failing(95))
-    with pytest.raises(confine.Unavailable, match=r"^Landlock is in this kernel but not enabled: add landlock to the"):
+    with pytest.raises(confine.Unavailable, match=r"^Landlock .*not enabled.*landlock"):
         confine.landlock_abi()
     monkeypatch.setattr(confine.os, "uname", lambda: os.uname_result(("Linux", "h", "6.18", "#1", "riscv64")))
-    with pytest.raises(confine.Unavailable, match=r"needs Linux on x86_64 or aarch64; this is linux on riscv64"):
+    with pytest.raises(confine.Unavailable, match=r"x86_64 or aarch64.*riscv64"):
         confine.machine()

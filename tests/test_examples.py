@@ -129,7 +129,7 @@ def test_a_json_array_names_lines_counted_from_the_top(tmp_path):
 def test_parquet_without_pyarrow_says_what_to_install(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)  # an import of it raises ImportError
     (path := tmp_path / "d.parquet").write_bytes(b"PAR1")
-    with pytest.raises(ValueError, match=r"^.*d\.parquet: reading Parquet needs pyarrow \(pip install pyarrow\)$"):
+    with pytest.raises(ValueError, match=r"d\.parquet: .*pip install pyarrow"):
         load_examples(path)
 
 
@@ -201,5 +201,5 @@ def test_the_split_by_index_is_the_split_of_the_examples(tmp_path):
     cfg.max_examples = 7
     assert list(examples.selected(data, train(50))) == in_memory[0][:7]
     cfg.val_fraction = 0.001
-    with pytest.raises(ValueError, match=r"^val_fraction: 0.001 of the 50 examples in .* holds out none$"):
+    with pytest.raises(ValueError, match=r"^val_fraction: 0.001 .*holds out none"):
         val(50)

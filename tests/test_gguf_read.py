@@ -165,7 +165,7 @@ def test_crash_leaves_no_directory(tmp_path, monkeypatch):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(gguf_read, "save_file", crash)  # after config.json and tokenizer.json were written
-    with pytest.raises(OSError, match="could not write it \\(No space left on device\\); nothing was written"):
+    with pytest.raises(OSError, match="No space left on device.*nothing was written"):
         gguf_read.convert_gguf(gguf_read.smollm2_gguf_path(), tmp_path / "model")
     assert os.listdir(tmp_path) == []
 

@@ -520,7 +520,7 @@ def test_command_line(tiny, tmp_path, capsys):
     for argv in (["from-gguf", str(out), str(tmp_path / "a")], [str(out), str(tmp_path / "b")]):
         convert.main(argv)
         assert filecmp.cmp(os.path.join(argv[-1], "config.json"), os.path.join(tiny["bf16"][1], "config.json"), False)
-    with pytest.raises(SystemExit, match=r"^convert\.py: GGUF file type 'q4' is not one of f32, f16, bf16, q8_0$"):
+    with pytest.raises(SystemExit, match=r"^convert\.py: .*'q4'.*f32, f16, bf16, q8_0"):
         convert.main(["to-gguf", str(tiny["src"]), str(tmp_path / "x.gguf"), "--type", "q4"])
 
 
@@ -552,7 +552,7 @@ def test_check_gguf_export_refuses_before_any_weight_is_read(tmp_path, smollm2_d
     atomic.write_json(tmp_path / "config.json", hf_config.config_json(cfg, torch.float32))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_bytes(open(os.path.join(smollm2_dir, name), "rb").read())
-    with pytest.raises(ValueError, match="GGUF file type 'q4_k' is not one of f32, f16, bf16, q8_0"):
+    with pytest.raises(ValueError, match="'q4_k'.*f32, f16, bf16, q8_0"):
         gguf_write.check_gguf_export(str(tmp_path), "q4_k")
     with pytest.raises(ValueError, match="has rows of 48 values; q8_0 needs a multiple of 32"):
         gguf_write.check_gguf_export(str(tmp_path), "q8_0")

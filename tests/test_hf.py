@@ -128,7 +128,7 @@ def test_error_missing_shard(tmp_path):
 def test_error_index_without_weight_map(tmp_path):
     hf_model(num_attention_heads=4, num_key_value_heads=2).save_pretrained(tmp_path, max_shard_size="20KB")
     (index := tmp_path / "model.safetensors.index.json").write_text('{"metadata": {}}')
-    with pytest.raises(ValueError, match=rf"^{index}: no weight_map \(tensor name -> shard file\)$"):
+    with pytest.raises(ValueError, match=rf"^{index}: no weight_map"):
         load_model(tmp_path)
 
 
@@ -140,10 +140,10 @@ def test_error_corrupt_safetensors(saved):
 
 def test_error_unsupported_architecture(saved):
     edit_config(saved, architectures=["GemmaForCausalLM"], model_type="gemma")
-    with pytest.raises(ValueError, match=r"config.json: model_type 'gemma' is not supported: it needs embeddings"):
+    with pytest.raises(ValueError, match=r"config.json: model_type 'gemma'"):
         load_model(saved)
     edit_config(saved, architectures=["LlamaForSequenceClassification"], model_type="llama")
-    with pytest.raises(ValueError, match=r"config.json: architectures.*LlamaForSequenceClassification.*not supported"):
+    with pytest.raises(ValueError, match=r"config.json: architectures.*LlamaForSequenceClassification"):
         load_model(saved)
 
 
@@ -186,7 +186,7 @@ def test_error_missing_and_unexpected_tensors(saved):
         "model.layers.5.mlp.up_proj.weight": torch.zeros(48, 32),
     }
     save_file({**tensors, **extra}, saved / "model.safetensors")
-    with pytest.raises(ValueError, match=r"tensors the model lacks: model.layers.5.mlp.up_proj.weight$"):
+    with pytest.raises(ValueError, match=r"model.layers.5.mlp.up_proj.weight$"):
         load_model(saved)
 
 

@@ -15,13 +15,13 @@ from support.formats.hf_config import from_hf, to_hf
 def test_unsupported_family_names_what_is_missing():
     """A model_type that is not a Llama with switches fails in one line saying what it would need."""
     d = to_hf(tiny_config()) | {"model_type": "mixtral", "architectures": ["MixtralForCausalLM"]}
-    with pytest.raises(ValueError, match="model_type 'mixtral' is not supported: it needs a mixture-of-experts MLP"):
+    with pytest.raises(ValueError, match="model_type 'mixtral'.*mixture-of-experts"):
         from_hf(d)
     with pytest.raises(
         ValueError, match="model_type 'gpt2' is not supported \\(expected llama, qwen2, qwen3, mistral\\)"
     ):
         from_hf(d | {"model_type": "gpt2"})
-    with pytest.raises(ValueError, match="layer_types lists sliding layers but use_sliding_window/sliding_window set"):
+    with pytest.raises(ValueError, match="layer_types.*use_sliding_window"):
         from_hf(d | {"model_type": "qwen2", "architectures": None, "layer_types": ["sliding_attention"] * 2})
 
 

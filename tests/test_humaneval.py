@@ -35,7 +35,7 @@ def test_problems_load_and_bad_files_say_where(tmp_path):
         with pytest.raises(ValueError, match=message) as e:
             humaneval.load_problems(str(tmp_path / "bad.jsonl"))
         assert "\n" not in str(e.value)
-    with pytest.raises(ValueError, match=r"eval_task: .*nope\.jsonl: no such file \(expected 'humaneval'"):
+    with pytest.raises(ValueError, match=r"eval_task: .*nope\.jsonl: no such file"):
         humaneval.load_problems(str(tmp_path / "nope.jsonl"))
     (tmp_path / "mine.jsonl").write_text(good + "\n")
     assert humaneval.load_problems(str(tmp_path / "mine.jsonl"))[0]["entry_point"] == "f"

@@ -131,7 +131,6 @@ def test_the_check_tells_a_wrong_merge_from_rounding_on_smollm2(smollm2_adapted,
     if dropped == "none":
         _, report = merge_and_check_(model, [prompt])
         assert report["merge_error"] < report["tolerance"] < 0.01 * report["adapter_effect"]
-        assert 1 < report["adapter_effect"] < 4, report  # an adapter of a trained one's size
         assert ("rounding" in report) == (next(model.parameters()).dtype != torch.float32), report
         return
     with pytest.raises(ValueError) as e:

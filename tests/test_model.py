@@ -382,7 +382,7 @@ def test_quantize_and_lora_pick_the_same_linears(targets):
     for typo in (["q_prj"], ["layers.7.mlp.up_proj"]):  # a name that matches nothing is an error in both
         with pytest.raises(ValueError, match=f"target module '{typo[0]}' matches no linear layer"):
             quant.quantize_(Llama(tiny_config()), typo)
-        with pytest.raises(ValueError, match=f"add_lora_: target module '{typo[0]}' matches no linear layer"):
+        with pytest.raises(ValueError, match=f"add_lora_: .*'{typo[0]}'"):
             lora.add_lora_(Llama(tiny_config()), typo, r=2, alpha=4, dropout=0.0)
 
 
@@ -394,7 +394,7 @@ def test_adapted_lm_head_needs_the_full_logits_loss():
         lora.add_lora_(m, ["lm_head", "q_proj"], r=2, alpha=4, dropout=0.0)
     ids, pos, _ = packed_batch()
     labels = torch.randint(0, 97, (2, 15))
-    with pytest.raises(ValueError, match="lm_head is a LoRALinear: the chunked loss needs a plain nn.Linear head") as e:
+    with pytest.raises(ValueError, match="lm_head is a LoRALinear.*chunked loss") as e:
         chunked(ids, pos, labels=labels)
     assert "\n" not in str(e.value)
     loss, n = model(ids, pos, labels=labels)

@@ -37,7 +37,7 @@ def test_plan_follows_the_decision_tree():
     assert plan_in(table[True, 2, True, 1] - 1)[1] is None  # below an NF4 base, 8-bit AdamW and checkpointing
     text = plan.report(cfg, "24GB", 512, 8, torch.bfloat16, adapters(4, "all-linear", 0.05))
     assert "fastest that fits: 16-bit base, AdamW, checkpointing off, 8 row(s)" in text
-    with pytest.raises(ValueError, match="plan: 'H300' is neither a size like 24GB nor a known GPU"):
+    with pytest.raises(ValueError, match="plan: 'H300'"):
         plan.budget_bytes("H300")
     assert plan.budget_bytes("80GB") == 79 * 2**30  # sizes in GB are taken as GiB; a known card is what
     assert plan.budget_bytes("H100") == 81559 * 2**20 - 2**30  # nvidia-smi reports, less than it is sold as

@@ -6,11 +6,12 @@ compared with one uninterrupted process, step for step.
   each sizes micro_batch_tokens="auto" from its own) both take the smaller and train as one process does. They used
   to pick 1 and 2 rows, run different numbers of forwards, and wait for each other's all-gathers forever.
 - For DDP and for FSDP: Ctrl-C (SIGINT to torchrun) stops both ranks after the step under way with a checkpoint of
-  exactly that step; resumed, one rank is killed (SIGKILL) in the middle of a later step, and the other ends within
-  seconds (gloo fails its collective as the dead rank's connection closes; torchrun's SIGTERM comes too) with one line
-  that names the step and the checkpoint that is intact; resumed again, in one process, the run reaches the
+  exactly that step; resumed, one rank is killed (SIGKILL) in the middle of a later step, and the other ends by itself,
+  exit code 2 and not by torchrun's signals (gloo fails its collective as the dead rank's connection closes), with one
+  line that names the step and the checkpoint that is intact; resumed again, in one process, the run reaches the
   uninterrupted run's losses and gradient norms (1e-6 relative) and adapter (1e-6). It used to end in a traceback.
-- A user error that one rank meets alone ends every rank with that one line, in seconds: a bad row in rank 1's share
+- A user error that one rank meets alone ends every rank with that one line, by itself (a run that waited for the lost
+  collective, rank_timeout's 30 minutes, fails the test at launch's 240 s): a bad row in rank 1's share
   (injected: every rank reads every row here) under DDP, an unwritable checkpoint path (rank 0 alone writes) under
   FSDP. The other rank used to end in a traceback of the broken collective.
 """
@@ -85,7 +86,6 @@ def test_ctrl_c_then_a_lost_rank_then_resume(tiny_dir, steps, one_process, tmp_p
     ]
     assert "exitcode  : -15" not in "\n".join(lines)  # rank 0 exits with code 2, not by torchrun's SIGTERM
     print(f"\n{parallel}: rank 1 killed in step {killed}; torchrun ended {seconds:.1f} s later")
-    assert seconds < 20  # torchrun's own SIGKILL comes 30 s after its SIGTERM
 
     run([*args(tiny_dir, tmp_path, *steps, *SAVE), "--resume"])  # in one process
     assert_same_run(one_process, tmp_path)
@@ -96,8 +96,7 @@ def test_ctrl_c_then_a_lost_rank_then_resume(tiny_dir, steps, one_process, tmp_p
 def test_a_user_error_on_one_rank_ends_every_rank_with_its_line(tiny_dir, steps, tmp_path, parallel, case):
     """A user error that one rank meets alone, under DDP and under FSDP: rank 1 a bad row of its share at step 2, or
     rank 0 a checkpoint path it cannot write at step 1. Every rank ends with that rank's line (exit code 2, none by
-    torchrun's SIGTERM) well within a minute, where waiting for the lost collective would take rank_timeout (30
-    minutes)."""
+    torchrun's SIGTERM), where waiting for the lost collective would take rank_timeout (30 minutes)."""
     out = tmp_path / "out"
     if case == "bad row":
         fault, line, rank = "error:1:2", "data.jsonl:7: missing field 'response'", 1
@@ -112,5 +111,4 @@ def test_a_user_error_on_one_rank_ends_every_rank_with_its_line(tiny_dir, steps,
     said = [f"error: {line}", f"error: {line} (from rank {rank}; rank {1 - rank} stopped with it)"]
     assert sorted(errors(lines)) == said, "\n".join(lines[-40:])
     assert "exitcode  : -15" not in "\n".join(lines)  # each rank exits with code 2, none by torchrun's SIGTERM
-    assert seconds < 60, seconds
     print(f"\n{parallel}, {case}: every rank ended with the line of rank {rank}; the run took {seconds:.1f} s")
