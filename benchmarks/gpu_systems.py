@@ -20,7 +20,7 @@ same weights:
   out: it replaces a function of transformers' Llama module that the plain peer, in the same process, calls too;
 - transformers + PEFT under torch.compile: the LoRA peer's whole model compiled (what the Trainer's torch_compile
   does); its compilation falls in the warm-up steps;
-- nanoqlora LoRA and QLoRA compiled: the same two, their blocks compiled by train.compile_blocks (the compiled LoRA
+- nanoqlora LoRA and QLoRA compiled: the same two, their blocks compiled (model.Options.compile; the compiled LoRA
   model a second Llama over the same weight tensors), their compilation in the warm-up steps too.
 
 A system that cannot be built (out of memory, a missing package) keeps its row with the reason; the others carry on.
