@@ -59,7 +59,7 @@ Sequence Training, https://arxiv.org/abs/2506.13996) runs the MLP over tiles of 
 backward on its own, so the (T, i) tensors exist for one tile; offloading keeps the checkpointed inputs in CPU memory
 instead of the GPU's (support/kernels/long_context.py, both).
 
-Generation (support/evaluation/sampling.py) keeps a `KVCache`, a preallocated (layers, B, max_len, Hkv, D) key and value
+Generation (support/evaluation/sampling.py) keeps a KV cache, a preallocated (layers, B, max_len, Hkv, D) key and value
 buffer: the prompt runs once, then each new token costs one single-position forward against the cached keys and values.
 A batch of prompts is left-padded to one length; the cache's `pad` says how many, so positions start at each row's first
 real token and no query attends to padding.
@@ -184,22 +184,6 @@ class LinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad):  # grad: d(outer loss)/d(our loss), a scalar
         grad_w = None if ctx.grad_w is None else (ctx.grad_w * grad).to(ctx.weight_dtype)
         return ctx.grad_h * grad.to(ctx.grad_h.dtype), grad_w, None, None, None
-
-
-class KVCache:
-    """Keys and values of every layer during generation: k, v (layers, B, max_len, Hkv, D), valid up to `length`."""
-
-    def __init__(self, cfg, max_len, batch=1, dtype=torch.float32, device=None, pad=None):
-        shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
-        self.k, self.v = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
-        self.length = 0  # tokens already cached; the model advances it after each forward
-        self.pad = pad  # (B,) left-padding positions of each row of a batch of prompts (None: none), never attended
-
-    def update(self, layer, k, v):
-        """Store this step's k, v (B, T, Hkv, D) at positions length.. and return all keys and values so far."""
-        end = self.length + k.shape[1]
-        self.k[layer, :, self.length : end], self.v[layer, :, self.length : end] = k, v
-        return self.k[layer, :, :end], self.v[layer, :, :end]
 
 
 class RMSNorm(nn.Module):
@@ -347,9 +331,9 @@ class Llama(nn.Module):
         return x, angles.cos().to(x.dtype), angles.sin().to(x.dtype)
 
     def decode(self, input_ids, cache):
-        """Generation: input_ids (B, T) continue the cache.length tokens the KVCache holds (a prompt, then one new token
-        at a time); the logits (B, 1, vocab) of the last position only, all that picks the next token (the head over a
-        prompt's other positions would cost T times as much)."""
+        """Generation: input_ids (B, T) continue the cache.length tokens the KV cache holds (a prompt, then one new
+        token at a time); the logits (B, 1, vocab) of the last position only, all that picks the next token (the head
+        over a prompt's other positions would cost T times as much)."""
         B, T = input_ids.shape
         position_ids = torch.arange(cache.length, cache.length + T, device=input_ids.device).expand(B, T)
         if cache.pad is not None:  # a left-padded row's first real token is position 0

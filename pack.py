@@ -43,7 +43,6 @@ by support/data/token_cache.py, which keeps the arrays there and maps them back.
 """
 
 import bisect
-import sys
 
 import numpy as np
 import torch
@@ -123,18 +122,6 @@ def tokenize_chunk(examples, tokenizer, template=None, train_on_prompt=False, fi
     lengths, example = np.array(lengths, dtype=np.int64), np.array([i for i, *_ in segmented], dtype=np.int64)
     supervised = supervised_targets(mask, np.cumsum(lengths) - lengths)
     return dict(tokens=tokens, mask=mask, lengths=lengths, example=example, supervised=supervised, skipped=skipped)
-
-
-def tokenize_examples(examples, tokenizer, template=None, train_on_prompt=False, skip_bad_rows=False):
-    """A few examples in memory: (tokens uint32 (N,), mask uint8 (N,), offsets int64 (docs + 1,)), document i is
-    tokens[offsets[i]:offsets[i + 1]]."""
-    got = tokenize_chunk(list(examples), tokenizer, template, train_on_prompt, skip_bad_rows=skip_bad_rows)
-    if got["skipped"]:
-        print(f"skipped {len(got['skipped'])} examples the template cannot render (first: {got['skipped'][0]})",
-              file=sys.stderr)  # fmt: skip
-    if not len(got["lengths"]):
-        raise ValueError("no examples to tokenize" + (" (every one skipped)" if got["skipped"] else ""))
-    return got["tokens"], got["mask"], np.concatenate([[0], np.cumsum(got["lengths"])])
 
 
 def pack_bfd(lengths, capacity):

@@ -21,6 +21,7 @@ import itertools
 import json
 import random
 import re
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +30,7 @@ import torch
 from conftest import CONVERSATIONS, FAMILIES, QWEN, reference, tokenizer_dir, turn_text
 
 import pack
-from pack import PackedDataset, build_dataset, pack_bfd, tokenize_examples
+from pack import PackedDataset, build_dataset, pack_bfd, tokenize_chunk
 from support.data.examples import load_examples, stdlib_examples
 from support.data.preview import packing_report, preview
 from support.data.token_cache import tokenize_cached
@@ -52,6 +53,18 @@ WORDS = [
     "&",
     "'q'",
 ]
+
+
+def tokenize_examples(examples, tokenizer, template=None, train_on_prompt=False, skip_bad_rows=False):
+    """pack.tokenize_chunk over a few examples in memory, as the token cache calls it, and its messages: (tokens uint32
+    (N,), mask uint8 (N,), offsets int64 (docs + 1,)), document i is tokens[offsets[i]:offsets[i + 1]]."""
+    got = tokenize_chunk(list(examples), tokenizer, template, train_on_prompt, skip_bad_rows=skip_bad_rows)
+    if got["skipped"]:
+        print(f"skipped {len(got['skipped'])} examples the template cannot render (first: {got['skipped'][0]})",
+              file=sys.stderr)  # fmt: skip
+    if not len(got["lengths"]):
+        raise ValueError("no examples to tokenize" + (" (every one skipped)" if got["skipped"] else ""))
+    return got["tokens"], got["mask"], np.concatenate([[0], np.cumsum(got["lengths"])])
 
 
 def random_conversation(rng, turns, system):

@@ -14,8 +14,8 @@ from test_model import hf_model, tiny_config
 
 import lora
 import quant
-from model import KVCache, Llama, Options
-from support.evaluation.sampling import dense_weights, generate, generate_batch
+from model import Llama, Options
+from support.evaluation.sampling import KVCache, dense_weights, generate, generate_batch
 from train import load_model
 
 

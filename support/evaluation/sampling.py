@@ -1,6 +1,6 @@
 """How does a fine-tuned model continue a prompt?
 
-One token at a time through the model's KV cache (model.KVCache: the prompt runs once, then each new token is one
+One token at a time through the model's KV cache (KVCache, here: the prompt runs once, then each new token is one
 single-position forward against the cached keys and values), greedy or with nucleus sampling (top-p, Holtzman et al.
 2019, https://arxiv.org/abs/1904.09751). train.py answers held-out prompts with it at every evaluation; generate.py
 answers the command line's.
@@ -18,8 +18,24 @@ import torch
 
 import lora
 import quant
-from model import KVCache
 from support.data.tokenizer import render
+
+
+class KVCache:
+    """Keys and values of every layer during generation: k, v (layers, B, max_len, Hkv, D), valid up to `length`."""
+
+    def __init__(self, cfg, max_len, batch=1, dtype=torch.float32, device=None, pad=None):
+        shape = (cfg.num_hidden_layers, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        self.k, self.v = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
+        self.length = 0  # tokens already cached; the model advances it after each forward
+        self.pad = pad  # (B,) left-padding positions of each row of a batch of prompts (None: none), never attended
+
+    def update(self, layer, k, v):
+        """Store this step's k, v (B, T, Hkv, D) at positions length.. and return all keys and values so far."""
+        end = self.length + k.shape[1]
+        self.k[layer, :, self.length : end], self.v[layer, :, self.length : end] = k, v
+        return self.k[layer, :, :end], self.v[layer, :, :end]
+
 
 COMPACT = 0.1  # drop finished rows from the batch once they are this share of it (each drop copies the cache)
 
