@@ -12,8 +12,8 @@ import sys
 from functools import partial
 
 from conftest import DATA, ROOT, reference
+from test_pack import tokenize_examples
 
-from pack import tokenize_examples
 from support.data.examples import load_examples, stdlib_examples
 from support.data.preview import check_examples, preview
 from support.data.tokenizer import Tokenizer
