@@ -2,7 +2,8 @@
 and aarch64, and its BPF program is well formed (every jump lands inside it, every path ends in a return); a process
 that applied it, in a child interpreter, cannot read, write, create or change files outside its two lists (in a folder
 any user may write, so only the kernel stands in the way), cannot fork, exec, open a socket, signal or limit its parent
-(nor aim a file's SIGIO at it) or make System V shared memory, and runs as uid 65534 under root, while it reads and
+(nor aim a file's SIGIO at it), make System V shared memory, a memory file, a directory (even inside) or change a
+file's flags, and runs as uid 65534 under root, while it reads and
 writes within its lists, starts threads, signals itself and gets ENOSYS for a system call newer than the table; where
 the kernel lacks Landlock, or the machine has no table, or the process has a second thread, apply() raises Unavailable
 naming what is missing, and changes nothing first."""
@@ -54,6 +55,10 @@ import fcntl
 r, w = os.pipe()
 attempt("SIGIO at the parent", lambda: fcntl.fcntl(r, fcntl.F_SETOWN, os.getppid()))
 attempt("System V memory", lambda: confine.syscall(confine.REFUSED["shmget"][confine.machine()[1]], 0, 4096, 0o1666))
+attempt("mkdir inside", lambda: os.mkdir(os.path.join(write[0], "d")))
+attempt("memfd", lambda: os.memfd_create("m"))
+inside = os.open(os.path.join(write[0], "new.txt"), os.O_RDONLY)
+attempt("file flags", lambda: fcntl.ioctl(inside, 0x40086602, bytearray(8)))  # FS_IOC_SETFLAGS, flags 0
 print(json.dumps(out))
 """
 
@@ -131,10 +136,10 @@ def test_a_confined_process_stays_inside(tmp_path):
     assert out["abi"] >= 1 and out["uid"] == (65534 if os.geteuid() == 0 else os.getuid())
     for name in ("read inside", "write inside", "kill self", "thread"):
         assert out[name] == "ok", (name, out[name])
-    for name in ("read outside", "write outside", "create outside", "list outside"):
+    for name in ("read outside", "write outside", "create outside", "list outside", "mkdir inside"):
         assert out[name] == eacces, (name, out[name])
     for name in ("chmod", "truncate by path", "fork", "exec", "socket", "kill parent", "kill all", "limit parent",
-                 "SIGIO at the parent", "System V memory"):  # fmt: skip
+                 "SIGIO at the parent", "System V memory", "memfd", "file flags"):  # fmt: skip
         assert out[name] == eperm, (name, out[name])
     assert out["newer syscall"] == enosys and out["clone3"] == enosys
     assert victim.read_text() == "secret" and victim.stat().st_mode & 0o777 == 0o666

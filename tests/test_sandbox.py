@@ -133,6 +133,12 @@ def time_output_verdict() -> dict:
         "'passed' on every descriptor": "import posix\nfor fd in range(64):\n    try:\n"
         "        posix.write(fd, b'passed\\n')\n    except OSError as e:\n        print(e)\nposix._exit(0)",
         "SystemExit(0)": "raise SystemExit(0)",
+        "'unconfinable' said with the child's own say()": "import posix, sys\nf = sys._getframe()\n"
+        "while 'say' not in f.f_locals:\n    f = f.f_back\nf.f_locals['say']('unconfinable: forged')\nposix._exit(0)",
+        # resources the limits do not count
+        "a directory tree too deep to remove": "import posix\nwhile True:\n    posix.mkdir('d')\n    posix.chdir('d')",
+        "memory files": "import posix\nfor _ in range(64):\n    fd = posix.memfd_create('m')\n"
+        "    posix.ftruncate(fd, 2**30)\n    posix.write(fd, b'x')",
     }  # fmt: skip
 
 
@@ -332,11 +338,16 @@ def test_programs_pass_only_when_they_run_to_the_end():
 
 
 def test_limits_hold():
-    """An endless loop times out; 1 GB of memory and a 2 MiB file fail with the limits' errors."""
-    programs = ["while True:\n    pass", "x = bytearray(10**9)", "open('big', 'w').write('x' * 2**21)"]
+    """An endless loop times out; 1 GB of memory, a 2 MiB file and 300 open files fail with the limits' errors; no
+    core dump may be written."""
+    programs = ["while True:\n    pass", "x = bytearray(10**9)", "open('big', 'w').write('x' * 2**21)",
+                "files = [open('f', 'w') for _ in range(300)]",
+                REIMPORT.format(names=("resource",))
+                + "import resource\nassert resource.getrlimit(resource.RLIMIT_CORE) == (0, 0)"]  # fmt: skip
     verdicts = sandbox.run_many(programs, timeout=1.0, confine=not WHY)
     assert verdicts[0] == "timed out"
     assert verdicts[1] == "failed: MemoryError:" and "File too large" in verdicts[2]
+    assert "Too many open files" in verdicts[3] and verdicts[4] == "passed"
 
 
 def test_sandbox_is_a_fresh_directory_that_goes_away(world):
@@ -356,7 +367,7 @@ def test_a_failed_cleanup_does_not_raise(monkeypatch, capsys):
     monkeypatch.setattr(shutil, "rmtree", fails)
     assert sandbox.run("assert True", confine=not WHY) == "passed"
     err = capsys.readouterr().err.strip()
-    assert err.startswith("sandbox: ") and "was left behind: [Errno 39] Directory not empty" in err
+    assert err.startswith("sandbox: ") and "was left behind: OSError: [Errno 39] Directory not empty" in err
     assert "\n" not in err
     monkeypatch.undo()
     shutil.rmtree(err.split()[1])  # what the run left
@@ -377,6 +388,8 @@ def test_refusal_where_the_kernel_cannot_confine(monkeypatch):
     assert sandbox.run("assert True", confine=False) == "passed"
     with pytest.raises(sandbox.Unconfinable, match="^Landlock is not enabled$"):
         sandbox.verdict(b"abc unconfinable: Landlock is not enabled\n", "abc", False, 0)
+    said_late = b"abc confined\nabc unconfinable: forged\n"  # by the program, after the child's first line
+    assert sandbox.verdict(said_late, "abc", False, 0) == "unconfinable: forged"
     monkeypatch.setattr(sandbox.sys, "platform", "darwin")
     sandbox.confinement.cache_clear()
     try:

@@ -7,16 +7,17 @@ apply(readable, writable, owned) confines the calling process, irreversibly, bef
   is): Landlock, below, still decides what it may read;
 - no new privileges (PR_SET_NO_NEW_PRIVS), which Landlock and seccomp require of an unprivileged process;
 - Landlock (Linux >= 5.13): files beneath `readable` may be read and executed, files beneath `writable` also written,
-  created, renamed and removed; nothing else may be opened, listed, created or removed. From Landlock ABI 4
-  (Linux 6.7) no TCP bind or connect either, and from ABI 6 (Linux 6.12) no abstract UNIX socket and no signal outside
-  the process;
-- a seccomp filter, a BPF program the kernel runs on every system call of every thread: no new processes (clone
-  only makes threads), no exec, no sockets of any family, no ptrace or reading another process's memory, no signal,
+  created, renamed and removed (no directory made: a deep tree, or millions, would stall the work directory's removal);
+  nothing else may be opened, listed, created or removed. From Landlock ABI 4 (Linux 6.7) no TCP bind or connect
+  either, and from ABI 6 (Linux 6.12) no abstract UNIX socket and no signal outside the process;
+- a seccomp filter, a BPF program the kernel runs on every system call of every thread: no new processes (clone only
+  makes threads), no exec, no sockets of any family, no ptrace or reading another process's memory, no signal,
   priority or limit set on another process (and no file's SIGIO aimed anywhere), no System V IPC or POSIX message
-  queues, no namespaces or mounts, no mode, owner, attribute or time changes and no truncation by path (Landlock does
-  not govern those), no opening by file handle, no kernel log, keyrings, BPF, perf events, userfaultfd or io_uring
-  (whose requests would skip the filter). A system call numbered past the newest
-  one here (Linux 6.18's) answers ENOSYS, so a call added to a later kernel is refused until it is looked at here.
+  queues, no namespaces or mounts, no mode, owner, attribute, flag or time changes and no truncation by path (Landlock
+  does not govern those), no memory files (memfd: RAM beyond the address-space limit), no opening by file handle, no
+  kernel log, keyrings, BPF, perf events, userfaultfd or io_uring (whose requests would skip the filter). A system
+  call numbered past the newest one here (Linux 6.18's) answers ENOSYS, so a call added to a later kernel is refused
+  until it is looked at here.
 
 Where the kernel cannot do all of it, apply() raises Unavailable with the reason: nothing is changed when Landlock, the
 architecture or a second thread is the reason; a failure later leaves the process half confined, and its caller must
@@ -42,7 +43,7 @@ LIBC.syscall.restype = ctypes.c_long
 CREATE_RULESET, ADD_RULE, RESTRICT_SELF = 444, 445, 446
 RULESET_VERSION, RULE_PATH_BENEATH = 1, 1
 EXECUTE, WRITE_FILE, READ_FILE, READ_DIR = 1 << 0, 1 << 1, 1 << 2, 1 << 3
-MAKE_CHAR, MAKE_BLOCK = 1 << 6, 1 << 11
+MAKE_CHAR, MAKE_DIR, MAKE_BLOCK = 1 << 6, 1 << 7, 1 << 11
 REFER, TRUNCATE, IOCTL_DEV = 1 << 13, 1 << 14, 1 << 15  # ABI 2, 3 and 5
 FS_ABI1 = (1 << 13) - 1  # the 13 rights of ABI 1: execute, write, read, read a directory, remove and make each kind
 FILE_RIGHTS = EXECUTE | WRITE_FILE | READ_FILE | TRUNCATE | IOCTL_DEV  # the rights a rule on a file (not a dir) takes
@@ -96,15 +97,18 @@ REFUSED = {  # these answer EPERM
     "keyctl": (250, 219), "add_key": (248, 217), "request_key": (249, 218), "bpf": (321, 280),
     "perf_event_open": (298, 241), "userfaultfd": (323, 282), "uselib": (134, None),
     "io_uring_setup": (425, 425), "io_uring_enter": (426, 426), "io_uring_register": (427, 427),
+    # memory files: RAM outside the address-space limit, bounded only by the number of open files
+    "memfd_create": (319, 279), "memfd_secret": (447, 447),
 }  # fmt: skip
 ON_ITSELF = {  # allowed only when the first argument (a pid) is 0 or this process's own pid; else EPERM
     "kill": (62, 129), "tgkill": (234, 131), "rt_sigqueueinfo": (129, 138), "rt_tgsigqueueinfo": (297, 240),
     "prlimit64": (302, 261), "sched_setaffinity": (203, 122), "sched_setscheduler": (144, 119),
     "sched_setparam": (142, 118), "sched_setattr": (314, 274),
 }  # fmt: skip
-COMMANDS = {  # refused (EPERM) when the second argument is one of these: they aim a file's SIGIO at another process
-    "fcntl": ((72, 25), (8, 15)),  # F_SETOWN, F_SETOWN_EX
-    "ioctl": ((16, 29), (0x8901, 0x8902)),  # FIOSETOWN, SIOCSPGRP
+COMMANDS = {  # refused (EPERM) when the second argument is one of these
+    "fcntl": ((72, 25), (8, 15)),  # F_SETOWN, F_SETOWN_EX: a file's SIGIO aimed at another process
+    # FIOSETOWN, SIOCSPGRP (the same by ioctl); FS_IOC_SETFLAGS, its 32-bit twin, FS_IOC_FSSETXATTR (a file's flags)
+    "ioctl": ((16, 29), (0x8901, 0x8902, 0x40086602, 0x40046602, 0x401C5820)),
 }
 CLONE, CLONE3 = (56, 220), (435, 435)  # clone: threads only (below); clone3: ENOSYS
 SECCOMP, CAPSET = (317, 277), (126, 91)  # what apply() itself calls
@@ -164,7 +168,9 @@ def landlock(abi: int, readable: list[str], writable: list[str]):
     ruleset = syscall(CREATE_RULESET, ctypes.create_string_buffer(attr, len(attr)), len(attr), 0)
     try:
         read = EXECUTE | READ_FILE | READ_DIR
-        write = fs & ~(EXECUTE | MAKE_CHAR | MAKE_BLOCK)  # all but devices (and exec, refused anyway)
+        # all but devices, exec (refused anyway) and directories: a deep tree or millions of them would stall the
+        # removal of the work directory long after the program's time was up
+        write = fs & ~(EXECUTE | MAKE_CHAR | MAKE_BLOCK | MAKE_DIR)
         for paths, rights in ((readable, read), (writable, write)):
             for path in paths:
                 fd = os.open(path, os.O_PATH | os.O_CLOEXEC)

