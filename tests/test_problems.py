@@ -50,12 +50,14 @@ def test_a_problem_runs_its_doctests_against_the_answer_in_its_module(candidates
 
 
 def test_stdlib_problems_keeps_the_decisive_tests(candidates):
-    """Of three candidates (too_long leaves out the rest), statistics.median and statistics.mode are kept and
-    secrets.token_hex, whose doctest is marked +SKIP and so passes anything, is left out."""
+    """Of three candidates (too_long leaves out the rest), statistics.median and statistics.mode are kept, the shorter
+    canonical solution first, and secrets.token_hex, whose doctest is marked +SKIP and so passes anything, is left
+    out."""
     keep = {"stdlib/statistics.median", "stdlib/statistics.mode", "stdlib/secrets.token_hex"}
     assert "+SKIP" in candidates["stdlib/secrets.token_hex"]["prompt"]
     found = problems.stdlib_problems(too_long=lambda p: "" if p["task_id"] in keep else "left out")
-    assert [p["task_id"] for p in found] == ["stdlib/statistics.median", "stdlib/statistics.mode"]
+    assert {p["task_id"] for p in found} == {"stdlib/statistics.median", "stdlib/statistics.mode"}
+    assert [len(p["canonical_solution"]) for p in found] == sorted(len(p["canonical_solution"]) for p in found)
 
 
 ADD = dict(task_id="add", prompt="def add(a, b):\n", entry_point="add",

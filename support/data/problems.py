@@ -11,7 +11,8 @@ the docstring's doctests against the answer in the function's module: the answer
 for a method), and doctest's runner must report no failure. A function is kept when its own body passes that test in
 the sandbox (some doctests need files, a display or a fixed clock), a body that only raises does not (a doctest marked
 +SKIP passes anything), it has no decorator (a staticmethod or a property put back as a plain function would change)
-and its prompt and sample_tokens fit the context. CPython 3.11: 282 found, 162 kept, in about 15 s of sandboxed runs.
+and its prompt and sample_tokens fit the context. CPython 3.11: 282 found, 162 kept, in about 15 s of sandboxed runs;
+the shortest canonical solution comes first, a rough order of difficulty.
 
 A user's file: JSON lines with those four fields and optionally `canonical_solution`. Each mistake is one line naming
 the file and line, before anything is written: a missing field, a canonical_solution that does not pass its own test,
@@ -26,6 +27,7 @@ from pathlib import Path
 
 from support.evaluation import humaneval, sandbox
 
+CHECK_TIMEOUT = 30.0  # seconds for a canonical solution: a busy machine must not change which problems are kept
 STUB = "    raise NotImplementedError\n"  # an answer that answers nothing: a test it passes decides nothing
 SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "__pycache__"}
 TEST = """
@@ -109,15 +111,30 @@ def decisive(problems, confine=True) -> list[bool]:
     """Whether each problem's test tells answers apart: its canonical_solution passes and a body that only raises
     fails (a doctest marked +SKIP, or one that never calls the function, passes anything). Run in the sandbox."""
     programs = [humaneval.program(p, answer) for p in problems for answer in (p["canonical_solution"], STUB)]
-    verdicts = sandbox.run_many(programs, confine=confine)
+    verdicts = sandbox.run_many(programs, CHECK_TIMEOUT, confine=confine)
     return [right == "passed" and stub != "passed" for right, stub in zip(verdicts[::2], verdicts[1::2], strict=True)]
 
 
 def stdlib_problems(too_long=None, confine=True) -> list[dict]:
-    """The standard library's doctested functions whose tests are decisive, in a fixed order; too_long(problem) -> str,
-    when given, leaves out the problems whose prompt leaves no room for an answer (it says why, "" if not)."""
+    """The standard library's doctested functions whose tests are decisive, the shortest canonical solution first (so
+    that max_examples keeps the easiest); too_long(problem) -> str, when given, leaves out the problems whose prompt
+    leaves no room for an answer (it says why, "" if not)."""
     candidates = [p for p in stdlib_candidates() if too_long is None or not too_long(p)]
-    return [p for p, ok in zip(candidates, decisive(candidates, confine), strict=True) if ok]
+    kept = [p for p, ok in zip(candidates, decisive(candidates, confine), strict=True) if ok]
+    return sorted(kept, key=lambda p: (len(p["canonical_solution"]), p["task_id"]))
+
+
+def room(tok, template, sample_tokens, context_length):
+    """too_long(problem) -> str: why a problem's prompt, as humaneval.prompt_ids puts it, leaves no room for an answer
+    of sample_tokens within context_length ("auto": any), or "" when it does."""
+
+    def too_long(problem) -> str:
+        n = len(humaneval.prompt_ids(problem, tok, template))
+        if context_length == "auto" or n + sample_tokens <= context_length:
+            return ""
+        return f"prompt of {n} tokens + sample_tokens {sample_tokens} exceeds context_length {context_length}"
+
+    return too_long
 
 
 def read_problems(path, too_long=None, confine=True) -> list[dict]:
@@ -135,7 +152,7 @@ def read_problems(path, too_long=None, confine=True) -> list[dict]:
             raise ValueError(f"{path}:{n}: {why}")
     solved = [(n, humaneval.program(p, r["canonical_solution"]))
               for n, p, r in zip(numbers, problems, rows, strict=True) if "canonical_solution" in r]  # fmt: skip
-    verdicts = sandbox.run_many([program for _, program in solved], confine=confine)
+    verdicts = sandbox.run_many([program for _, program in solved], CHECK_TIMEOUT, confine=confine)
     for (n, _), verdict in zip(solved, verdicts, strict=True):
         if verdict != "passed":
             raise ValueError(f"{path}:{n}: canonical_solution does not pass its test ({verdict})")
