@@ -60,8 +60,8 @@ from support.data.tokenizer import Tokenizer
 from support.evaluation import humaneval
 from support.evaluation.sampling import dense_weights, generate_batch
 from support.formats.hf_config import read_config
-from support.run import checkpoint, ranks, stops, trackers
-from support.run.config import above, at_least, check_config, integer_at_least, load_config, setting, within
+from support.run import checkpoint, config, ranks, stops, trackers
+from support.run.config import above, at_least, integer_at_least, setting, within
 from support.run.outputs import write_outputs
 from support.run.precision import pick_precision
 from support.run.run_dir import claim_inputs, claim_out_dir
@@ -83,34 +83,10 @@ class RLConfig(train.Config):
     clip_eps: float = setting(0.2, above(0))  # the ratio is clipped to [1 - eps, 1 + eps]
 
 
+# train.py's settings that rl.py does not use: refused unless left at their defaults
 TRAIN_ONLY = ("data_format", "val_data", "val_fraction", "train_on_prompt", "truncate", "skip_bad_rows", "pack",
               "pad_to_max", "batch_tokens", "lora_dropout", "compile", "mlp_tile_tokens", "chunked_loss", "eval_rows",
               "eval_samples", "preview", "plan", "parallel", "cpu_offload")  # fmt: skip
-
-
-def check(cfg: RLConfig):
-    """train.py's checks, then the settings of train.py that rl.py does not use, each left at its default."""
-    check_config(cfg)
-    unused = [k for k in TRAIN_ONLY if getattr(cfg, k) != getattr(RLConfig, k)]
-    errors = [
-        f"{k}: train.py's setting, which rl.py does not use (leave it at {getattr(RLConfig, k)!r})" for k in unused
-    ]
-    if int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        errors.append("rl.py runs in one process; start it with python, not torchrun")
-    if errors:
-        raise ValueError("\n".join(errors))
-
-
-def load_problems(cfg: RLConfig, tok, template) -> list[dict]:
-    """The training problems, each with room for an answer: the stdlib's (those without are left out) or the file's (a
-    prompt without is an error naming its line)."""
-    too_long = problem_sets.room(tok, template, cfg.sample_tokens, cfg.context_length)
-    confine = not cfg.eval_task_unconfined
-    found = (problem_sets.read_problems(cfg.data, too_long, confine) if cfg.data
-             else problem_sets.stdlib_problems(too_long, confine))  # fmt: skip
-    if not found:
-        raise ValueError(f"data: no problem fits context_length {cfg.context_length} with sample_tokens")
-    return found[: cfg.max_examples or None]
 
 
 def step_problems(cfg: RLConfig, n: int, step: int) -> list[int]:
@@ -123,29 +99,24 @@ def step_problems(cfg: RLConfig, n: int, step: int) -> list[int]:
 @torch.no_grad()
 def rollout(cfg: RLConfig, run, step: int) -> dict:
     """G sampled answers to each of the step's problems, seeded by (seed, step), and their rewards from the sandbox."""
-    chosen = [run.problems[i] for i in step_problems(cfg, len(run.problems), step)]
-    template = cfg.template or None
-    chat, prompts = humaneval.is_chat(run.tok, template), [humaneval.prompt_ids(p, run.tok, template) for p in chosen]
-    stop = [run.tok.eos_id] if isinstance(run.tok.eos_id, int) else list(run.tok.eos_id or [])
-    done = lambda i, new: humaneval.finished(run.tok.decode(new), chat)  # noqa: E731
-    start, on_cpu = time.perf_counter(), run.place.device.type == "cpu"
+    chosen = [run.problems[i] for i in step_problems(cfg, len(run.problems), step) for _ in range(cfg.group_size)]
+    tok, template, start = run.tok, cfg.template or None, time.perf_counter()
+    chat, prompts = humaneval.is_chat(tok, template), [humaneval.prompt_ids(p, tok, template) for p in chosen]
+    stop = [tok.eos_id] if isinstance(tok.eos_id, int) else list(tok.eos_id or [])
+    done = lambda i, new: humaneval.finished(tok.decode(new), chat)  # noqa: E731  (its code block has closed)
     run.model.eval()
-    with dense_weights(run.model) if on_cpu else nullcontext(), run.place.autocast():  # CUDA: the NF4 kernel
-        answers = generate_batch(run.model, [p for p in prompts for _ in range(cfg.group_size)], cfg.sample_tokens,
-                                 stop, done, stop[0] if stop else 0, cfg.temperature, cfg.top_p,
-                                 seed=cfg.seed * 1_000_003 + step)  # fmt: skip
+    with dense_weights(run.model) if run.place.device.type == "cpu" else nullcontext(), run.place.autocast():
+        answers = generate_batch(run.model, prompts, cfg.sample_tokens, stop, done, stop[0] if stop else 0,
+                                 cfg.temperature, cfg.top_p, seed=cfg.seed * 1_000_003 + step)  # fmt: skip
     run.model.train()
-    generated = time.perf_counter()
-    texts = [run.tok.decode([t for t in a if t not in stop]) for a in answers]
-    repeated = [p for p in chosen for _ in range(cfg.group_size)]
-    verdicts = humaneval.score(repeated, [humaneval.completion(t, chat) for t in texts],
-                               confine=not cfg.eval_task_unconfined)  # fmt: skip
+    generated, texts = time.perf_counter(), [tok.decode([t for t in a if t not in stop]) for a in answers]
+    completions = [humaneval.completion(t, chat) for t in texts]
+    verdicts = humaneval.score(chosen, completions, confine=not cfg.eval_task_unconfined)
     rewards = torch.tensor([v == "passed" for v in verdicts], dtype=torch.float32)
-    seqs = [(prompts[i // cfg.group_size], a) for i, a in enumerate(answers)]
-    first = rewards[: cfg.group_size].tolist()  # the first group's answers, shown at evaluations
-    shown = [dict(prompt=chosen[0]["prompt"], answer=t, reward=r) for t, r in zip(texts, first, strict=False)]
-    times = dict(generate_s=generated - start, reward_s=time.perf_counter() - generated)
-    return dict(seqs=seqs, rewards=rewards, samples=shown, task_ids=[p["task_id"] for p in chosen], **times)
+    shown = [dict(prompt=chosen[0]["prompt"], answer=texts[i], reward=float(rewards[i])) for i in range(cfg.group_size)]
+    return dict(seqs=list(zip(prompts, answers, strict=True)), rewards=rewards, samples=shown,
+                task_ids=[p["task_id"] for p in chosen[:: cfg.group_size]], generate_s=generated - start,
+                reward_s=time.perf_counter() - generated)  # fmt: skip
 
 
 def advantages(rewards, group_size: int, scale: bool = True):
@@ -169,17 +140,16 @@ def micro_batches(seqs, max_tokens):
     for row in rows:
         ids, pos, where = [], [], []
         for p, a in row:
-            where += range(len(ids) + len(p) - 1, len(ids) + len(p) + len(a) - 1)  # the last prompt token on
+            where += range(len(ids) + len(p) - 1, len(ids) + len(p) + len(a) - 1)  # from the prompt's last token on
             ids, pos = ids + [*p, *a], pos + list(range(len(p) + len(a)))
-        targets = torch.tensor([t for _, a in row for t in a])
         out.append(dict(ids=torch.tensor([ids]), position_ids=torch.tensor([pos]), where=torch.tensor(where),
-                        targets=targets))  # fmt: skip
+                        targets=torch.tensor([t for _, a in row for t in a])))  # fmt: skip
     return out
 
 
 def token_logprobs(model, batch, temperature, place):
-    """lp (m,): log softmax(logits / T) of each answer token of a micro-batch, from the training forward: fp32 logits
-    (1, L, vocab) of the packed row, those at `where` (m, vocab) normalised."""
+    """lp (m,): log softmax(logits / T) of each answer token of a micro-batch, from the training forward: the logits
+    (1, L, vocab) of the packed row, those at `where` (m, vocab) in fp32."""
     with place.autocast():
         logits = model(batch["ids"].to(place.device), batch["position_ids"].to(place.device))
     logits = logits[0, batch["where"].to(place.device)].float() / temperature
@@ -187,7 +157,7 @@ def token_logprobs(model, batch, temperature, place):
 
 
 def token_weights(lengths, loss_norm: str, sample_tokens: int):
-    """w (n,): each answer token's weight in the loss, for answers of `lengths` (N,): see the docstring's step 4."""
+    """w (n,): each answer token's weight in the loss, for answers of `lengths` (N,): the docstring's step 4."""
     n = torch.as_tensor(lengths)
     per_answer = {"token": 1 / n.sum().float(), "sequence": 1 / (n.float() * len(n)),
                   "constant": torch.tensor(1 / (len(n) * sample_tokens))}[loss_norm]  # fmt: skip
@@ -224,31 +194,24 @@ class Run:
     samples: list = field(default_factory=list)  # the last step's first group: prompt, answer and reward of each
 
 
-def per_micro(batches, flat, device):
-    """flat (n,) over the step's answer tokens -> its slice of each micro-batch, on `device` (None: Nones)."""
-    return [None] * len(batches) if flat is None else list(flat.to(device).split([len(b["targets"]) for b in batches]))
-
-
-@torch.no_grad()
-def fixed_logprobs(cfg: RLConfig, run, batches):
-    """(lp_old, lp_ref) over the step's answer tokens before any update: lp_old when a batch makes more than one
-    update (else each update's own detached lp), lp_ref with the adapters off when the KL is weighed (else None)."""
-    lp = lambda: torch.cat([token_logprobs(run.model, b, cfg.temperature, run.place) for b in batches])  # noqa: E731
-    old = lp() if cfg.updates_per_batch > 1 else None
-    with lora.adapters_off(run.model):
-        ref = lp() if cfg.kl_coef else None
-    return old, ref
-
-
 def prepared(cfg: RLConfig, run, roll: dict) -> list[tuple]:
-    """The step's micro-batches, each with its answer tokens' advantages, weights, lp_old and lp_ref (or Nones)."""
+    """The step's micro-batches, each with its answer tokens' advantages, weights, lp_old and lp_ref (or Nones),
+    these two computed before any update: lp_old when a batch makes more than one update (else each update's own lp,
+    detached), lp_ref with the adapters off when the KL is weighed."""
     lengths = [len(a) for _, a in roll["seqs"]]
     adv = advantages(roll["rewards"], cfg.group_size, cfg.scale_rewards).repeat_interleave(torch.tensor(lengths))
     w = token_weights(lengths, cfg.loss_norm, cfg.sample_tokens)
-    limit = cfg.micro_batch_tokens if isinstance(cfg.micro_batch_tokens, int) else math.inf
-    batches = micro_batches(roll["seqs"], limit)
-    old, ref = fixed_logprobs(cfg, run, batches)
-    return list(zip(batches, *(per_micro(batches, x, run.place.device) for x in (adv, w, old, ref)), strict=True))
+    batches = micro_batches(
+        roll["seqs"], cfg.micro_batch_tokens if isinstance(cfg.micro_batch_tokens, int) else math.inf
+    )
+    with torch.no_grad():
+        lp = lambda: torch.cat([token_logprobs(run.model, b, cfg.temperature, run.place) for b in batches])  # noqa: E731
+        old = lp() if cfg.updates_per_batch > 1 else None
+        with lora.adapters_off(run.model):  # the reference policy: this model, computing as its base
+            ref = lp() if cfg.kl_coef else None
+    sizes = [len(b["targets"]) for b in batches]
+    split = lambda x: [None] * len(batches) if x is None else x.to(run.place.device).split(sizes)  # noqa: E731
+    return list(zip(batches, *map(split, (adv, w, old, ref)), strict=True))
 
 
 def backward(cfg: RLConfig, run, parts) -> tuple[float, float | None]:
@@ -273,14 +236,13 @@ def grpo_step(cfg: RLConfig, run, roll: dict) -> dict:
         norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or math.inf))
         if update == 0:  # the step's record: the loss and KL of the policy that sampled
             record = {"loss": loss} | ({"kl": kl} if kl is not None else {})
-        record["grad_norm"] = norm
-        if not stops.finite(record, run.scaler):
-            return record
+        if not stops.finite(record | {"grad_norm": norm}, run.scaler):  # the update is never applied
+            return record | {"grad_norm": norm}
         run.scaler.step(run.opt)
         run.scaler.update()
         run.opt.zero_grad(set_to_none=True)
     tokens, seconds = sum(len(p) + len(a) for p, a in roll["seqs"]) * cfg.updates_per_batch, time.perf_counter() - start
-    return record | {"train_s": seconds, "train_tokens_per_s": tokens / seconds}
+    return record | {"grad_norm": norm, "train_s": seconds, "train_tokens_per_s": tokens / seconds}
 
 
 def rl_step(cfg: RLConfig, run) -> dict:
@@ -298,9 +260,8 @@ def rl_step(cfg: RLConfig, run) -> dict:
     record |= grpo_step(cfg, run, roll)
     if not stops.finite(record, run.scaler):
         stops.stop_not_finite(cfg, run.history + [record], run.last_saved)
-    run.step += 1
+    run.step, run.samples = run.step + 1, roll["samples"]
     run.history.append(record)
-    run.samples = roll["samples"]
     return record
 
 
@@ -313,9 +274,8 @@ def loop(cfg: RLConfig, run):
             record = rl_step(cfg, run)
             if cfg.eval_every and (run.step % cfg.eval_every == 0 or run.step == cfg.max_steps) and not asked:
                 record["samples"] = run.samples  # one group's sampled answers, with their rewards
-                record |= humaneval.task_record(
-                    cfg, run.model, run.tok, run.eval_problems, run.place.autocast, run.step
-                )
+                record |= humaneval.task_record(cfg, run.model, run.tok, run.eval_problems, run.place.autocast,
+                                                run.step)  # fmt: skip
             bar.set_postfix_str(f"reward {record['reward']:.2f} no-signal {record['no_signal']:.2f} loss "
                                 f"{record['loss']:.4f} gen {record['generated_per_s']:.0f} tok/s")  # fmt: skip
             bar.update(1)
@@ -332,11 +292,14 @@ def loop(cfg: RLConfig, run):
 
 def rl(cfg: RLConfig) -> list[dict]:
     """Train as `cfg` says; returns the metrics history (step 0's record, then one per step)."""
-    check(cfg)
+    config.check_config(cfg)
+    config.check_unused(cfg, TRAIN_ONLY, "rl.py")
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        raise ValueError("rl.py runs in one process: start it with python, not torchrun")
     eval_problems = humaneval.task_problems(cfg)  # a bad eval_task file fails here, before anything is written
     model_dir, _ = claim_inputs(dataclasses.replace(cfg, preview=True))  # a preview claims no out_dir: not yet
     tok = Tokenizer(model_dir)
-    found = load_problems(cfg, tok, cfg.template or None)  # a bad problem file fails here, with nothing written
+    found = problem_sets.training_problems(cfg, tok)  # a bad problem file fails here, with nothing written
     claim_out_dir(cfg)
     print(f"{len(found)} problems; {cfg.problems_per_step} x {cfg.group_size} answers a step")
     place = train.setup(cfg)
@@ -346,8 +309,8 @@ def rl(cfg: RLConfig) -> list[dict]:
     scaler = torch.amp.GradScaler("cuda", enabled=place.dtype == torch.float16)
     run = Run(model, opt, scaler, tok, place, found, eval_problems, trackers.open_tracker(cfg))
     if cfg.resume:
-        run.step = run.last_saved = checkpoint.load_checkpoint(os.path.join(cfg.out_dir, "checkpoint.pt"), model,
-                                                               opt, scaler, cfg)  # fmt: skip
+        where = os.path.join(cfg.out_dir, "checkpoint.pt")
+        run.step = run.last_saved = checkpoint.load_checkpoint(where, model, opt, scaler, cfg)
         run.history = checkpoint.read_metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), run.step)
     elif cfg.eval_every and (record := humaneval.task_record(cfg, model, tok, eval_problems, place.autocast, 0)):
         run.history.append({"step": 0} | record)  # the policy before training: eval_task's pass@1
@@ -361,7 +324,7 @@ def rl(cfg: RLConfig) -> list[dict]:
 
 def main(argv=None):
     """The command: a config file and --key=value flags; a user's mistake is one line."""
-    ranks.one_line_errors(lambda: rl(load_config(RLConfig, sys.argv[1:] if argv is None else argv)))
+    ranks.one_line_errors(lambda: rl(config.load_config(RLConfig, sys.argv[1:] if argv is None else argv)))
 
 
 if __name__ == "__main__":

@@ -119,7 +119,7 @@ def test_loss_and_gradients_equal_trls(tiny_dir, tmp_path, norm, kl_coef, scale,
 def test_adapters_off_is_the_base_model_bit_for_bit(tiny_dir):
     """The QLoRA model with trained-looking adapters (B away from zero), its adapters switched off, gives the answer
     tokens' log-probabilities of the NF4 base model loaded without adapters, bit for bit, and so does the reference
-    the step computes (rl.fixed_logprobs); with the adapters on they differ."""
+    the step computes (rl.prepared); with the adapters on they differ."""
     base = train.load_model(tiny_dir, torch.float32, quantize=True)
     model = train.load_model(tiny_dir, torch.float32, quantize=True, add_lora=dict(targets="all-linear", r=4, alpha=8,
                                                                                     dropout=0.0))  # fmt: skip
@@ -138,7 +138,9 @@ def test_adapters_off_is_the_base_model_bit_for_bit(tiny_dir):
             assert torch.equal(rl.token_logprobs(model, batch, 0.7, place), want)
     assert not torch.equal(adapted, want)
     run = rl.Run(model, None, None, None, place, [], [])
-    assert torch.equal(rl.fixed_logprobs(rl.RLConfig(kl_coef=0.1, temperature=0.7), run, [batch])[1], want)
+    roll = dict(seqs=seqs, rewards=torch.tensor([1.0, 0.0, 1.0]))
+    parts = rl.prepared(rl.RLConfig(kl_coef=0.1, temperature=0.7, group_size=3), run, roll)
+    assert torch.equal(torch.cat([ref for *_, ref in parts]), want)
 
 
 OPEN, CLOSE = 'text = r"""', '"""\ndef f():\n    pass\ndef check(c):\n    assert {}\n'  # the answer is a string

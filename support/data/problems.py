@@ -157,3 +157,15 @@ def read_problems(path, too_long=None, confine=True) -> list[dict]:
         if verdict != "passed":
             raise ValueError(f"{path}:{n}: canonical_solution does not pass its test ({verdict})")
     return problems
+
+
+def training_problems(cfg, tok) -> list[dict]:
+    """rl.py's problems (an rl.RLConfig's data, max_examples, sample_tokens, context_length, template), each with
+    room for an answer: the stdlib's (those without are left out) or the data file's (a prompt without is an error
+    naming its line); confined by the kernel unless eval_task_unconfined."""
+    too_long = room(tok, cfg.template or None, cfg.sample_tokens, cfg.context_length)
+    confine = not cfg.eval_task_unconfined
+    found = read_problems(cfg.data, too_long, confine) if cfg.data else stdlib_problems(too_long, confine)
+    if not found:
+        raise ValueError(f"data: no problem fits context_length {cfg.context_length} with sample_tokens")
+    return found[: cfg.max_examples or None]
