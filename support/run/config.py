@@ -202,3 +202,12 @@ def fsdp_conflicts(cfg) -> list[tuple[str, str]]:
         out.append((key, "the merge needs the whole model in one process: after training, run the same config with "
                          "--parallel=ddp --resume and the export, on one machine"))  # fmt: skip
     return out
+
+
+def check_unused(cfg, names, program):
+    """The settings `names` of cfg that `program` does not use (a chapter whose Config extends train.Config, such as
+    rl.py's) must be left at their defaults: a ValueError with one line for each that is not."""
+    errors = [f"{k}: train.py's setting, which {program} does not use (leave it at {getattr(type(cfg), k)!r})"
+              for k in names if getattr(cfg, k) != getattr(type(cfg), k)]  # fmt: skip
+    if errors:
+        raise ValueError("\n".join(errors))

@@ -1,0 +1,99 @@
+"""support/data/problems.py: the problems rl.py trains on.
+
+What this file proves: the standard library holds about 290 functions and methods with doctests, found with their
+signature + docstring as the prompt and their own body as the canonical solution; a problem's test runs the doctests
+against the answer in the function's module (its helpers in scope, a method put back on its class): the original body
+passes, a wrong one fails; a problem whose doctests pass any answer (+SKIP) is left out. A user's file: every mistake
+is one line naming the file and line (a missing field, a canonical_solution that fails its test or is not text, a
+prompt with no room for an answer), and a good file loads whole.
+"""
+
+import json
+
+import pytest
+
+from support.data import problems
+from support.evaluation import humaneval, sandbox
+
+
+@pytest.fixture(scope="module")
+def candidates():
+    return {p["task_id"]: p for p in problems.stdlib_candidates()}
+
+
+def test_the_stdlib_holds_about_290_doctested_functions(candidates):
+    """Python 3.11 has 288 doctested functions and methods, 282 without a decorator; each becomes a problem with
+    HumanEval's fields and its own body as canonical_solution, the prompt naming the function above its signature."""
+    assert 250 <= len(candidates) <= 400
+    median = candidates["stdlib/statistics.median"]
+    assert set(median) == {*humaneval.FIELDS, "canonical_solution"} and median["entry_point"] == "median"
+    assert median["prompt"].startswith("# statistics.median, from Python's standard library\ndef median(data):\n")
+    assert ">>> median([1, 3, 5])" in median["prompt"] and "return" in median["canonical_solution"]
+    assert (
+        candidates["stdlib/fractions.Fraction.limit_denominator"]["prompt"]
+        .splitlines()[1]
+        .startswith("def limit_denominator(self")
+    )
+
+
+def test_a_problem_runs_its_doctests_against_the_answer_in_its_module(candidates):
+    """The original bodies pass, in the sandbox: a module-level function using its module's helpers (statistics.median
+    calls sorted and raises StatisticsError), and a method (Counter.most_common, put back on Counter); an answer off by
+    one fails with the count of failed examples; an answer that only raises fails."""
+    median, common = candidates["stdlib/statistics.median"], candidates["stdlib/collections.Counter.most_common"]
+    wrong = "    data = sorted(data)\n    return data[len(data) // 2 - 1]\n"
+    answers = [(median, median["canonical_solution"]), (median, wrong), (common, common["canonical_solution"])]
+    verdicts = sandbox.run_many([humaneval.program(p, a) for p, a in [*answers, (common, problems.STUB)]])
+    assert verdicts[0] == "passed" and verdicts[2] == "passed"
+    assert verdicts[1].startswith("failed: AssertionError:") and "doctest examples failed" in verdicts[1]
+    assert verdicts[3].startswith("failed")
+
+
+def test_stdlib_problems_keeps_the_decisive_tests(candidates):
+    """Of three candidates (too_long leaves out the rest), statistics.median and statistics.mode are kept, the shorter
+    canonical solution first, and secrets.token_hex, whose doctest is marked +SKIP and so passes anything, is left
+    out."""
+    keep = {"stdlib/statistics.median", "stdlib/statistics.mode", "stdlib/secrets.token_hex"}
+    assert "+SKIP" in candidates["stdlib/secrets.token_hex"]["prompt"]
+    found = problems.stdlib_problems(too_long=lambda p: "" if p["task_id"] in keep else "left out")
+    assert {p["task_id"] for p in found} == {"stdlib/statistics.median", "stdlib/statistics.mode"}
+    assert [len(p["canonical_solution"]) for p in found] == sorted(len(p["canonical_solution"]) for p in found)
+
+
+ADD = dict(task_id="add", prompt="def add(a, b):\n", entry_point="add",
+           test="def check(candidate):\n    assert candidate(2, 3) == 5\n")  # fmt: skip
+
+
+def write(path, rows):
+    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in rows))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({k: v for k, v in ADD.items() if k != "test"}, r":3: missing field 'test'"),
+        (ADD | {"task_id": "b", "canonical_solution": "    return a - b\n"},
+         r":3: canonical_solution does not pass its test \(failed: AssertionError"),
+        (ADD | {"task_id": "b", "canonical_solution": 7}, r":3: canonical_solution must be a string"),
+        (ADD | {"task_id": "b", "prompt": "def add(a, b):\n" + "    # a long comment\n" * 40},
+         r":3: prompt of \d+ words \+ 8 exceeds 100"),
+    ],
+    ids=["missing-field", "canonical-fails", "canonical-not-text", "prompt-too-long"],
+)  # fmt: skip
+def test_a_bad_problem_file_is_one_line_naming_its_line(tmp_path, row, message):
+    """Each mistake of a user's problem file is one ValueError line naming the file and the line (line 3: a blank line
+    before it counts)."""
+    path = write(tmp_path / "p.jsonl", [ADD | {"canonical_solution": "    return a + b\n"}, "", row])
+    too_long = lambda p: (
+        "" if len(p["prompt"].split()) < 100 else f"prompt of {len(p['prompt'].split())} words + 8 exceeds 100"
+    )  # noqa: E731
+    with pytest.raises(ValueError, match=rf"^{path}{message}") as e:
+        problems.read_problems(path, too_long)
+    assert "\n" not in str(e.value)
+
+
+def test_a_good_problem_file_loads(tmp_path):
+    """Problems with and without a canonical_solution load, in order, with HumanEval's four fields."""
+    path = write(tmp_path / "p.jsonl", [ADD | {"canonical_solution": "    return a + b\n"}, ADD | {"task_id": "b"}])
+    assert problems.read_problems(path) == [ADD, ADD | {"task_id": "b"}]
