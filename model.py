@@ -301,8 +301,9 @@ class Llama(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, position_ids=None, labels=None):
-        """input_ids (B, T) -> logits (B, T, vocab), or (loss_sum, n_tokens) when labels (B, T) are given.
+    def forward(self, input_ids, position_ids=None, labels=None, only=None):
+        """input_ids (B, T) -> logits (B, T, vocab), or (loss_sum, n_tokens) when labels (B, T) are given, or the
+        logits (n, vocab) at `only` (n,), indices into the B*T positions (rl.py's answer tokens: no (B, T, vocab)).
 
         position_ids (B, T) marks packed documents (each starts at 0); without them each row is one document. In
         training (with gradients) the options apply: checkpointing (offloaded), MLP tiles, the compiled blocks."""
@@ -320,7 +321,7 @@ class Llama(nn.Module):
                     x = checkpoint(layer, x, cos, sin, docs, None, tile, use_reentrant=False)
                 else:
                     x = layer(x, cos, sin, docs, None, tile)
-        x = self.model.norm(x)
+        x = self.model.norm(x if only is None else x.flatten(0, 1)[only])
         return self.lm_head(x) if labels is None else self.loss(x, labels)
 
     def embed(self, input_ids, position_ids):

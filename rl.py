@@ -149,10 +149,11 @@ def micro_batches(seqs, max_tokens):
 
 def token_logprobs(model, batch, temperature, place):
     """lp (m,): log softmax(logits / T) of each answer token of a micro-batch, from the training forward: the logits
-    (1, L, vocab) of the packed row, those at `where` (m, vocab) in fp32."""
+    (m, vocab) at `where` in the packed row (1, L), in fp32; no other position's logits are made."""
     with place.autocast():
-        logits = model(batch["ids"].to(place.device), batch["position_ids"].to(place.device))
-    logits = logits[0, batch["where"].to(place.device)].float() / temperature
+        logits = model(batch["ids"].to(place.device), batch["position_ids"].to(place.device),
+                       only=batch["where"].to(place.device))  # fmt: skip
+    logits = logits.float() / temperature
     return logits.log_softmax(-1).gather(-1, batch["targets"].to(place.device)[:, None])[:, 0]
 
 

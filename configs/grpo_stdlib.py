@@ -1,22 +1,23 @@
 # GRPO on the standard library's doctested functions (support/data/problems.py), the 24 with the shortest solutions:
 # SmolLM2-135M-Instruct QLoRA (the default model), 2 problems x 8 sampled answers a step, each answer rewarded 1 when
 # its function passes the docstring's doctests in the sandbox; HumanEval pass@1 of the greedy answers before and after.
-# About 30 minutes on 2 CPU cores, most of it the two HumanEval evaluations (docs/rl.md).
+# 32 minutes on 2 CPU cores, 20 of them the two HumanEval evaluations (docs/performance.md, "GRPO on CPU").
 
 max_examples = 24
 group_size = 8
 problems_per_step = 2
-max_steps = 12
+max_steps = 10
 sample_tokens = 192
 context_length = 448
+micro_batch_tokens = 1024  # a step's 16 answers in a few forwards: activations of ~1,000 tokens at a time
 temperature = 0.8
 kl_coef = 0.04
 lr = 5e-4
 warmup_steps = 0
 min_lr_ratio = 1.0
 precision = "fp32"
-eval_every = 12
-save_every = 4
+eval_every = 10
+save_every = 5
 eval_task = "humaneval"
 eval_task_at = "ends"
 out_dir = "out/grpo"

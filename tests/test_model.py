@@ -196,6 +196,8 @@ def packed_batch():
 
 
 def test_packed_rows_match_documents_alone():
+    """Each document of a packed row has the logits it has alone; without position_ids a row is one sequence; `only`
+    gives the rows of the full logits at those positions (rl.py's answer tokens)."""
     model = Llama(tiny_config()).eval()
     ids, pos, spans = packed_batch()
     with torch.no_grad():
@@ -205,6 +207,8 @@ def test_packed_rows_match_documents_alone():
             assert (packed[row, s:e] - alone).abs().max() < 1e-5
         # without position_ids each row is one causal sequence
         assert (model(ids[:1]) - model(ids[:1], torch.arange(15)[None])).abs().max() < 1e-5
+        at = torch.tensor([0, 7, 16, 29])  # of the 2 x 15 positions
+        assert (model(ids, pos, only=at) - packed.flatten(0, 1)[at]).abs().max() < 1e-6
 
 
 def rebuilt(model, **options):

@@ -91,12 +91,12 @@ def test_ctrl_c_then_a_lost_rank_then_resume(tiny_dir, steps, one_process, tmp_p
     assert_same_run(one_process, tmp_path)
 
 
-@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
-@pytest.mark.parametrize("case", ["bad row", "unwritable checkpoint"])
+@pytest.mark.parametrize("parallel, case", [("ddp", "bad row"), ("fsdp", "unwritable checkpoint")])
 def test_a_user_error_on_one_rank_ends_every_rank_with_its_line(tiny_dir, steps, tmp_path, parallel, case):
-    """A user error that one rank meets alone, under DDP and under FSDP: rank 1 a bad row of its share at step 2, or
-    rank 0 a checkpoint path it cannot write at step 1. Every rank ends with that rank's line (exit code 2, none by
-    torchrun's SIGTERM), where waiting for the lost collective would take rank_timeout (30 minutes)."""
+    """A user error that one rank meets alone: under DDP rank 1 a bad row of its share at step 2, under FSDP rank 0 a
+    checkpoint path it cannot write at step 1 (each error and each way of running once: the line travels the same way
+    in both). Every rank ends with that rank's line (exit code 2, none by torchrun's SIGTERM), where waiting for the
+    lost collective would take rank_timeout (30 minutes)."""
     out = tmp_path / "out"
     if case == "bad row":
         fault, line, rank = "error:1:2", "data.jsonl:7: missing field 'response'", 1
