@@ -54,13 +54,7 @@ def generate(model, prompt_ids, max_new_tokens, temperature=0.0, top_p=1.0, eos_
     gen = None if seed is None else torch.Generator(weight.device).manual_seed(seed)
     ids, out = torch.tensor([prompt_ids], device=weight.device), []
     for _ in range(max_new_tokens):
-        logits = model.decode(ids, cache)[0, -1].float()  # (vocab,)
-        if temperature == 0:
-            tok = int(logits.argmax())
-        else:
-            probs, order = torch.softmax(logits / temperature, -1).sort(descending=True)
-            probs[probs.cumsum(0) - probs > top_p] = 0  # drop tokens once the mass before them exceeds top_p
-            tok = int(order[torch.multinomial(probs, 1, generator=gen)])
+        tok = int(next_tokens(model.decode(ids, cache)[:, -1].float(), temperature, top_p, gen)[0])
         out.append(tok)
         if tok in stop:
             break
