@@ -221,6 +221,10 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin  # cos/sin (B, T, 1, D)
+        if isinstance(docs, torch.Tensor):  # a (B, T, T) mask: the keys each query sees (rl.py's shared prompts)
+            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                               attn_mask=docs[:, None], enable_gqa=True)  # fmt: skip
+            return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
         if docs is not None:  # packed rows: attention confined to each document, over (N, heads, D)
             o = self.varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), docs, self.window)
             return self.o_proj(o.reshape(B, T, -1))
@@ -301,14 +305,18 @@ class Llama(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids, position_ids=None, labels=None, only=None):
+    def forward(self, input_ids, position_ids=None, labels=None, only=None, mask=None):
         """input_ids (B, T) -> logits (B, T, vocab), or (loss_sum, n_tokens) when labels (B, T) are given, or the
         logits (n, vocab) at `only` (n,), indices into the B*T positions (rl.py's answer tokens: no (B, T, vocab)).
 
-        position_ids (B, T) marks packed documents (each starts at 0); without them each row is one document. In
-        training (with gradients) the options apply: checkpointing (offloaded), MLP tiles, the compiled blocks."""
+        position_ids (B, T) marks packed documents (each starts at 0); without them each row is one document. A mask
+        (B, T, T), True where query t may see key s, replaces the documents (rl.py: answers that share one prompt;
+        no sliding window then). In training (with gradients) the options apply: checkpointing (offloaded), MLP
+        tiles, the compiled blocks."""
         B, T = input_ids.shape
-        docs = None if position_ids is None else doc_bounds(position_ids)  # once per forward, shared by all layers
+        if mask is not None and any((layer.self_attn.window or T) < T for layer in self.model.layers):
+            raise ValueError(f"a mask of {T} tokens in a model with a shorter sliding window: not supported")
+        docs = mask if mask is not None or position_ids is None else doc_bounds(position_ids)  # shared by all layers
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         x, cos, sin = self.embed(input_ids, position_ids)

@@ -10,8 +10,9 @@ kernel: a reward the program could forge would teach forging). One step of GRPO 
 Shao et al. 2024, https://arxiv.org/abs/2402.03300):
 
 1. Rollout. P problems (support/data/problems.py); for each a group of G answers o_1..o_G sampled from the current
-   policy pi_theta at temperature T within the top_p nucleus, all P*G in one batch through the KV cache, the NF4
-   weights dequantized once per rollout on CPU (support/evaluation/sampling.py).
+   policy pi_theta at temperature T within the top_p nucleus, all P*G in one batch through the KV cache, each prompt
+   read once and its keys and values copied to its G rows, the NF4 weights dequantized once per rollout on CPU
+   (support/evaluation/sampling.py).
 2. Rewards. r_i = 1 when answer i's program (prompt + completion + test) passes, else 0. No partial credit: a share of
    asserts read from the program's own output is something the program could print.
 3. Advantages, within the group: A_i = (r_i - mean(r)) / (std(r) + 1e-4), std with Bessel's correction (as TRL);
@@ -19,7 +20,9 @@ Shao et al. 2024, https://arxiv.org/abs/2402.03300):
    mean is the baseline: no value network. A group whose answers all got the same reward has every A_i = 0 and
    teaches nothing (`no_signal`: the share of such groups).
 4. Loss, on the sampled tokens. The log-probability of token t of answer i under the policy, lp = log softmax(z / T)
-   at o_t, z the logits, is computed by the training forward (never taken from the sampler), with gradient:
+   at o_t, z the logits, is computed by the training forward (never taken from the sampler), with gradient. A group's
+   answers follow one copy of their prompt in a packed row, each seeing the prompt and itself only (an attention
+   mask): the prompt, often longer than an answer, is computed once for G answers.
        ratio = exp(lp - lp_old)                      lp_old: the policy that sampled (lp itself, detached, when a
                                                      batch makes one update; updates_per_batch > 1 makes it older)
        pg    = -min(ratio * A_i, clip(ratio, 1 - eps, 1 + eps) * A_i)
@@ -128,31 +131,47 @@ def advantages(rewards, group_size: int, scale: bool = True):
 
 # ----------------------------------------------------------------------------- the loss
 def micro_batches(seqs, max_tokens):
-    """The step's sequences, each (prompt ids, answer ids), packed in order into rows of at most max_tokens tokens (a
-    longer one alone): for each row its ids and position_ids (1, L), restarting at every sequence, `where` (m,) the
+    """The step's sequences (prompt ids, answer ids) packed in order into rows of at most max_tokens tokens (a longer
+    one alone), answers to one prompt after a single copy of it (a group that does not fit goes on in the next row,
+    its prompt again). For each row: ids and position_ids (1, L), an answer's positions going on from its prompt's;
+    `mask` (1, L, L), each token seeing the earlier tokens of its prompt and its own answer; `where` (m,) the
     positions whose logits predict answer tokens and `targets` (m,) those tokens."""
-    rows = [[]]
-    for p, a in seqs:
-        if rows[-1] and sum(len(x) + len(y) for x, y in rows[-1]) + len(p) + len(a) > max_tokens:
-            rows.append([])
-        rows[-1].append((p, a))
-    out = []
-    for row in rows:
-        ids, pos, where = [], [], []
-        for p, a in row:
-            where += range(len(ids) + len(p) - 1, len(ids) + len(p) + len(a) - 1)  # from the prompt's last token on
-            ids, pos = ids + [*p, *a], pos + list(range(len(p) + len(a)))
-        out.append(dict(ids=torch.tensor([ids]), position_ids=torch.tensor([pos]), where=torch.tensor(where),
-                        targets=torch.tensor([t for _, a in row for t in a])))  # fmt: skip
-    return out
+    rows, used = [], 0
+    for prompt, answer in seqs:
+        same = bool(rows) and rows[-1][-1][0] == prompt  # the row's last piece answers this prompt
+        need = len(answer) + (0 if same else len(prompt))
+        if not rows or (used and used + need > max_tokens):
+            rows, used, same = rows + [[]], 0, False
+            need = len(answer) + len(prompt)
+        if not same:
+            rows[-1].append((prompt, []))
+        rows[-1][-1][1].append(answer)
+        used += need
+    return [packed_row(row) for row in rows]
+
+
+def packed_row(row):
+    """One row of micro_batches from its pieces [(prompt, [answers])]."""
+    ids, pos, seg, sees, where = [], [], [], [], []  # seg: each token's piece; sees: the prompt piece it also sees
+    for prompt, answers in row:
+        p, first = len(prompt), len(seg)
+        ids, pos, seg, sees = ids + prompt, pos + list(range(p)), seg + [first] * p, sees + [first] * p
+        for a in answers:
+            where += [first + p - 1, *range(len(ids), len(ids) + len(a) - 1)]  # the prompt's last token, then a's
+            seg, sees = seg + [len(seg)] * len(a), sees + [first] * len(a)
+            ids, pos = ids + a, pos + list(range(p, p + len(a)))
+    seg, sees, at = torch.tensor(seg), torch.tensor(sees), torch.arange(len(ids))
+    mask = (at[None] <= at[:, None]) & ((seg[None] == seg[:, None]) | (seg[None] == sees[:, None]))  # (L, L)
+    return dict(ids=torch.tensor([ids]), position_ids=torch.tensor([pos]), mask=mask[None], where=torch.tensor(where),
+                targets=torch.tensor([t for _, answers in row for a in answers for t in a]))  # fmt: skip
 
 
 def token_logprobs(model, batch, temperature, place):
     """lp (m,): log softmax(logits / T) of each answer token of a micro-batch, from the training forward: the logits
     (m, vocab) at `where` in the packed row (1, L), in fp32; no other position's logits are made."""
     with place.autocast():
-        logits = model(batch["ids"].to(place.device), batch["position_ids"].to(place.device),
-                       only=batch["where"].to(place.device))  # fmt: skip
+        ids, pos, where, mask = (batch[k].to(place.device) for k in ("ids", "position_ids", "where", "mask"))
+        logits = model(ids, pos, only=where, mask=mask)
     logits = logits.float() / temperature
     return logits.log_softmax(-1).gather(-1, batch["targets"].to(place.device)[:, None])[:, 0]
 

@@ -4,7 +4,8 @@ What this file proves: on identical prompts, completions, rewards and old log-pr
 adapters' gradients equal TRL's GRPOTrainer (its own advantages from the rewards, its own log-probabilities and
 reference) within 1e-6 in fp32, for the three normalisations (TRL's "dapo", "grpo", "dr_grpo"), with the KL penalty and
 without, with and without the group's std, and with old log-probabilities that make the clip act; with the adapters
-switched off the QLoRA model's log-probabilities are the base model's bit for bit (the free reference policy); a run
+switched off the QLoRA model's log-probabilities are the base model's bit for bit (the free reference policy); answers
+that share one copy of their prompt get the log-probabilities they get alone; a run
 stopped and resumed equals one run straight through (losses, rewards, adapters); the problems of a step are a function
 of (seed, step); a bad problem file or a train.py-only setting is one line, with nothing written.
 """
@@ -162,6 +163,26 @@ def rl_args(tiny_dir, tmp_path, *extra):
 
 
 STEADY = ("step", "lr", "reward", "reward_std", "no_signal", "answer_tokens", "problems", "loss", "grad_norm", "kl")
+
+
+def test_answers_share_one_copy_of_their_prompt(tiny_dir):
+    """micro_batches puts a group's prompt once in a row, its answers after it seeing only it and themselves: each
+    answer token's log-probability equals the one its (prompt, answer) alone gives, within 1e-5 in fp32, whether the
+    group fits one row or is split across rows (its prompt again in the next)."""
+    model = train.load_model(tiny_dir, torch.float32, add_lora=dict(targets="all-linear", r=4, alpha=8, dropout=0.0))
+    gen = torch.Generator().manual_seed(4)
+    tokens = lambda n: torch.randint(0, 49152, (n,), generator=gen).tolist()  # noqa: E731
+    prompts = [tokens(PROMPT), tokens(PROMPT + 3)]
+    seqs = [(prompts[i // G], tokens(n)) for i, n in enumerate(ANSWERS)]
+    place = train.Placement(0, 1, torch.device("cpu"))
+    with torch.no_grad():
+        alone = torch.cat([rl.token_logprobs(model, rl.micro_batches([s], 1000)[0], 0.7, place) for s in seqs])
+        # rows of at most 16 tokens: [7 + 5 + 2], [7 + 9], [10 + 4], [10 + 4], [10 + 7] (longer, alone)
+        for limit, lengths in ((1000, [7 + 5 + 2 + 9 + 10 + 4 + 4 + 7]), (16, [14, 16, 14, 14, 17])):
+            batches = rl.micro_batches(seqs, limit)
+            assert [b["ids"].shape[1] for b in batches] == lengths
+            shared = torch.cat([rl.token_logprobs(model, b, 0.7, place) for b in batches])
+            assert shared.shape == alone.shape and (shared - alone).abs().max() < 1e-5
 
 
 def test_a_stopped_and_resumed_run_equals_one_run_straight_through(tiny_dir, tmp_path, monkeypatch, capsys):

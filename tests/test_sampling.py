@@ -6,10 +6,10 @@ logits at each chunk's last position, generation stops at any of several eos ids
 top_p is greedy and a seed repeats a sample; and greedy generation equals transformers' generate on the same weights
 (the families' own cases, sliding windows included, are in tests/test_model.py). Batched greedy generation with left
 padding gives every prompt what generate() gives it alone (rows ending at eos or at the caller's `done` at different
-steps, sliding windows too), and dense_weights computes the NF4 model's logits bit for bit and puts the NF4 layers back.
-Sampled batches (rl.py's groups): at temperature 0 they are the greedy answers whatever top_p and seed say, at
-temperature 1 a seed repeats them, and the first token's frequencies over many draws match softmax(logits / T) cut to
-the top_p nucleus (a chi-square test at the 0.1% level).
+steps, sliding windows too, a prompt given twice read once), and dense_weights computes the NF4 model's logits bit for
+bit and puts the NF4 layers back. Sampled batches (rl.py's groups): at temperature 0 they are the greedy answers
+whatever top_p and seed say, at temperature 1 a seed repeats them, and the first token's frequencies over many draws
+match softmax(logits / T) cut to the top_p nucleus (a chi-square test at the 0.1% level).
 """
 
 import math
@@ -79,6 +79,7 @@ def test_batched_generation_equals_one_prompt_at_a_time():
             want.append(a[: min(cut, 6 if i == 3 else cut)])
         assert generate_batch(model, prompts, 10, eos_id=eos, done=done) == want
         assert generate_batch(model, prompts, 10) == alone
+        assert generate_batch(model, prompts + prompts[::-1], 10) == alone + alone[::-1]  # each distinct one read once
 
 
 def test_dense_weights_equal_the_nf4_forward_and_are_put_back():

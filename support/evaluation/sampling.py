@@ -111,25 +111,29 @@ def generate_batch(model, prompts, max_new_tokens, eos_id=None, done=None, pad_i
     device, dtype = model.model.embed_tokens.weight.device, model.model.embed_tokens.weight.dtype
     stop = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
     gen = None if temperature == 0 or seed is None else torch.Generator(device).manual_seed(seed)
-    ids, pad = left_padded(prompts, pad_id, device)
-    cache = KVCache(model.config, ids.shape[1] + max_new_tokens, len(prompts), dtype, device, pad)
+    distinct = list(dict.fromkeys(map(tuple, prompts)))  # each prompt read once (rl.py asks G answers to each)
+    ids, pad = left_padded(distinct, pad_id, device)
+    cache = KVCache(model.config, ids.shape[1] + max_new_tokens, len(distinct), dtype, device, pad)
+    logits = model.decode(ids, cache)[:, -1]  # (distinct, vocab), then the cache's rows copied to one per prompt
+    which = torch.tensor([distinct.index(tuple(p)) for p in prompts], device=device)
+    logits, cache.k, cache.v, cache.pad = logits[which], cache.k[:, which], cache.v[:, which], cache.pad[which]
     rows, out = list(range(len(prompts))), [[] for _ in prompts]  # rows: the prompt each batch row answers
     live = set(rows)
-    for _ in range(max_new_tokens):
-        toks = next_tokens(model.decode(ids, cache)[:, -1].float(), temperature, top_p, gen).tolist()  # (rows,)
+    for n in range(max_new_tokens):
+        toks = next_tokens(logits.float(), temperature, top_p, gen).tolist()  # (rows,)
         for i, t in zip(rows, toks, strict=True):
             if i in live:
                 out[i].append(t)
                 if t in stop or (done is not None and done(i, out[i])):
                     live.discard(i)
-        if not live:
+        if not live or n + 1 == max_new_tokens:
             break
         if len(rows) - len(live) >= max(1, COMPACT * len(rows)):  # keep only the rows still answering
             keep = [r for r, i in enumerate(rows) if i in live]
             idx = torch.tensor(keep, device=device)
             cache.k, cache.v, cache.pad = cache.k[:, idx], cache.v[:, idx], cache.pad[idx]
             rows, toks = [rows[r] for r in keep], [toks[r] for r in keep]
-        ids = torch.tensor(toks, device=device)[:, None]  # (rows, 1)
+        logits = model.decode(torch.tensor(toks, device=device)[:, None], cache)[:, -1]  # (rows, vocab)
     return out
 
 
