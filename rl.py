@@ -74,7 +74,7 @@ from support.run.run_dir import claim_inputs, claim_out_dir
 class RLConfig(train.Config):
     # --- GRPO. train.Config's fields mean what they mean there; data: a JSONL of problems ("" = the stdlib's doctested
     # functions), max_examples: at most that many problems, sample_tokens: an answer's most tokens, context_length: a
-    # prompt's and its answer's, micro_batch_tokens: per forward ("auto": the whole step)
+    # prompt's and its answer's, micro_batch_tokens: per forward ("auto": about one group)
     group_size: int = setting(8, integer_at_least(2), resume=True)  # G answers sampled per problem
     problems_per_step: int = setting(2, integer_at_least(1), resume=True)  # P problems per step
     temperature: float = setting(1.0, above(0), resume=True)  # sampling temperature T, also in the policy's lp
@@ -150,13 +150,20 @@ def micro_batches(seqs, max_tokens):
     return [packed_row(row) for row in rows]
 
 
+def group_tokens(seqs, cfg: RLConfig) -> int:
+    """micro_batch_tokens "auto": the longest group's prompt and answers, about one group a forward (a row's mask
+    (L, L) grows with the square of its length)."""
+    groups = range(0, len(seqs), cfg.group_size)
+    return max(len(seqs[g][0]) + sum(len(a) for _, a in seqs[g : g + cfg.group_size]) for g in groups)
+
+
 def packed_row(row):
     """One row of micro_batches from its pieces [(prompt, [answers])]."""
     ids, pos, seg, sees, where = [], [], [], [], []  # seg: each token's piece; sees: the prompt piece it also sees
     for prompt, answers in row:
         p, first = len(prompt), len(seg)
         ids, pos, seg, sees = ids + prompt, pos + list(range(p)), seg + [first] * p, sees + [first] * p
-        for a in answers:
+        for a in filter(None, answers):  # (an empty answer has no token to predict)
             where += [first + p - 1, *range(len(ids), len(ids) + len(a) - 1)]  # the prompt's last token, then a's
             seg, sees = seg + [len(seg)] * len(a), sees + [first] * len(a)
             ids, pos = ids + a, pos + list(range(p, p + len(a)))
@@ -221,9 +228,9 @@ def prepared(cfg: RLConfig, run, roll: dict) -> list[tuple]:
     lengths = [len(a) for _, a in roll["seqs"]]
     adv = advantages(roll["rewards"], cfg.group_size, cfg.scale_rewards).repeat_interleave(torch.tensor(lengths))
     w = token_weights(lengths, cfg.loss_norm, cfg.sample_tokens)
-    batches = micro_batches(
-        roll["seqs"], cfg.micro_batch_tokens if isinstance(cfg.micro_batch_tokens, int) else math.inf
-    )
+    limit = cfg.micro_batch_tokens if isinstance(cfg.micro_batch_tokens, int) else group_tokens(roll["seqs"], cfg)
+    window = min(layer.self_attn.window or math.inf for layer in run.model.model.layers)  # a mask knows no window
+    batches = micro_batches(roll["seqs"], min(limit, window))
     with torch.no_grad():
         lp = lambda: torch.cat([token_logprobs(run.model, b, cfg.temperature, run.place) for b in batches])  # noqa: E731
         old = lp() if cfg.updates_per_batch > 1 else None

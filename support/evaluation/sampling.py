@@ -111,11 +111,13 @@ def generate_batch(model, prompts, max_new_tokens, eos_id=None, done=None, pad_i
     device, dtype = model.model.embed_tokens.weight.device, model.model.embed_tokens.weight.dtype
     stop = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
     gen = None if temperature == 0 or seed is None else torch.Generator(device).manual_seed(seed)
-    distinct = list(dict.fromkeys(map(tuple, prompts)))  # each prompt read once (rl.py asks G answers to each)
-    ids, pad = left_padded(distinct, pad_id, device)
+    if max_new_tokens == 0:
+        return [[] for _ in prompts]
+    distinct = {p: i for i, p in enumerate(dict.fromkeys(map(tuple, prompts)))}  # each read once (rl.py: G rows each)
+    ids, pad = left_padded(list(distinct), pad_id, device)
     cache = KVCache(model.config, ids.shape[1] + max_new_tokens, len(distinct), dtype, device, pad)
     logits = model.decode(ids, cache)[:, -1]  # (distinct, vocab), then the cache's rows copied to one per prompt
-    which = torch.tensor([distinct.index(tuple(p)) for p in prompts], device=device)
+    which = torch.tensor([distinct[tuple(p)] for p in prompts], device=device)
     logits, cache.k, cache.v, cache.pad = logits[which], cache.k[:, which], cache.v[:, which], cache.pad[which]
     rows, out = list(range(len(prompts))), [[] for _ in prompts]  # rows: the prompt each batch row answers
     live = set(rows)
