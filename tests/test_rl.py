@@ -107,8 +107,8 @@ def test_loss_and_gradients_equal_trls(tiny_dir, tmp_path, norm, kl_coef, scale,
     roll = dict(seqs=[(prompts[i // G], a) for i, a in enumerate(answers)], rewards=torch.tensor(REWARDS))
     parts = rl.prepared(cfg, run, roll)
     if clipped:  # TRL's old log-probabilities, for ours: the answers' tokens in order, without the padding
-        old = inputs["old_per_token_logps"][mask]
-        parts = [(b, a, w, o, r) for (b, a, w, _, r), o in zip(parts, [old], strict=True)]
+        old = inputs["old_per_token_logps"][mask].split([len(b["targets"]) for b, *_ in parts])
+        parts = [(b, a, w, o, r) for (b, a, w, _, r), o in zip(parts, old, strict=True)]
     ours, _ = rl.backward(cfg, run, parts)
     assert abs(ours - theirs.item()) < 1e-6, (ours, theirs.item())
     grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
@@ -140,7 +140,7 @@ def test_adapters_off_is_the_base_model_bit_for_bit(tiny_dir):
     assert not torch.equal(adapted, want)
     run = rl.Run(model, None, None, None, place, [], [])
     roll = dict(seqs=seqs, rewards=torch.tensor([1.0, 0.0, 1.0]))
-    parts = rl.prepared(rl.RLConfig(kl_coef=0.1, temperature=0.7, group_size=3), run, roll)
+    parts = rl.prepared(rl.RLConfig(kl_coef=0.1, temperature=0.7, group_size=3, micro_batch_tokens=1000), run, roll)
     assert torch.equal(torch.cat([ref for *_, ref in parts]), want)
 
 
