@@ -116,9 +116,10 @@ def generate_batch(model, prompts, max_new_tokens, eos_id=None, done=None, pad_i
     distinct = {p: i for i, p in enumerate(dict.fromkeys(map(tuple, prompts)))}  # each read once (rl.py: G rows each)
     ids, pad = left_padded(list(distinct), pad_id, device)
     cache = KVCache(model.config, ids.shape[1] + max_new_tokens, len(distinct), dtype, device, pad)
-    logits = model.decode(ids, cache)[:, -1]  # (distinct, vocab), then the cache's rows copied to one per prompt
-    which = torch.tensor([distinct[tuple(p)] for p in prompts], device=device)
-    logits, cache.k, cache.v, cache.pad = logits[which], cache.k[:, which], cache.v[:, which], cache.pad[which]
+    logits = model.decode(ids, cache)[:, -1]  # (distinct, vocab)
+    if len(distinct) < len(prompts):  # the cache's rows copied to one per prompt (all distinct: it is that already)
+        which = torch.tensor([distinct[tuple(p)] for p in prompts], device=device)
+        logits, cache.k, cache.v, cache.pad = logits[which], cache.k[:, which], cache.v[:, which], cache.pad[which]
     rows, out = list(range(len(prompts))), [[] for _ in prompts]  # rows: the prompt each batch row answers
     live = set(rows)
     for n in range(max_new_tokens):
