@@ -1,9 +1,9 @@
 """model.py against references: transformers' LlamaForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM and
 MistralForCausalLM for logits (sliding windows included) and greedy generation (loaded through train.load_model);
-single-document runs for packed rows; full-logit cross-entropy for the chunked loss (which holds one chunk of logits
-at a time, as memory.py counts); a full recompute for the KV cache; config.json round trips with only Hugging Face
-keys; the one target-matching rule that quant.quantize_ and lora.add_lora_ share; an adapted lm_head, which the
-chunked loss refuses in one line.
+single-document runs for packed rows, and a mask in their place (refused under a shorter sliding window); full-logit
+cross-entropy for the chunked loss (which holds one chunk of logits at a time, as memory.py counts); a full recompute
+for the KV cache; config.json round trips with only Hugging Face keys; the one target-matching rule that quant.quantize_
+and lora.add_lora_ share; an adapted lm_head, which the chunked loss refuses in one line.
 
 Attention backends: every backend that runs on CPU equals an fp64 per-document reference (forward and gradients, GQA,
 windows); flash-attn and torch's varlen kernel are checked by contract against stand-ins that enforce their own input
@@ -209,6 +209,26 @@ def test_packed_rows_match_documents_alone():
         assert (model(ids[:1]) - model(ids[:1], torch.arange(15)[None])).abs().max() < 1e-5
         at = torch.tensor([0, 7, 16, 29])  # of the 2 x 15 positions
         assert (model(ids, pos, only=at) - packed.flatten(0, 1)[at]).abs().max() < 1e-6
+
+
+def test_a_mask_replaces_the_documents_and_a_shorter_window_refuses_it():
+    """A (B, T, T) mask that lets each token see its own document's earlier tokens gives the packed forward's logits;
+    in a model whose sliding window is shorter than the row it is refused in one line, and within the window it holds
+    there too."""
+    ids, pos, spans = packed_batch()
+    doc = torch.zeros(2, 15, dtype=torch.long)
+    for n, (row, s, e) in enumerate(spans):
+        doc[row, s:e] = n
+    at = torch.arange(15)
+    mask = (at[None, None] <= at[None, :, None]) & (doc[:, None, :] == doc[:, :, None])  # (2, 15, 15)
+    for window, T in ((None, 15), (8, 8)):
+        model = Llama(tiny_config(sliding_window=window, sliding_layers=[0, 1] if window else None)).eval()
+        with torch.no_grad():
+            assert (
+                model(ids[:, :T], pos[:, :T], mask=mask[:, :T, :T]) - model(ids[:, :T], pos[:, :T])
+            ).abs().max() < 1e-5
+    with pytest.raises(ValueError, match="shorter sliding window"):
+        model(ids, pos, mask=mask)
 
 
 def rebuilt(model, **options):
