@@ -221,17 +221,17 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin  # cos/sin (B, T, 1, D)
-        if isinstance(docs, torch.Tensor):  # a (B, T, T) mask: the keys each query sees (rl.py's shared prompts)
-            o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                               attn_mask=docs[:, None], enable_gqa=True)  # fmt: skip
-            return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
-        if docs is not None:  # packed rows: attention confined to each document, over (N, heads, D)
+        if docs is not None and not torch.is_tensor(docs):  # packed rows: attention within each document, (N, H, D)
             o = self.varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), docs, self.window)
             return self.o_proj(o.reshape(B, T, -1))
         start, pad = (0, None) if cache is None else (cache.length, cache.pad)
         if cache is not None:  # generation: store this step's keys/values, attend to everything so far
             k, v = cache.update(self.layer_idx, k, v)
-        o = causal_sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), self.window, start, pad)  # (B,H,T,D)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
+        if docs is not None:  # a (B, T, T) mask of the keys each query sees (rl.py's answers sharing a prompt)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=docs[:, None], enable_gqa=True)
+        else:
+            o = causal_sdpa(q, k, v, self.window, start, pad)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
 
 

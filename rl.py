@@ -139,14 +139,13 @@ def micro_batches(seqs, max_tokens):
     rows, used = [], 0
     for prompt, answer in seqs:
         same = bool(rows) and rows[-1][-1][0] == prompt  # the row's last piece answers this prompt
-        need = len(answer) + (0 if same else len(prompt))
-        if not rows or (used and used + need > max_tokens):
+        if not rows or (used and used + len(answer) + (0 if same else len(prompt)) > max_tokens):
             rows, used, same = rows + [[]], 0, False
-            need = len(answer) + len(prompt)
         if not same:
             rows[-1].append((prompt, []))
+            used += len(prompt)
         rows[-1][-1][1].append(answer)
-        used += need
+        used += len(answer)
     return [packed_row(row) for row in rows]
 
 

@@ -5,9 +5,9 @@ adapters' gradients equal TRL's GRPOTrainer (its own advantages from the rewards
 reference) within 1e-6 in fp32, for the three normalisations (TRL's "dapo", "grpo", "dr_grpo"), with the KL penalty and
 without, with and without the group's std, and with old log-probabilities that make the clip act; with the adapters
 switched off the QLoRA model's log-probabilities are the base model's bit for bit (the free reference policy); answers
-that share one copy of their prompt get the log-probabilities they get alone; a run
-stopped and resumed equals one run straight through (losses, rewards, adapters); the problems of a step are a function
-of (seed, step); a bad problem file or a train.py-only setting is one line, with nothing written.
+that share one copy of their prompt get the log-probabilities they get alone; a run stopped and resumed equals one run
+straight through (losses, rewards, adapters); the problems of a step are a function of (seed, step); a bad problem file
+or a train.py-only setting is one line, with nothing written.
 """
 
 import json
