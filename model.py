@@ -28,7 +28,7 @@ from hidden / H. softmax(q k^T / sqrt(D)) v is computed with a causal mask. The 
 https://arxiv.org/abs/2002.05202): down(silu(gate(x)) * up(x)), hidden -> inter -> hidden.
 
 Qwen2/2.5, Qwen3 and Mistral are this Llama with a switch or two (LlamaConfig's last fields, read from config.json by
-support/formats/hf_config.py): biases on q/k/v (Qwen2) or on all four projections, an RMSNorm over each head of q and k
+support/formats/hf.py): biases on q/k/v (Qwen2) or on all four projections, an RMSNorm over each head of q and k
 before RoPE (Qwen3), a sliding window of W keys in some or all layers (Mistral, Qwen).
 
 Packed rows

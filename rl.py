@@ -62,12 +62,11 @@ from support.data import problems as problem_sets
 from support.data.tokenizer import Tokenizer
 from support.evaluation import humaneval
 from support.evaluation.sampling import dense_weights, generate_batch
-from support.formats.hf_config import read_config
-from support.run import checkpoint, config, ranks, stops, trackers
+from support.formats.hf import read_config
+from support.kernels.choice import pick_precision
+from support.run import config, progress, ranks, run_dir
 from support.run.config import above, at_least, integer_at_least, setting, within
-from support.run.outputs import write_outputs
-from support.run.precision import pick_precision
-from support.run.run_dir import claim_inputs, claim_out_dir
+from support.run.run_dir import claim_inputs, claim_out_dir, write_outputs
 
 
 @dataclass
@@ -262,7 +261,7 @@ def grpo_step(cfg: RLConfig, run, roll: dict) -> dict:
         norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or math.inf))
         if update == 0:  # the step's record: the loss and KL of the policy that sampled
             record = {"loss": loss} | ({"kl": kl} if kl is not None else {})
-        if not stops.finite(record | {"grad_norm": norm}, run.scaler):  # the update is never applied
+        if not run_dir.finite(record | {"grad_norm": norm}, run.scaler):  # the update is never applied
             return record | {"grad_norm": norm}
         run.scaler.step(run.opt)
         run.scaler.update()
@@ -284,8 +283,8 @@ def rl_step(cfg: RLConfig, run) -> dict:
               "generate_s": roll["generate_s"], "reward_s": roll["reward_s"],
               "generated_per_s": sum(lengths) / roll["generate_s"], "problems": roll["task_ids"]}  # fmt: skip
     record |= grpo_step(cfg, run, roll)
-    if not stops.finite(record, run.scaler):
-        stops.stop_not_finite(cfg, run.history + [record], run.last_saved)
+    if not run_dir.finite(record, run.scaler):
+        run_dir.stop_not_finite(cfg, run.history + [record], run.last_saved)
     run.step, run.samples = run.step + 1, roll["samples"]
     run.history.append(record)
     return record
@@ -295,7 +294,7 @@ def loop(cfg: RLConfig, run):
     """Steps from run.step to max_steps; after each, what is due: eval_task and a group's answers at evaluations, the
     tracker, a checkpoint. Ctrl-C stops after the step under way, with a checkpoint of exactly that step."""
     bar = tqdm(total=cfg.max_steps, initial=run.step, dynamic_ncols=True)
-    with bar, stops.stop_requests() as asked, stops.abrupt_ends(cfg, run):
+    with bar, run_dir.stop_requests() as asked, run_dir.abrupt_ends(cfg, run):
         while run.step < cfg.max_steps and not asked:
             record = rl_step(cfg, run)
             if cfg.eval_every and (run.step % cfg.eval_every == 0 or run.step == cfg.max_steps) and not asked:
@@ -308,9 +307,9 @@ def loop(cfg: RLConfig, run):
             if run.tracker:
                 run.tracker.log(record)
             if cfg.save_every and run.step % cfg.save_every == 0:
-                run.last_saved = checkpoint.save(cfg, run.model, run.opt, run.scaler, run.step, run.history)
+                run.last_saved = run_dir.save(cfg, run.model, run.opt, run.scaler, run.step, run.history)
     if run.last_saved != run.step:
-        run.last_saved = checkpoint.save(cfg, run.model, run.opt, run.scaler, run.step, run.history)
+        run.last_saved = run_dir.save(cfg, run.model, run.opt, run.scaler, run.step, run.history)
     if run.step < cfg.max_steps:
         print(f"interrupted: checkpoint at step {run.step} written; continue with --resume --out_dir={cfg.out_dir}")
         raise SystemExit(130)
@@ -333,11 +332,11 @@ def rl(cfg: RLConfig) -> list[dict]:
     model = train.build_model(dataclasses.replace(cfg, lora_dropout=0.0), place, model_dir, 0)  # no dropout: see top
     opt = train.make_optimizer(cfg, [p for p in model.parameters() if p.requires_grad], place.device)
     scaler = torch.amp.GradScaler("cuda", enabled=place.dtype == torch.float16)
-    run = Run(model, opt, scaler, tok, place, found, eval_problems, trackers.open_tracker(cfg))
+    run = Run(model, opt, scaler, tok, place, found, eval_problems, progress.open_tracker(cfg))
     if cfg.resume:
         where = os.path.join(cfg.out_dir, "checkpoint.pt")
-        run.step = run.last_saved = checkpoint.load_checkpoint(where, model, opt, scaler, cfg)
-        run.history = checkpoint.read_metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), run.step)
+        run.step = run.last_saved = run_dir.load_checkpoint(where, model, opt, scaler, cfg)
+        run.history = run_dir.read_metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), run.step)
     elif cfg.eval_every and (record := humaneval.task_record(cfg, model, tok, eval_problems, place.autocast, 0)):
         run.history.append({"step": 0} | record)  # the policy before training: eval_task's pass@1
         if run.tracker:

@@ -47,16 +47,16 @@ import lora
 import pack
 import quant
 from model import LOSS_CHUNK, Llama, Options, find_linears
-from support.accounting.micro_batch import micro_batch_rows, mlp_tile_tokens
-from support.accounting.plan import plan_for
+from support.accounting.plan import micro_batch_rows, mlp_tile_tokens, plan_for
 from support.data import examples, preview
 from support.data.tokenizer import Tokenizer
 from support.evaluation.humaneval import task_problems, task_record
 from support.evaluation.sampling import prompt_and_answer
 from support.formats import hf
-from support.formats.hf_config import read_config
+from support.formats.hf import read_config
 from support.kernels import choice, dropout
-from support.run import checkpoint, fsdp, progress, ranks, stops, trackers
+from support.kernels.choice import agreed, pick_precision
+from support.run import fsdp, progress, ranks, run_dir
 from support.run.config import (
     GGUF_TYPES,
     TARGETS,
@@ -71,9 +71,7 @@ from support.run.config import (
     setting,
     within,
 )
-from support.run.outputs import write_outputs
-from support.run.precision import agreed, pick_precision
-from support.run.run_dir import claim_inputs
+from support.run.run_dir import claim_inputs, write_outputs
 
 
 @dataclass
@@ -332,7 +330,7 @@ def train_step(model, opt, scaler, batch, micro_rows, step, cfg: Config, place: 
     scaler.unscale_(opt)
     norm = float(fsdp.full(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or math.inf)))  # clipped or not
     record = {"loss": loss_sum.item() / max(1.0, n_sup.item()), "grad_norm": norm, "supervised": n_sup.item()}
-    if stops.finite(record, scaler):  # else the update is never applied, and the loop stops
+    if run_dir.finite(record, scaler):  # else the update is never applied, and the loop stops
         scaler.step(opt)
     scaler.update()
     opt.zero_grad(set_to_none=True)
@@ -406,11 +404,11 @@ def train(cfg: Config) -> list[dict]:
     context_length = trainset.context_length
     estimated, peak_flops = progress.describe_step(cfg, place, model, context_length, rows, micro_rows)
     run = Run(model, opt, scaler, trainset, valset, tok, prompts, problems, rows, micro_rows, estimated, peak_flops)
-    run.tracker = trackers.open_tracker(cfg) if place.main else None
+    run.tracker = progress.open_tracker(cfg) if place.main else None
     if cfg.resume:
         where = os.path.join(cfg.out_dir, "checkpoint.pt")
-        run.step = run.last_saved = checkpoint.load_checkpoint(where, model, opt, scaler, cfg)
-        run.history = checkpoint.read_metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), run.step)
+        run.step = run.last_saved = run_dir.load_checkpoint(where, model, opt, scaler, cfg)
+        run.history = run_dir.read_metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), run.step)
     else:
         before_training(cfg, place, run)
     loop(cfg, place, run)
@@ -455,8 +453,8 @@ def loop(cfg: Config, place: Placement, run: Run):
     first = run.step
     record = None  # the record of the step just taken
     bar = tqdm(total=cfg.max_steps, initial=run.step, disable=not place.main, dynamic_ncols=True)
-    with bar, stops.stop_requests() as asked, stops.abrupt_ends(cfg, run):
-        stopping = functools.partial(stops.any_rank, asked, place.world, place.device)  # every rank agrees on it
+    with bar, run_dir.stop_requests() as asked, run_dir.abrupt_ends(cfg, run):
+        stopping = functools.partial(run_dir.any_rank, asked, place.world, place.device)  # every rank agrees on it
         progress.reset_peak(place)
         while True:
             # ---------------------------------------------- once in a while, for the step just taken
@@ -468,14 +466,14 @@ def loop(cfg: Config, place: Placement, run: Run):
                 if place.main:
                     progress.show_step(bar, record, place, run.estimated, cfg.max_steps, run.tracker)
                 if cfg.save_every and run.step % cfg.save_every == 0:
-                    run.last_saved = checkpoint.save(cfg, run.model, run.opt, run.scaler, run.step, run.history,
+                    run.last_saved = run_dir.save(cfg, run.model, run.opt, run.scaler, run.step, run.history,
                                                      place.main)  # fmt: skip
             if run.step >= cfg.max_steps or stopping():  # a run resumed with a lower max_steps is done
                 break
             # ---------------------------------------------- one optimizer step
             record = optimizer_step(cfg, place, run)
     if run.last_saved != run.step:  # before the merged export changes the model (a save at this step is not repeated)
-        checkpoint.save(cfg, run.model, run.opt, run.scaler, run.step, run.history, place.main)
+        run_dir.save(cfg, run.model, run.opt, run.scaler, run.step, run.history, place.main)
     if run.step < cfg.max_steps:  # Ctrl-C: stopped between two steps, so the checkpoint is exactly that step
         if place.main:
             print(f"interrupted: checkpoint at step {run.step} written; continue with --resume --out_dir={cfg.out_dir}")
@@ -492,8 +490,8 @@ def optimizer_step(cfg: Config, place: Placement, run: Run) -> dict:
         group["lr"] = lr
     record = {"step": step + 1, "lr": lr} | train_step(run.model, run.opt, run.scaler, batch, run.micro_rows, step,
                                                          cfg, place)  # fmt: skip
-    if not stops.finite(record, run.scaler):
-        stops.stop_not_finite(cfg, run.history + [record], run.last_saved, place.main)
+    if not run_dir.finite(record, run.scaler):
+        run_dir.stop_not_finite(cfg, run.history + [record], run.last_saved, place.main)
     run.step = step + 1
     record = progress.with_rates(record, batch, time.perf_counter() - start, place, run.model.config, run.peak_flops)
     if place.main:

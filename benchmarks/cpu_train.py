@@ -51,7 +51,7 @@ from support.accounting.flops import batch_flops, flops_per_token, matmul_peak
 from support.data.examples import load_examples, stdlib_examples
 from support.data.token_cache import tokenize_cached
 from support.data.tokenizer import Tokenizer
-from support.formats import atomic, hf_config
+from support.formats import atomic, hf
 
 ROWS, CONTEXT = 4, 512  # 4 x 512 tokens per optimizer step
 CACHE_DIR = "data/cache"  # train.Config's tokenized-data cache
@@ -92,7 +92,7 @@ def run_peer(data, train_on_prompt, precision, nf4, steps, out):
     from support.formats import gguf_read
 
     model_dir = gguf_read.smollm2_dir()
-    config = hf_config.read_config(model_dir)[0]
+    config = hf.read_config(model_dir)[0]
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     ds = peer_dataset(data, Tokenizer(model_dir), train_on_prompt)
     kw = {}
@@ -382,7 +382,7 @@ def bench_train(steps, warmup, only, repeat=1):
 
     os.makedirs(os.path.join(OUT_DIR, "logs"), exist_ok=True)
     model_dir = gguf_read.smollm2_dir()
-    config, _ = hf_config.read_config(model_dir)
+    config, _ = hf.read_config(model_dir)
     padded = os.path.join(OUT_DIR, "padded512.jsonl")
     n_long = write_padded_jsonl(padded, Tokenizer(model_dir))
     runs = select_runs(plan(padded), only) if only else plan(padded)

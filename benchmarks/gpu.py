@@ -47,11 +47,11 @@ from model import Llama, Options
 from support.accounting import memory
 from support.accounting.flops import flops_per_token, fmt_flops, peak_flops
 from support.formats import atomic
-from support.formats.hf_config import from_hf, to_hf
+from support.formats.hf import from_hf, to_hf
 from support.kernels import dropout_cuda
 from support.kernels.attention import varlen_attention
+from support.kernels.choice import pick_precision
 from support.kernels.nf4_ops import cuda_dequantize
-from support.run.precision import pick_precision
 
 # Kinds of kernel (on CPU: of operator) by name, for the profile's summary line; the first pattern that matches wins.
 KERNEL_KINDS = [

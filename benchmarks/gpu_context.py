@@ -37,8 +37,8 @@ from benchmarks.gpu_workloads import resident_bytes, timed_step
 from model import Options
 from support.accounting import memory, plan
 from support.formats import atomic
-from support.formats.hf_config import from_hf
-from support.run.precision import pick_precision
+from support.formats.hf import from_hf
+from support.kernels.choice import pick_precision
 
 # (label, MLP tiles of hidden_size tokens, offloaded checkpoints); checkpointing is on in each
 SETTINGS = [("checkpointing", False, False), ("+ tiled MLP", True, False), ("+ offloaded checkpoints", True, True)]

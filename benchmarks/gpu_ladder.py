@@ -30,8 +30,8 @@ from benchmarks.gpu_workloads import natural_work, run_workload, workload_result
 from model import LOSS_CHUNK, Options
 from support.accounting.flops import peak_flops
 from support.formats import atomic
-from support.formats.hf_config import from_hf
-from support.run.precision import pick_precision
+from support.formats.hf import from_hf
+from support.kernels.choice import pick_precision
 
 # (label, packed rows, loss chunk, checkpointing, compiled, NF4): each rung a model of its own over the same weights
 RUNGS = [

@@ -42,8 +42,8 @@ import quant
 import train
 from benchmarks.common import OUT_DIR, SEED, hf_batch
 from model import Llama, Options
-from support.formats import atomic, hf_config
-from support.formats.hf_config import to_hf
+from support.formats import atomic, hf
+from support.formats.hf import to_hf
 from support.kernels import dropout, dropout_cuda, nf4_ops
 from support.kernels.attention import varlen_attention
 
@@ -242,7 +242,7 @@ def peer_qlora_llama(cfg, base, device, dtype):
         atomic.write_safetensors(
             os.path.join(tmp, "model.safetensors"), {k: v for k, v in base.items() if k not in tied}
         )
-        atomic.write_json(os.path.join(tmp, "config.json"), hf_config.config_json(cfg, dtype))
+        atomic.write_json(os.path.join(tmp, "config.json"), hf.config_json(cfg, dtype))
         q = transformers.BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype
         )

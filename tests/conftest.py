@@ -283,7 +283,7 @@ def random_model_dir(out, smollm2_dir, dtype=torch.float32, device="cpu", **shap
     """A random Llama of the given shape with SmolLM2's vocabulary, tokenizer files and chat template, written as a
     Hugging Face directory in `dtype` (weights N(0, 0.02), norms at 1: a model with sane logits)."""
     from model import Llama
-    from support.formats.hf_config import config_json, from_hf, read_config, to_hf
+    from support.formats.hf import config_json, from_hf, read_config, to_hf
 
     os.makedirs(out, exist_ok=True)
     cfg = from_hf({**to_hf(read_config(smollm2_dir)[0]), **shape})

@@ -46,7 +46,7 @@ import transformers
 import train
 from benchmarks import common, cpu_train, gpu, gpu_proof, gpu_systems, gpu_workloads
 from support.data.tokenizer import Tokenizer
-from support.formats.hf_config import from_hf, read_config
+from support.formats.hf import from_hf, read_config
 from support.run import run_dir
 from train import load_model
 

@@ -35,8 +35,8 @@ import lora
 from model import Llama, LlamaConfig
 from support.data import tokenizer
 from support.evaluation.sampling import generate
-from support.formats import atomic, gguf_read, gguf_write, hf, hf_config
-from support.formats.hf_config import from_hf
+from support.formats import atomic, gguf_read, gguf_write, hf
+from support.formats.hf import from_hf
 from train import load_model
 
 # Descriptive general.* keys of the published file (from the model card) and add_space_prefix, which llama.cpp ignores
@@ -189,7 +189,7 @@ def test_tiny_round_trip_per_file_type(tiny, file_type):
             assert torch.equal(got, w.to(getattr(torch, file_type.replace("f", "float"))).float()), name
         else:
             assert ((got.double() - w.double()).abs() <= _q8_0_bound(w)).all(), name
-    assert hf_config.read_config(back)[0] == hf_config.read_config(tiny["src"])[0]
+    assert hf.read_config(back)[0] == hf.read_config(tiny["src"])[0]
     want = {"f32": "F32", "f16": "F16", "bf16": "BF16", "q8_0": "Q8_0"}[file_type]
     for t in GGUFReader(path).tensors:
         assert t.tensor_type == GGMLQuantizationType[want if len(t.shape) == 2 else "F32"], t.name
@@ -382,7 +382,7 @@ def test_qwen_round_trip(pre_tokenizer_dirs, tmp_path, cfg):
     back = gguf_read.convert_gguf(path, tmp_path / "back")
     assert _tensors(back).keys() == orig.keys()
     assert all(torch.equal(_tensors(back)[k], w) for k, w in orig.items())
-    assert hf_config.read_config(back)[0] == hf_config.read_config(src)[0]
+    assert hf.read_config(back)[0] == hf.read_config(src)[0]
     tok = tokenizer.Tokenizer(src)
     _assert_same_generations(src, [back], [tok.encode(p) for p in PROMPTS[:2]])
 
@@ -549,7 +549,7 @@ def test_check_gguf_export_refuses_before_any_weight_is_read(tmp_path, smollm2_d
 
     cfg = LlamaConfig(vocab_size=49152, hidden_size=48, intermediate_size=96, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=2, head_dim=24)  # fmt: skip
-    atomic.write_json(tmp_path / "config.json", hf_config.config_json(cfg, torch.float32))
+    atomic.write_json(tmp_path / "config.json", hf.config_json(cfg, torch.float32))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         (tmp_path / name).write_bytes(open(os.path.join(smollm2_dir, name), "rb").read())
     with pytest.raises(ValueError, match="'q4_k'.*f32, f16, bf16, q8_0"):

@@ -39,8 +39,7 @@ import lora
 import quant
 from model import Llama
 from support.evaluation.merge_check import merge_and_check_
-from support.formats.hf import Checkpoint, adapter_settings, export_merged, load_adapter_, save_adapter
-from support.formats.hf_config import from_hf
+from support.formats.hf import Checkpoint, adapter_settings, export_merged, from_hf, load_adapter_, save_adapter
 from train import load_model
 
 IDS = torch.tensor([[1, 5, 9, 17, 33, 2, 60, 7, 100, 3], [4, 4, 8, 15, 16, 23, 42, 0, 99, 1]])

@@ -33,7 +33,7 @@ import quant
 import support.kernels.attention as A
 from model import Llama, LlamaConfig
 from support.evaluation.sampling import generate
-from support.formats.hf_config import to_hf
+from support.formats.hf import to_hf
 from support.kernels import dropout_cuda, nf4_ops
 from support.kernels.dropout import dropout_rows, row_keys
 from train import load_model

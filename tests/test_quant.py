@@ -32,8 +32,7 @@ from torch import nn
 
 import quant
 from model import Llama, LlamaConfig
-from support.formats.hf import Checkpoint, load_weights_
-from support.formats.hf_config import to_hf
+from support.formats.hf import Checkpoint, load_weights_, to_hf
 from support.kernels import nf4_ops
 from train import load_model
 

@@ -28,7 +28,7 @@ from conftest import ROOT, free_port
 from test_fsdp import assert_same_run, losses
 from test_train import args, run
 
-from support.run.checkpoint import read_checkpoint
+from support.run.run_dir import read_checkpoint
 
 SAVE = ["--save_every=1"]  # a checkpoint after every step: a lost rank loses nothing but the step under way
 

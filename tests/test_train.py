@@ -20,8 +20,8 @@
 - on a GPU only: the micro-batch probe under a capped memory fraction picks a size that trains while one row more
   does not fit, and train.py runs end to end on a random 1B-shaped Llama (loss falls, resume, PEFT and merged export).
 
-The pieces train.py calls are tested in their own files: test_config.py, test_precision.py, test_flops.py,
-test_micro_batch.py (the micro-batch probe), test_checkpoint.py, test_merge_check.py.
+The pieces train.py calls are tested in their own files: test_config.py, test_choice.py, test_flops.py,
+test_plan.py (the micro-batch probe), test_run_dir.py, test_merge_check.py.
 """
 
 import json
@@ -41,14 +41,14 @@ from safetensors.torch import load_file
 import quant
 import train
 from pack import PackedDataset, build_dataset
-from support.accounting import memory, micro_batch
+from support.accounting import memory, plan
 from support.accounting.flops import flops_per_token
 from support.data.examples import stdlib_examples
 from support.data.tokenizer import Tokenizer
 from support.formats import atomic
-from support.formats.hf_config import read_config
-from support.kernels import dropout
-from support.run import checkpoint, optional, precision, progress, run_dir
+from support.formats.hf import read_config
+from support.kernels import choice, dropout
+from support.run import optional, progress, run_dir
 from support.run.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -539,13 +539,13 @@ def test_full_disk_and_lost_permission_keep_the_last_checkpoint(tiny_dir, tmp_pa
 
     if mounted:
         (disk / "filler").unlink()
-        real_save = checkpoint.save
+        real_save = run_dir.save
 
         def lose_permission(*a, **kw):  # the folder turns read-only while the run is going
             subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True)
             return real_save(*a, **kw)
 
-        monkeypatch.setattr(checkpoint, "save", lose_permission)
+        monkeypatch.setattr(run_dir, "save", lose_permission)
     else:
         monkeypatch.setattr(atomic.os, "open", failing_open(errno.EROFS))
     err = refused(argv("--max_steps=4", "--resume"), capsys)
@@ -682,7 +682,7 @@ def qlora_step(model_dir, device, compute, adapters=None):
     train.py builds it, on `device` in precision `compute`; B drawn away from zero, or the adapters copied from
     `adapters`."""
     cfg = train.Config(model=model_dir, device=device, precision=compute, lora_r=4, lora_alpha=8.0, lora_dropout=0.0)
-    dtype = precision.pick_precision(cfg.precision, torch.device(device), read_config(model_dir)[0])
+    dtype = choice.pick_precision(cfg.precision, torch.device(device), read_config(model_dir)[0])
     place = train.Placement(0, 1, torch.device(device), dtype)
     model = train.build_model(cfg, place, model_dir, mlp_tile=0)
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
@@ -767,7 +767,7 @@ def test_probe_fits_under_a_capped_memory_fraction(smollm2_dir, tmp_path):
     torch.cuda.empty_cache()
     torch.cuda.set_per_process_memory_fraction((reserved2 + allocated3) / 2 / torch.cuda.mem_get_info()[1])
     try:
-        rows = micro_batch.micro_batch_rows(cfg, place, model, trainset, 16, train.forward_loss)
+        rows = plan.micro_batch_rows(cfg, place, model, trainset, 16, train.forward_loss)
         assert rows == 2, (rows, reserved2, allocated3)
         with pytest.raises(torch.OutOfMemoryError):
             peak(3)

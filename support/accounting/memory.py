@@ -1,7 +1,7 @@
 """How much memory does a LoRA or QLoRA run take, and what did it really use?
 
-(Which settings fit a named GPU is support/accounting/plan.py; how many rows go in a micro-batch,
-support/accounting/micro_batch.py. Both read the estimate here.)
+(Which settings fit a named GPU, and how many rows go in a micro-batch, is support/accounting/plan.py; it reads the
+estimate here.)
 
 The breakdown
 -------------

@@ -30,7 +30,7 @@ import torch.nn as nn
 
 import quant
 from lora import fold_, lora_modules, rebase_
-from support.run.precision import name
+from support.kernels.choice import name
 
 
 @contextmanager

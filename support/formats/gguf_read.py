@@ -65,8 +65,8 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
 from model import Llama
-from support.formats import atomic, hf_config
-from support.formats.hf_config import FAMILIES, from_hf
+from support.formats import atomic, hf
+from support.formats.hf import FAMILIES, from_hf
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -160,8 +160,8 @@ def _config(reader, path, dtype):
         "pad_token_id": _meta(reader, path, "tokenizer.ggml.padding_token_id", None),
         "attention_bias": arch != "qwen2" and "blk.0.attn_output.bias" in names,  # Qwen2's q/k/v biases are implied
         "mlp_bias": False,
-        "dtype": hf_config.dtype_name(dtype),
-        "torch_dtype": hf_config.dtype_name(dtype),
+        "dtype": hf.dtype_name(dtype),
+        "torch_dtype": hf.dtype_name(dtype),
     }
 
 

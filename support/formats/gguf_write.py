@@ -49,7 +49,7 @@ import torch
 
 from model import Llama, rope_inv_freq
 from support.data import tokenizer
-from support.formats import atomic, hf, hf_config
+from support.formats import atomic, hf
 from support.formats.gguf_read import CONTROL, LAYER_NAMES, NORMAL, PRE_TOKENIZERS, TOP_NAMES, UNUSED, USER_DEFINED
 from support.formats.modelfile import write_modelfile
 
@@ -93,7 +93,7 @@ def _merged_model(model_dir):
             f"{cfg_file}: quantization_config ({method}) says the weights are quantized; expected a merged 16/32-bit "
             "model (hf.export_merged after merging)"
         )
-    cfg, _ = hf_config.read_config(model_dir)
+    cfg, _ = hf.read_config(model_dir)
     return cfg, hf.Checkpoint(model_dir)
 
 
@@ -352,7 +352,7 @@ def check_gguf_export(model_dir, file_type):
     lengths), so a training run can refuse an export llama.cpp could not read before it trains, not after."""
     if file_type not in FILE_TYPES:
         raise ValueError(f"GGUF file type {file_type!r} is not one of {', '.join(FILE_TYPES)}")
-    cfg, _ = hf_config.read_config(model_dir)
+    cfg, _ = hf.read_config(model_dir)
     _gguf_arch(cfg, os.path.join(model_dir, "config.json"))
     _vocab(model_dir, cfg)
     with torch.device("meta"):  # shapes only

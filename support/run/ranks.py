@@ -1,8 +1,8 @@
 """How do many ranks stay in step, and how does a run end when one of them fails?
 
 Every rank must call the same collectives in the same order, or the others wait for it forever. So whatever a rank
-decides from what only it sees is agreed first: the dtype (rank 0's measurement, support/run/precision.py), the
-micro-batch (each rank reads its own free memory: all take the smallest, `agreed_min`), a stop (stops.any_rank). The
+decides from what only it sees is agreed first: the dtype (rank 0's measurement, support/kernels/choice.py), the
+micro-batch (each rank reads its own free memory: all take the smallest, `agreed_min`), a stop (run_dir.any_rank). The
 rows of a step are shared equally (`rows_per_rank`); a batch the ranks cannot share is refused before any model is
 loaded.
 
@@ -11,7 +11,7 @@ killed (SIGKILL, out of memory, its machine lost). Then:
 - a rank that stops on a user error writes its line to the process group's store before it exits (`tell_the_others`);
 - the others learn of it at their next collective, which fails as soon as the lost rank's connections close (gloo
   says "Connection closed by peer"), or from torchrun, which sends SIGTERM to the other ranks once one has exited with
-  an error: SIGTERM asks the loop to stop after the step under way (stops.py), and that step's next collective fails
+  an error: SIGTERM asks the loop to stop after the step under way (run_dir.py), and that step's next collective fails
   the same way. Each prints the failing rank's line, or, when the lost rank left none (it was killed), that a rank was
   lost during which step and which checkpoint is intact, and exits with code 2.
 - a rank alive but stuck (hung in a driver, stopped) is given up on after cfg.rank_timeout minutes in one collective:

@@ -1,4 +1,4 @@
-"""support/run/checkpoint.py: what a checkpoint holds comes back on resume: fp16's loss scale; the checkpoints of the
+"""support/run/run_dir.py: what a checkpoint holds comes back on resume: fp16's loss scale; the checkpoints of the
 older layouts (optimizer state keyed by parameter name, as written before torch.distributed.checkpoint.state_dict did
 it, and the older one keyed by position, even with no step taken) resume exactly; a checkpoint that would run code when
 unpickled is refused in one line. (Step-exact resume, resume across rank counts, refused settings and a corrupted file,
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import train
-from support.run import checkpoint
+from support.run import run_dir
 
 
 def test_the_fp16_loss_scale_is_checkpointed(tmp_path):
@@ -25,9 +25,9 @@ def test_the_fp16_loss_scale_is_checkpointed(tmp_path):
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
     scaler.scale(torch.ones(()))
     scaler.update(new_scale=1234.0)
-    checkpoint.save_checkpoint(tmp_path / "c.pt", model, optimizer(), scaler, 7, cfg)
+    run_dir.save_checkpoint(tmp_path / "c.pt", model, optimizer(), scaler, 7, cfg)
     fresh = torch.amp.GradScaler("cpu", init_scale=2.0**16)
-    assert checkpoint.load_checkpoint(tmp_path / "c.pt", model, optimizer(), fresh, cfg) == 7
+    assert run_dir.load_checkpoint(tmp_path / "c.pt", model, optimizer(), fresh, cfg) == 7
     assert fresh.get_scale() == 1234.0
 
 
@@ -74,7 +74,7 @@ def test_checkpoints_of_the_older_layouts_resume_exactly(tmp_path, steps, by_nam
             p.add_(1.0)  # the checkpoint, not the fresh init, must set the adapters
         fresh_model[0].weight.copy_(model[0].weight)  # the frozen base comes from the model files, not the checkpoint
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    assert checkpoint.load_checkpoint(tmp_path / "checkpoint.pt", fresh_model, fresh_opt, scaler, cfg) == steps
+    assert run_dir.load_checkpoint(tmp_path / "checkpoint.pt", fresh_model, fresh_opt, scaler, cfg) == steps
     assert len(fresh_opt.state) == len(opt.state) == (3 if steps else 0)
     x = torch.randn(3, 4)
     for m, o in ((model, opt), (fresh_model, fresh_opt)):
@@ -102,7 +102,7 @@ def test_a_checkpoint_that_would_run_code_is_refused(tmp_path):
     torch.save({"step": 1, "lora": {}, "payload": RunsCode(marker)}, tmp_path / "checkpoint.pt")
     opt, scaler = torch.optim.AdamW(model.parameters()), torch.amp.GradScaler("cpu", enabled=False)
     with pytest.raises(ValueError) as e:
-        checkpoint.load_checkpoint(tmp_path / "checkpoint.pt", model, opt, scaler, cfg)
+        run_dir.load_checkpoint(tmp_path / "checkpoint.pt", model, opt, scaler, cfg)
     assert not marker.exists()
     assert str(e.value).startswith(f"{tmp_path / 'checkpoint.pt'}: refused: it holds more than tensors and plain ")
     assert "GLOBAL posix.system" in str(e.value) and "\n" not in str(e.value)

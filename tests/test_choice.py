@@ -1,4 +1,4 @@
-"""support/run/precision.py: precision "auto" follows the hardware.
+"""support/kernels/choice.py: precision "auto" follows the hardware.
 
 On simulated GPUs it is fp16 before compute capability 8.0 and bf16 from it, without measuring; on CPU it follows the
 flags the CPU declares (read from cpuinfo files of the three kinds), measuring only where none are readable, and says
@@ -10,7 +10,7 @@ import torch
 
 from model import LlamaConfig
 from support.accounting.flops import fmt_flops
-from support.run import precision
+from support.kernels import choice
 
 
 @pytest.mark.parametrize(
@@ -18,8 +18,8 @@ from support.run import precision
 )
 def test_auto_precision_on_simulated_gpus(monkeypatch, capability, want):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    monkeypatch.setattr(precision, "matmul_rates", lambda *a: pytest.fail("a GPU's precision is not measured"))
-    assert precision.pick_precision("auto", torch.device("cuda"), LlamaConfig(64, 64, 128, 1, 4, 2, 16)) == want
+    monkeypatch.setattr(choice, "matmul_rates", lambda *a: pytest.fail("a GPU's precision is not measured"))
+    assert choice.pick_precision("auto", torch.device("cuda"), LlamaConfig(64, 64, 128, 1, 4, 2, 16)) == want
 
 
 @pytest.mark.parametrize("declared, want", [(True, torch.bfloat16), (False, torch.float32)])
@@ -28,15 +28,15 @@ def test_auto_precision_on_cpu_follows_what_it_declares(monkeypatch, capsys, dec
     line, nothing measured (a busy machine's measurement could mislead); an explicit bf16 stays bf16, warned about
     where the CPU lacks it; every rank decides alike."""
     config = LlamaConfig(64, 576, 1536, 1, 4, 2, 16)
-    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: declared)
-    monkeypatch.setattr(precision, "matmul_rates", lambda *a: pytest.fail("a CPU that declares is not measured"))
-    assert precision.pick_precision("auto", torch.device("cpu"), config) == want
+    monkeypatch.setattr(choice, "cpu_has_bf16", lambda: declared)
+    monkeypatch.setattr(choice, "matmul_rates", lambda *a: pytest.fail("a CPU that declares is not measured"))
+    assert choice.pick_precision("auto", torch.device("cpu"), config) == want
     line = capsys.readouterr().out.strip()
-    assert line.startswith(f"precision auto: {precision.name(want)} on this CPU: it declares ") and "\n" not in line
-    assert precision.pick_precision("bf16", torch.device("cpu"), config) == torch.bfloat16
+    assert line.startswith(f"precision auto: {choice.name(want)} on this CPU: it declares ") and "\n" not in line
+    assert choice.pick_precision("bf16", torch.device("cpu"), config) == torch.bfloat16
     assert ("warning: precision bf16 on a CPU that emulates it" in capsys.readouterr().out) == (not declared)
-    assert precision.pick_precision("auto", torch.device("cpu"), config, main=False) == want
-    assert precision.pick_precision("fp32", torch.device("cpu"), config) == torch.float32
+    assert choice.pick_precision("auto", torch.device("cpu"), config, main=False) == want
+    assert choice.pick_precision("fp32", torch.device("cpu"), config) == torch.float32
 
 
 @pytest.mark.parametrize("bf16_rate, want", [(2e9, torch.float32), (1e11, torch.float32), (3e11, torch.bfloat16)])
@@ -50,14 +50,14 @@ def test_a_cpu_that_declares_nothing_is_measured(monkeypatch, capsys, bf16_rate,
         asked.append(shape)
         return {torch.bfloat16: bf16_rate, torch.float32: 1e11}
 
-    monkeypatch.setattr(precision, "cpu_has_bf16", lambda: None)
-    monkeypatch.setattr(precision, "matmul_rates", rates)
-    assert precision.pick_precision("auto", torch.device("cpu"), config) == want
+    monkeypatch.setattr(choice, "cpu_has_bf16", lambda: None)
+    monkeypatch.setattr(choice, "matmul_rates", rates)
+    assert choice.pick_precision("auto", torch.device("cpu"), config) == want
     line = capsys.readouterr().out.strip()
-    assert line.startswith(f"precision auto: {precision.name(want)} on this CPU: measured")
+    assert line.startswith(f"precision auto: {choice.name(want)} on this CPU: measured")
     assert f"{fmt_flops(bf16_rate)} in bf16, 100 GFLOP/s in fp32 (128 x 576 x 1536 matmuls)" in line
     assert asked == [(128, 576, 1536)]  # the model's own MLP shape, for a micro-batch's worth of rows
-    assert precision.pick_precision("auto", torch.device("cpu"), config, main=False) == torch.float32
+    assert choice.pick_precision("auto", torch.device("cpu"), config, main=False) == torch.float32
     assert len(asked) == 1 and capsys.readouterr().out == ""
 
 
@@ -75,5 +75,5 @@ def test_cpu_flags_are_read_from_cpuinfo(tmp_path, text, want):
     """cpu_has_bf16 reads the flags (or Arm's Features) line of a cpuinfo file; no such line, or no file, says
     nothing (None)."""
     (tmp_path / "cpuinfo").write_text(text)
-    assert precision.cpu_has_bf16(str(tmp_path / "cpuinfo")) is want
-    assert precision.cpu_has_bf16(str(tmp_path / "missing")) is None
+    assert choice.cpu_has_bf16(str(tmp_path / "cpuinfo")) is want
+    assert choice.cpu_has_bf16(str(tmp_path / "missing")) is None
