@@ -209,7 +209,7 @@ class Run:
     opt: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     tok: Tokenizer
-    place: train.Placement
+    place: ranks.Placement
     problems: list  # the training problems
     eval_problems: list  # eval_task's, [] without one
     tracker: object = None
@@ -327,7 +327,7 @@ def rl(cfg: RLConfig) -> list[dict]:
     found = problem_sets.training_problems(cfg, tok)  # a bad problem file fails here, with nothing written
     claim_out_dir(cfg)
     print(f"{len(found)} problems; {cfg.problems_per_step} x {cfg.group_size} answers a step")
-    place = train.setup(cfg)
+    place = ranks.setup(cfg)
     place.dtype = pick_precision(cfg.precision, place.device, read_config(model_dir)[0])
     model = train.build_model(dataclasses.replace(cfg, lora_dropout=0.0), place, model_dir, 0)  # no dropout: see top
     opt = train.make_optimizer(cfg, [p for p in model.parameters() if p.requires_grad], place.device)

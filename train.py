@@ -36,7 +36,6 @@ import math
 import os
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -148,41 +147,8 @@ class Config:
                     use_rslora=self.use_rslora)  # fmt: skip
 
 
-@dataclass
-class Placement:
-    """Where this process computes: its rank among `world` processes, its device, and the dtype it computes in."""
-
-    rank: int
-    world: int
-    device: torch.device
-    dtype: torch.dtype = torch.float32
-
-    @property
-    def main(self) -> bool:  # rank 0 prints, evaluates, saves
-        return self.rank == 0
-
-    def autocast(self):
-        half = self.dtype in (torch.bfloat16, torch.float16)  # fp32 (and the tests' fp64) run as they are
-        return torch.autocast(self.device.type, dtype=self.dtype) if half else nullcontext()
-
-
-def setup(cfg: Config) -> Placement:
-    """Device and process group. torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; plain python runs one process. The dtype is
-    chosen once the model's shapes are known (pick_precision). On CUDA, fp32 matmuls use TF32 only when cfg.tf32 asks
-    (under bf16 autocast few matmuls are fp32; with precision fp32 all are)."""
-    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if use_cuda else "cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.fp32_precision = "tf32" if cfg.tf32 else "ieee"
-    if world > 1 or cfg.parallel == "fsdp":  # FSDP needs a process group, one process or many
-        ranks.init_process_group("nccl" if use_cuda else "gloo", rank, world, cfg.rank_timeout)
-    return Placement(rank, world, device)
-
-
 # ----------------------------------------------------------------------------- data
-def build_data(cfg: Config, tok, files, max_positions: int, place: Placement):
+def build_data(cfg: Config, tok, files, max_positions: int, place: ranks.Placement):
     """Examples -> (training, validation) packed datasets, plus the first eval_samples held-out examples that render:
     the prompts every evaluation answers."""
     if isinstance(cfg.context_length, int) and cfg.context_length > max_positions:
@@ -252,7 +218,7 @@ def of_part(names, prefix):
     return [n for n in names if (n.startswith(prefix) if prefix else not n.startswith("model.layers."))]
 
 
-def build_model(cfg: Config, place: Placement, model_dir: str, mlp_tile: int):
+def build_model(cfg: Config, place: ranks.Placement, model_dir: str, mlp_tile: int):
     """The run's QLoRA (or LoRA) model: its adapters in fp32, sharded when parallel=fsdp, built with the run's
     checkpointing, MLP tiles, loss and compile."""
     torch.manual_seed(cfg.seed)  # the same adapter init on every rank
@@ -286,14 +252,14 @@ def learning_rate(cfg: Config, step: int) -> float:
 
 
 # ----------------------------------------------------------------------------- the step
-def forward_loss(model, batch, place: Placement):
+def forward_loss(model, batch, place: ranks.Placement):
     """(summed loss, supervised tokens) of one micro-batch, under the run's autocast."""
     with place.autocast():
         ids, pos, labels = (batch[k].to(place.device) for k in ("input_ids", "position_ids", "labels"))
         return model(ids, pos, labels=labels)
 
 
-def train_step(model, opt, scaler, batch, micro_rows, step, cfg: Config, place: Placement) -> dict:
+def train_step(model, opt, scaler, batch, micro_rows, step, cfg: Config, place: ranks.Placement) -> dict:
     """Optimizer step `step` over `batch` (this rank's rows): forward/backward per micro-batch, the loss normalised by
     the global supervised-token count, gradients summed over ranks, clipping and the update (never applied when the
     loss or the gradient is not finite). Returns the step's record."""
@@ -340,7 +306,7 @@ def train_step(model, opt, scaler, batch, micro_rows, step, cfg: Config, place: 
 
 # ----------------------------------------------------------------------------- evaluation
 @torch.no_grad()
-def evaluate(model, valset, rows: int, micro_rows: int, place: Placement) -> float:
+def evaluate(model, valset, rows: int, micro_rows: int, place: ranks.Placement) -> float:
     """Mean loss per supervised token over the first `rows` validation rows (0 = all), `micro_rows` rows per forward:
     the training micro-batch, whose memory the estimate and the probe vouch for."""
     model.eval()
@@ -387,7 +353,7 @@ def train(cfg: Config) -> list[dict]:
     if cfg.plan:  # for the machine it names, not this one: no device, no process group
         print(plan_for(cfg, architecture))
         return []
-    place = setup(cfg)
+    place = ranks.setup(cfg)
     tok = Tokenizer(model_dir)
     trainset, valset, prompts = build_data(cfg, tok, files, architecture.max_position_embeddings, place)
     rows = ranks.rows_per_rank(cfg.batch_tokens, trainset.context_length, place.world)
@@ -422,7 +388,7 @@ def train(cfg: Config) -> list[dict]:
     return history
 
 
-def evaluation_record(cfg: Config, place: Placement, run: Run) -> dict:
+def evaluation_record(cfg: Config, place: ranks.Placement, run: Run) -> dict:
     """The validation loss, the greedy answers to the held-out prompts (the same ones at every evaluation, so they show
     what the falling loss means) and, when due, eval_task's pass@1, to go into the step's record."""
     val_loss = evaluate(run.model, run.valset, cfg.eval_rows, run.micro_rows, place)
@@ -432,7 +398,7 @@ def evaluation_record(cfg: Config, place: Placement, run: Run) -> dict:
     return record | task_record(cfg, run.model, run.tok, run.problems, autocast, run.step)  # {} unless it is due
 
 
-def before_training(cfg: Config, place: Placement, run: Run):
+def before_training(cfg: Config, place: ranks.Placement, run: Run):
     """A fresh run's first records, on rank 0: NF4's quantization error, and the step-0 evaluation (every rank of a
     sharded model evaluates with it: a sharded model computes only when all ranks do)."""
     if place.main and (errors := progress.nf4_error(run.model)):
@@ -446,7 +412,7 @@ def before_training(cfg: Config, place: Placement, run: Run):
         run.tracker.log(record)
 
 
-def loop(cfg: Config, place: Placement, run: Run):
+def loop(cfg: Config, place: ranks.Placement, run: Run):
     """Optimizer steps from run.step to max_steps. Each turn first does, for the step just taken, what is done once in
     a while (evaluate, show, save), then takes one step. Ctrl-C stops after the step under way, with a checkpoint of
     exactly that step; twice, at once."""
@@ -480,7 +446,7 @@ def loop(cfg: Config, place: Placement, run: Run):
         raise SystemExit(130)
 
 
-def optimizer_step(cfg: Config, place: Placement, run: Run) -> dict:
+def optimizer_step(cfg: Config, place: ranks.Placement, run: Run) -> dict:
     """Step run.step on its rows of the global batch, at the schedule's learning rate; its record (on rank 0 also
     appended to run.history, before any evaluation a second Ctrl-C may break into)."""
     start, step = time.perf_counter(), run.step

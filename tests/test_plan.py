@@ -22,6 +22,7 @@ from test_memory import adapters, config
 
 from model import LOSS_CHUNK
 from support.accounting import memory, plan
+from support.run import ranks
 
 
 def test_plan_follows_the_decision_tree():
@@ -132,7 +133,7 @@ def test_the_mlp_is_tiled_where_one_row_does_not_fit_untiled(monkeypatch):
 
     config = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, head_dim=16)  # fmt: skip
-    place = train.Placement(0, 1, torch.device("cpu"))
+    place = ranks.Placement(0, 1, torch.device("cpu"))
     asked = []
     monkeypatch.setattr(plan, "fits_in_memory", lambda parts, place: asked.append(parts) or False)
     assert plan.mlp_tile_tokens(train.Config(mlp_tile_tokens=96), place, config, 4096) == 96

@@ -20,6 +20,7 @@ import torch
 import lora
 import rl
 import train
+from support.run import ranks
 from support.run.config import load_config
 
 G, PROMPT, ANSWERS = 3, 7, [5, 2, 9, 4, 4, 7]  # group size, prompt tokens, the answers' lengths (two groups)
@@ -102,7 +103,7 @@ def test_loss_and_gradients_equal_trls(tiny_dir, tmp_path, norm, kl_coef, scale,
                 p.copy_(named[peft_names(name)])
     cfg = rl.RLConfig(group_size=G, loss_norm=norm, kl_coef=kl_coef, scale_rewards=scale, temperature=0.7,
                       sample_tokens=max(ANSWERS) + 3, updates_per_batch=2 if clipped else 1)  # fmt: skip
-    place = train.Placement(0, 1, torch.device("cpu"))
+    place = ranks.Placement(0, 1, torch.device("cpu"))
     run = rl.Run(model, None, torch.amp.GradScaler("cuda", enabled=False), None, place, [], [])
     roll = dict(seqs=[(prompts[i // G], a) for i, a in enumerate(answers)], rewards=torch.tensor(REWARDS))
     parts = rl.prepared(cfg, run, roll)
@@ -132,7 +133,7 @@ def test_adapters_off_is_the_base_model_bit_for_bit(tiny_dir):
     tokens = lambda n: torch.randint(0, 49152, (n,), generator=gen).tolist()  # noqa: E731
     seqs = [(tokens(6), tokens(n)) for n in (4, 9, 2)]
     batch = rl.micro_batches(seqs, 1000)[0]
-    place = train.Placement(0, 1, torch.device("cpu"))
+    place = ranks.Placement(0, 1, torch.device("cpu"))
     with torch.no_grad():
         want, adapted = (rl.token_logprobs(m, batch, 0.7, place) for m in (base, model))
         with lora.adapters_off(model):
@@ -174,7 +175,7 @@ def test_answers_share_one_copy_of_their_prompt(tiny_dir):
     tokens = lambda n: torch.randint(0, 49152, (n,), generator=gen).tolist()  # noqa: E731
     prompts = [tokens(PROMPT), tokens(PROMPT + 3)]
     seqs = [(prompts[i // G], tokens(n)) for i, n in enumerate(ANSWERS)]
-    place = train.Placement(0, 1, torch.device("cpu"))
+    place = ranks.Placement(0, 1, torch.device("cpu"))
     with torch.no_grad():
         alone = torch.cat([rl.token_logprobs(model, rl.micro_batches([s], 1000)[0], 0.7, place) for s in seqs])
         # rows of at most 16 tokens: [7 + 5 + 2], [7 + 9], [10 + 4], [10 + 4], [10 + 7] (longer, alone)

@@ -25,6 +25,7 @@ from pack import build_dataset, tokenize_chunk
 from support.data import token_cache
 from support.data.preview import packing_report
 from support.data.tokenizer import Tokenizer
+from support.run import ranks
 
 CASES = {  # name: train.Config settings, as stream_reference.json was computed
     "fraction": dict(val_fraction=0.2, context_length="auto", skip_bad_rows=True, eval_samples=2),
@@ -113,7 +114,7 @@ def test_streamed_data_is_the_data_before_streaming(smollm2_dir, tmp_path, case)
     expected = json.loads((DATA / "stream_reference.json").read_text())[case]
     data = str(DATA / "stream_rows.jsonl")
     cfg = train.Config(data=data, cache_dir=str(tmp_path / "cache"), **CASES[case])
-    place = train.Placement(0, 1, torch.device("cpu"))
+    place = ranks.Placement(0, 1, torch.device("cpu"))
     for _ in range(2):
         got = summary(*train.build_data(cfg, Tokenizer(smollm2_dir), {"data": [data], "val_data": []}, 8192, place))
         assert got == expected

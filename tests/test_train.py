@@ -48,7 +48,7 @@ from support.data.tokenizer import Tokenizer
 from support.formats import atomic
 from support.formats.hf import read_config
 from support.kernels import choice, dropout
-from support.run import optional, progress, run_dir
+from support.run import optional, progress, ranks, run_dir
 from support.run.config import load_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -82,7 +82,7 @@ def test_accumulation_equals_one_batch(tiny_dir):
     a normalisation by each micro-batch's own count instead of the global one moves them by about lr * 10%. In fp32
     the same bound is lr * 6e-8 / 1e-8, larger than the update itself, so fp32 cannot show exactness this way."""
     cfg = train.Config(model=tiny_dir, lora_r=4, lora_alpha=8.0, lora_dropout=0.0, lr=1e-3)
-    place = train.Placement(0, 1, torch.device("cpu"), torch.float64)
+    place = ranks.Placement(0, 1, torch.device("cpu"), torch.float64)
     tok = Tokenizer(tiny_dir)
     batch = build_dataset(stdlib_examples("train")[:64], tok, 128).step_batch(0, 4)
     counts = [int((row != -100).sum()) for row in batch["labels"]]
@@ -106,7 +106,7 @@ def test_a_step_without_dropout_makes_no_keys_and_draws_no_mask(tiny_dir, monkey
     dropout made to fail, the step still trains (and with dropout on, the same patch stops it, so it is reached)."""
     tok = Tokenizer(tiny_dir)
     batch = build_dataset(stdlib_examples("train")[:64], tok, 128).step_batch(0, 2)
-    place = train.Placement(0, 1, torch.device("cpu"), torch.float32)
+    place = ranks.Placement(0, 1, torch.device("cpu"), torch.float32)
 
     def fail(*args, **kwargs):
         raise AssertionError("the keyed dropout ran")
@@ -225,7 +225,7 @@ def test_torchrun_two_processes_match_one(tiny_dir, steps, one_process, tmp_path
 def test_a_global_batch_the_ranks_cannot_share_is_refused(tiny_dir, tmp_path, monkeypatch, capsys):
     """4 rows a step on 3 ranks are refused in one line that names the nearest batches they can share, before any
     model is loaded (the rows used to be cut to 3, a silently smaller batch)."""
-    monkeypatch.setattr(train, "setup", lambda cfg: train.Placement(0, 3, torch.device("cpu")))  # rank 0 of 3
+    monkeypatch.setattr(ranks, "setup", lambda cfg: ranks.Placement(0, 3, torch.device("cpu")))  # rank 0 of 3
     monkeypatch.setattr(train, "build_model", lambda *a: pytest.fail("a model was built"))
     assert one_line_error(args(tiny_dir, tmp_path, "--batch_tokens=512"), capsys) == (
         "error: batch_tokens: 512 makes 4 row(s) of 128 tokens, which 3 ranks cannot share equally; use "
@@ -415,7 +415,7 @@ def test_evaluate_covers_exactly_the_requested_rows_a_micro_batch_at_a_time(tiny
     model = train.load_model(tiny_dir)
     valset = build_dataset(stdlib_examples("val")[:60], Tokenizer(tiny_dir), 128)
     assert len(valset) > 10
-    place = train.Placement(0, 1, torch.device("cpu"), torch.float32)
+    place = ranks.Placement(0, 1, torch.device("cpu"), torch.float32)
     widths, forward_loss = [], train.forward_loss
     monkeypatch.setattr(train, "forward_loss", lambda m, b, p: widths.append(len(b["labels"])) or forward_loss(m, b, p))
     got = train.evaluate(model, valset, 10, micro_rows, place)
@@ -590,7 +590,7 @@ def test_tf32_only_where_asked(monkeypatch, tf32):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     torch.backends.cuda.matmul.fp32_precision = "ieee" if tf32 else "tf32"  # the opposite of what is asked
-    place = train.setup(load_config(train.Config, [] if tf32 is None else [f"--tf32={tf32}"]))
+    place = ranks.setup(load_config(train.Config, [] if tf32 is None else [f"--tf32={tf32}"]))
     assert place.device.type == "cuda"
     assert torch.backends.cuda.matmul.fp32_precision == ("tf32" if tf32 else "ieee")
 
@@ -683,7 +683,7 @@ def qlora_step(model_dir, device, compute, adapters=None):
     `adapters`."""
     cfg = train.Config(model=model_dir, device=device, precision=compute, lora_r=4, lora_alpha=8.0, lora_dropout=0.0)
     dtype = choice.pick_precision(cfg.precision, torch.device(device), read_config(model_dir)[0])
-    place = train.Placement(0, 1, torch.device(device), dtype)
+    place = ranks.Placement(0, 1, torch.device(device), dtype)
     model = train.build_model(cfg, place, model_dir, mlp_tile=0)
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     with torch.no_grad():
@@ -744,7 +744,7 @@ def test_probe_fits_under_a_capped_memory_fraction(smollm2_dir, tmp_path):
     model_dir = random_model_dir(tmp_path / "m", smollm2_dir, torch.bfloat16, "cuda", **shape, num_key_value_heads=2)
     cfg = train.Config(model=model_dir, device="cuda", context_length=2048, batch_tokens=16 * 2048)
     cfg.max_examples, cfg.cache_dir = 600, str(tmp_path / "cache")
-    place = train.Placement(1, 1, torch.device("cuda"), torch.bfloat16)  # rank 1: builds quietly
+    place = ranks.Placement(1, 1, torch.device("cuda"), torch.bfloat16)  # rank 1: builds quietly
     trainset = train.build_data(cfg, Tokenizer(model_dir), 8192, place)[0]
     model = train.build_model(cfg, place, model_dir, mlp_tile=0)
     longest = sorted(range(len(trainset)), key=lambda r: -sum(trainset.lens[d] for d in trainset.rows[r]))

@@ -1,4 +1,8 @@
-"""How do many ranks stay in step, and how does a run end when one of them fails?
+"""Where does each process of a run compute, how do many ranks stay in step, and how does a run end when one fails?
+
+One process is a Placement: its rank among `world` processes, its device and the dtype it computes in (rank 0 prints,
+evaluates and saves). `setup` reads them from torchrun's RANK, WORLD_SIZE and LOCAL_RANK (plain python: one process)
+and starts the process group (nccl on CUDA, gloo on CPU) when there are many, or when FSDP asks for one.
 
 Every rank must call the same collectives in the same order, or the others wait for it forever. So whatever a rank
 decides from what only it sees is agreed first: the dtype (rank 0's measurement, support/kernels/choice.py), the
@@ -23,7 +27,8 @@ import os
 import signal
 import sys
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
@@ -31,6 +36,39 @@ import torch.distributed as dist
 
 ERROR_KEY = "nanoqlora/error"  # the first user error of any rank, in the process group's store
 store = None  # that store, once init_process_group has run in this process
+
+
+@dataclass
+class Placement:
+    """Where this process computes: its rank among `world` processes, its device, and the dtype it computes in."""
+
+    rank: int
+    world: int
+    device: torch.device
+    dtype: torch.dtype = torch.float32
+
+    @property
+    def main(self) -> bool:  # rank 0 prints, evaluates, saves
+        return self.rank == 0
+
+    def autocast(self):
+        half = self.dtype in (torch.bfloat16, torch.float16)  # fp32 (and the tests' fp64) run as they are
+        return torch.autocast(self.device.type, dtype=self.dtype) if half else nullcontext()
+
+
+def setup(cfg) -> Placement:
+    """Device and process group. torchrun sets RANK/WORLD_SIZE/LOCAL_RANK; plain python runs one process. The dtype is
+    chosen once the model's shapes are known (pick_precision). On CUDA, fp32 matmuls use TF32 only when cfg.tf32 asks
+    (under bf16 autocast few matmuls are fp32; with precision fp32 all are)."""
+    use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if use_cuda else "cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.fp32_precision = "tf32" if cfg.tf32 else "ieee"
+    if world > 1 or cfg.parallel == "fsdp":  # FSDP needs a process group, one process or many
+        init_process_group("nccl" if use_cuda else "gloo", rank, world, cfg.rank_timeout)
+    return Placement(rank, world, device)
 
 
 class RankLost(Exception):
