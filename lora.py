@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 import quant
 from model import find_linears
-from support.kernels.dropout import KeyedDropout
+from support.kernels.dropout import KeyedDropout, dropout_rows, row_keys
 
 
 class LoRALinear(nn.Linear):
@@ -151,6 +151,15 @@ def frozen_linear(weight, bias):
     linear.weight = nn.Parameter(weight, requires_grad=False)
     linear.bias = bias
     return linear
+
+
+def row_dropout(model, seed, step, rows, device):
+    """A context within which every LoRA dropout of `model` drops, in row i of the micro-batch in flight, what row
+    rows[i] of step `step`'s global batch drops in a run seeded `seed`: the same on any number of ranks and
+    micro-batches (support/kernels/dropout.py derives each mask from the three numbers; its keys made on `device`).
+    lora_dropout 0: no keys are made, no mask drawn."""
+    live = any(isinstance(m, KeyedDropout) for m in model.modules())
+    return dropout_rows(model, row_keys(seed, step, rows, device) if live else None)
 
 
 def lora_modules(model):

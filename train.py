@@ -49,13 +49,10 @@ from model import LOSS_CHUNK, Llama, Options, find_linears
 from support.accounting.plan import micro_batch_rows, mlp_tile_tokens, plan_for
 from support.data import examples, preview
 from support.data.tokenizer import Tokenizer
-from support.evaluation.humaneval import task_problems, task_record
-from support.evaluation.sampling import prompt_and_answer
+from support.evaluation import humaneval
 from support.formats import hf
-from support.formats.hf import read_config
-from support.kernels import choice, dropout
-from support.kernels.choice import agreed, pick_precision
-from support.run import fsdp, progress, ranks, run_dir
+from support.kernels import choice
+from support.run import progress, ranks, run_dir
 from support.run.config import (
     GGUF_TYPES,
     TARGETS,
@@ -70,7 +67,6 @@ from support.run.config import (
     setting,
     within,
 )
-from support.run.run_dir import claim_inputs, write_outputs
 
 
 @dataclass
@@ -162,13 +158,9 @@ def build_data(cfg: Config, tok, files, max_positions: int, place: ranks.Placeme
                   max_context=max_positions, fmt=cfg.data_format, skip_bad_rows=cfg.skip_bad_rows)  # fmt: skip
     trainset = pack.build_dataset(train_data, tok, cfg.context_length, keep=train_keep, **common)
     valset = pack.build_dataset(val_data, tok, trainset.context_length, keep=val_keep, **common)
-    read = dict(fmt=cfg.data_format, skip_bad_rows=cfg.skip_bad_rows)  # the files again, only as far as needed
-    if place.main:
-        print(preview.packing_report(trainset))
-        if cfg.preview:  # the first examples shown, then the same checks over every training example
-            train_examples = list(examples.selected(train_data, trainset.kept, **read))
-            preview.show(train_examples, tok, cfg.template or None, cfg.train_on_prompt, cfg.skip_bad_rows)
-    held_out = examples.selected(val_data, valset.kept, **read)
+    if place.main:  # the packing report; with --preview the first examples as the model sees them, and the checks
+        preview.report(cfg, trainset, train_data, tok)
+    held_out = examples.selected(val_data, valset.kept, cfg.data_format, cfg.skip_bad_rows)  # the files read again
     renders = (ex for ex in held_out if pack.renders(ex, tok, cfg.template or None))
     return trainset, valset, list(itertools.islice(renders, cfg.eval_samples))
 
@@ -180,9 +172,9 @@ def load_model(model_dir: str, dtype=None, device="cpu", quantize=False, add_lor
     the compute (default: config.json's, else fp32); add_lora: lora.add_lora_'s keywords for fresh adapters; adapter: a
     saved PEFT adapter directory instead (support/formats/hf.py reads and writes the files); options: how the training
     forward runs (model.Options); shard: FSDP's mesh and policy, to shard each block as it is
-    built (support/run/fsdp.py)."""
+    built (support/run/ranks.py)."""
     device = torch.device(device)
-    config, stored = read_config(model_dir)
+    config, stored = hf.read_config(model_dir)
     dtype = dtype or stored or torch.float32
     # 1. The Llama on the meta device: shapes, no memory. The kernels for this device are chosen here, once: the
     #    packed-document attention, NF4's dequantization (on CUDA the fastest with the reference's bits), LoRA dropout.
@@ -191,7 +183,7 @@ def load_model(model_dir: str, dtype=None, device="cpu", quantize=False, add_lor
         model = Llama(config, kernels.attention, options)
     ckpt, weights = hf.open_checkpoint(model_dir, model)
     nf4 = list(find_linears(model)) if quantize or hf.is_prequantized(ckpt) else []
-    ckpt, weights = fsdp.what_this_rank_reads(model, ckpt, weights, device, shard)  # sharded: rank 0 reads alone
+    ckpt, weights = ranks.what_this_rank_reads(model, ckpt, weights, device, shard)  # sharded: rank 0 reads alone
     adapters = add_lora or (hf.adapter_settings(adapter, model) if adapter else None)
     adapted = list(find_linears(model, adapters["targets"])) if adapters else []
     lora_kw = {k: v for k, v in (adapters or {}).items() if k != "targets"} | dict(dropout_op=kernels.dropout)
@@ -205,9 +197,9 @@ def load_model(model_dir: str, dtype=None, device="cpu", quantize=False, add_lor
         # 4. LoRA's A and B beside its chosen linears.
         if adapters:
             lora.add_lora_(model, of_part(adapted, prefix), **lora_kw)
-        fsdp.shard_part(part, shard)  # sharded: from here on this rank keeps only its shard of the part
+        ranks.shard_part(part, shard)  # sharded: from here on this rank keeps only its shard of the part
     if adapters:
-        print(lora.describe(model, adapters["r"], len(adapted)) + fsdp.sharded_over(shard))
+        print(lora.describe(model, adapters["r"], len(adapted)) + ranks.sharded_over(shard))
     if adapter:
         hf.load_adapter_(model, adapter)
     return model
@@ -224,7 +216,7 @@ def build_model(cfg: Config, place: ranks.Placement, model_dir: str, mlp_tile: i
     torch.manual_seed(cfg.seed)  # the same adapter init on every rank
     options = Options(cfg.activation_checkpointing, cfg.offload_checkpoints, mlp_tile,
                       LOSS_CHUNK if cfg.chunked_loss else 0, cfg.compile)  # fmt: skip
-    shard = fsdp.sharding(place.device, place.world, cfg.cpu_offload) if cfg.parallel == "fsdp" else None
+    shard = ranks.sharding(place.device, place.world, cfg.cpu_offload) if cfg.parallel == "fsdp" else None
     adapters = cfg.adapters() | dict(lora_dtype=torch.float32)
     return load_model(model_dir, place.dtype, place.device, cfg.quantize, adapters, options=options, shard=shard)
 
@@ -269,20 +261,18 @@ def train_step(model, opt, scaler, batch, micro_rows, step, cfg: Config, place: 
     if place.world > 1:
         dist.all_reduce(n_sup)  # on `device`: NCCL reduces only CUDA tensors
     clock, loss_sum = progress.PhaseClock(place.device), torch.zeros((), dtype=torch.float64, device=place.device)
-    live_dropout = dropout.has_keyed_dropout(model)  # lora_dropout 0: no keys are made, no mask drawn
     for i in range(0, rows, micro_rows):
         b = {k: v[i : i + micro_rows] for k, v in batch.items()}
         first = place.rank * rows + i  # its first row's index in the step's global batch (pack's step_batch)
         rows_of_b = range(first, first + len(b["labels"]))
-        keys = dropout.row_keys(cfg.seed, step, rows_of_b, place.device) if live_dropout else None
-        fsdp.sync_gradients(model, i + micro_rows >= rows)  # sharded: gradients reduce-scattered after the last only
-        with dropout.dropout_rows(model, keys):  # dropout: a function of (seed, step, global row), however split
+        ranks.sync_gradients(model, i + micro_rows >= rows)  # sharded: gradients reduce-scattered after the last only
+        with lora.row_dropout(model, cfg.seed, step, rows_of_b, place.device):  # (seed, step, global row) only
             loss, _ = forward_loss(model, b, place)
             clock.mark("fwd_s")
             scaler.scale(loss / n_sup.clamp(min=1)).backward()
         clock.mark("bwd_s")
         loss_sum += loss.detach().double()
-    if place.world > 1 and not fsdp.is_sharded(model):  # a sharded model's gradients are reduce-scattered already
+    if place.world > 1 and not ranks.is_sharded(model):  # a sharded model's gradients are reduce-scattered already
         # Data parallel by hand rather than torch's DistributedDataParallel: the adapters' gradients are a few MB, so
         # one all-reduce after the last micro-batch costs little next to a step, and it is the plain sum the global
         # count asks for, where DDP would average each bucket during backward (to be undone) and needs no_sync for
@@ -294,7 +284,7 @@ def train_step(model, opt, scaler, batch, micro_rows, step, cfg: Config, place: 
     if place.world > 1:
         dist.all_reduce(loss_sum)
     scaler.unscale_(opt)
-    norm = float(fsdp.full(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or math.inf)))  # clipped or not
+    norm = float(ranks.full(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or math.inf)))  # clipped or not
     record = {"loss": loss_sum.item() / max(1.0, n_sup.item()), "grad_norm": norm, "supervised": n_sup.item()}
     if run_dir.finite(record, scaler):  # else the update is never applied, and the loop stops
         scaler.step(opt)
@@ -347,9 +337,9 @@ def train(cfg: Config) -> list[dict]:
     """Fine-tune as `cfg` says; returns the metrics history (step 0's records, then one per step). --plan and
     --preview stop after printing, before any model is loaded."""
     check_config(cfg)
-    problems = task_problems(cfg)  # a bad eval_task file fails here, before out_dir is claimed
-    model_dir, files = claim_inputs(cfg)
-    architecture = read_config(model_dir)[0]
+    problems = humaneval.task_problems(cfg)  # a bad eval_task file fails here, before out_dir is claimed
+    model_dir, files = run_dir.claim_inputs(cfg)
+    architecture = hf.read_config(model_dir)[0]
     if cfg.plan:  # for the machine it names, not this one: no device, no process group
         print(plan_for(cfg, architecture))
         return []
@@ -359,8 +349,8 @@ def train(cfg: Config) -> list[dict]:
     rows = ranks.rows_per_rank(cfg.batch_tokens, trainset.context_length, place.world)
     if cfg.preview:
         return []
-    dtype = pick_precision(cfg.precision, place.device, architecture, place.main)
-    place.dtype = agreed(dtype, place.world, place.device)  # every rank computes in rank 0's choice
+    dtype = choice.pick_precision(cfg.precision, place.device, architecture, place.main)
+    place.dtype = choice.agreed(dtype, place.world, place.device)  # every rank computes in rank 0's choice
     mlp_tile = mlp_tile_tokens(cfg, place, architecture, trainset.context_length)  # 0 unless a row needs it
     model = build_model(cfg, place, model_dir, mlp_tile)
     opt = make_optimizer(cfg, [p for p in model.parameters() if p.requires_grad], place.device)
@@ -378,9 +368,9 @@ def train(cfg: Config) -> list[dict]:
     else:
         before_training(cfg, place, run)
     loop(cfg, place, run)
-    adapter = {n: fsdp.full(p.detach()) for n, p in model.named_parameters() if p.requires_grad}  # gathered if sharded
+    adapter = {n: ranks.full(p.detach()) for n, p in model.named_parameters() if p.requires_grad}  # gathered if sharded
     if place.main:
-        write_outputs(cfg, model, tok, prompts, run.history, adapter, model_dir, run.tracker)
+        run_dir.write_outputs(cfg, model, tok, prompts, run.history, adapter, model_dir, run.tracker)
         progress.print_peak(place)
     history = run.history
     del run, model, opt  # a sharded model holds the process group until it is freed (ranks.end_process_group)
@@ -389,13 +379,11 @@ def train(cfg: Config) -> list[dict]:
 
 
 def evaluation_record(cfg: Config, place: ranks.Placement, run: Run) -> dict:
-    """The validation loss, the greedy answers to the held-out prompts (the same ones at every evaluation, so they show
-    what the falling loss means) and, when due, eval_task's pass@1, to go into the step's record."""
+    """The validation loss, then what the model generates (support/evaluation/humaneval.py: the greedy answers to the
+    held-out prompts and, when due, eval_task's pass@1), to go into the step's record."""
     val_loss = evaluate(run.model, run.valset, cfg.eval_rows, run.micro_rows, place)
-    template, autocast = cfg.template or None, place.autocast
-    answers = [prompt_and_answer(run.model, run.tok, ex, template, cfg.sample_tokens, autocast) for ex in run.prompts]
-    record = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))} | ({"samples": answers} if answers else {})
-    return record | task_record(cfg, run.model, run.tok, run.problems, autocast, run.step)  # {} unless it is due
+    record = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}
+    return record | humaneval.generated(cfg, run.model, run.tok, run.prompts, run.problems, place.autocast, run.step)
 
 
 def before_training(cfg: Config, place: ranks.Placement, run: Run):
@@ -403,7 +391,7 @@ def before_training(cfg: Config, place: ranks.Placement, run: Run):
     sharded model evaluates with it: a sharded model computes only when all ranks do)."""
     if place.main and (errors := progress.nf4_error(run.model)):
         run.history.append({"step": 0, "nf4_error": errors})
-    if cfg.eval_every and (place.main or fsdp.is_sharded(run.model)):
+    if cfg.eval_every and (place.main or ranks.is_sharded(run.model)):
         record = {"step": 0} | evaluation_record(cfg, place, run)
         run.history += [record] if place.main else []
         if place.main:
@@ -426,7 +414,7 @@ def loop(cfg: Config, place: ranks.Placement, run: Run):
             # ---------------------------------------------- once in a while, for the step just taken
             if run.step > first:  # no evaluation when stopping: torchrun kills its workers 30 s after Ctrl-C
                 due = cfg.eval_every and (run.step % cfg.eval_every == 0 or run.step == cfg.max_steps)
-                if due and not stopping() and (place.main or fsdp.is_sharded(run.model)):  # sharded: all compute
+                if due and not stopping() and (place.main or ranks.is_sharded(run.model)):  # sharded: all compute
                     record |= evaluation_record(cfg, place, run)
                     progress.adapter_report(run.model, record, bar, place.main)
                 if place.main:

@@ -13,7 +13,7 @@ template = "### Instruction:\n{instruction}\n\n### Response:\n{response}"  # a b
 context_length = 2048
 val_fraction = 0.01
 
-parallel = "fsdp"  # under torchrun: every weight sharded over the ranks (support/run/fsdp.py)
+parallel = "fsdp"  # under torchrun: every weight sharded over the ranks (support/run/ranks.py)
 cpu_offload = True  # the shards live in CPU memory between uses
 quantize = True
 lora_r = 16

@@ -1,4 +1,4 @@
-"""Run under torchrun by test_fsdp.py: `fsdp_worker.py OUT [MODEL_DIR]` writes, per rank, a JSON line to OUT: whether
+"""Run under torchrun by test_ranks.py: `fsdp_worker.py OUT [MODEL_DIR]` writes, per rank, a JSON line to OUT: whether
 an NF4 weight whose bytes take every value (every 16-bit pattern as a pair of bytes, NaNs of bf16 and fp16 among them,
 and fp32 NaNs in its float tensors) comes back bit for bit when sharded and gathered, and, with MODEL_DIR, that tiny
 model sharded over the ranks: the parameter bytes a rank holds between steps, the most it holds while a block computes

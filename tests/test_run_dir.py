@@ -2,7 +2,7 @@
 older layouts (optimizer state keyed by parameter name, as written before torch.distributed.checkpoint.state_dict did
 it, and the older one keyed by position, even with no step taken) resume exactly; a checkpoint that would run code when
 unpickled is refused in one line. (Step-exact resume, resume across rank counts, refused settings and a corrupted file,
-through train.py: test_train.py, test_fsdp.py and test_ranks.py.)"""
+through train.py: test_train.py and test_ranks.py.)"""
 
 import dataclasses
 import os

@@ -19,7 +19,7 @@ import time
 import numpy as np
 
 from pack import build_dataset, pack_bfd, segment
-from support.data.examples import load_examples, stdlib_examples
+from support.data.examples import load_examples, selected, stdlib_examples
 from support.data.tokenizer import Tokenizer
 
 
@@ -121,6 +121,15 @@ def preview(examples, tokenizer, template=None, train_on_prompt=False, n=3, colo
         out.append("".join(on + tok.decode(ids) + off if k else tok.decode(ids) for k, ids in grouped))
     warnings = _warnings(docs, tok, train_on_prompt)
     return "\n".join(out + ([f"warning: {w}" for w in warnings] or [f"no warnings in the {len(docs)} examples shown"]))
+
+
+def report(cfg, trainset, data, tok):
+    """What train.py prints about its training data (a train.Config's): the packing report; with --preview also the
+    first examples of `data` that trainset holds, as the model will see them, then the checks over every one."""
+    print(packing_report(trainset))
+    if cfg.preview:  # the files read again, only as far as needed
+        train_examples = list(selected(data, trainset.kept, cfg.data_format, cfg.skip_bad_rows))
+        show(train_examples, tok, cfg.template or None, cfg.train_on_prompt, cfg.skip_bad_rows)
 
 
 def show(examples, tok, template=None, train_on_prompt=False, skip_bad_rows=False):

@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from support.data.tokenizer import render
 from support.evaluation import sandbox
-from support.evaluation.sampling import dense_weights, generate_batch
+from support.evaluation.sampling import dense_weights, generate_batch, prompt_and_answer
 
 FIELDS = ("task_id", "prompt", "test", "entry_point")
 MAX_NEW_TOKENS = 384  # per answer: HumanEval's longest canonical solutions fit in well under this
@@ -196,3 +196,11 @@ def task_record(cfg, model, tok, problems, autocast, step) -> dict:
     passed = f"{result['passed']}/{result['problems']}"
     tqdm.write(f"step {step}: {label(cfg.eval_task)} pass@1 {100 * result['pass@1']:.1f}% ({passed} problems)")
     return {"eval_task": result}
+
+
+def generated(cfg, model, tok, prompts, problems, autocast, step) -> dict:
+    """What an evaluation during training generates, for the step's record: the greedy answers to the held-out
+    `prompts` (the same ones at every evaluation, so they show what the falling loss means) and, when due,
+    task_record's pass@1."""
+    answers = [prompt_and_answer(model, tok, ex, cfg.template or None, cfg.sample_tokens, autocast) for ex in prompts]
+    return ({"samples": answers} if answers else {}) | task_record(cfg, model, tok, problems, autocast, step)

@@ -119,11 +119,6 @@ def tile_of_rows(module, first_token):
             dropout.first_token = 0
 
 
-def has_keyed_dropout(model) -> bool:
-    """Whether any adapter of `model` drops its input (lora_dropout 0 builds nn.Identity instead)."""
-    return any(isinstance(m, KeyedDropout) for m in model.modules())
-
-
 @contextmanager
 def dropout_rows(model, keys):
     """Within the block, every KeyedDropout of `model` drops features by the row keys `keys` (row_keys: one per row of

@@ -34,7 +34,7 @@ import quant
 from support.accounting import memory
 from support.accounting.flops import batch_flops, fmt_flops, peak_flops
 from support.kernels.choice import name
-from support.run import fsdp
+from support.run import ranks
 
 
 class PhaseClock:
@@ -70,8 +70,8 @@ def describe_step(cfg, place, model, context, rows, micro_rows) -> tuple[int, fl
     divides by)."""
     parts = memory.run_estimate(cfg, model.config, micro_rows * context, place, model.options.mlp_tile * micro_rows)
     peak, source = peak_flops(place.device, place.dtype)
-    if fsdp.is_sharded(model):  # every rank says what it holds: its shard
-        held, whole = fsdp.resident_bytes(model)
+    if ranks.is_sharded(model):  # every rank says what it holds: its shard
+        held, whole = ranks.resident_bytes(model)
         print(f"FSDP: rank {place.rank} holds {memory.fmt(held)} of the model's {memory.fmt(whole)} of parameters")
     if place.main:
         print(
@@ -131,7 +131,7 @@ def sharded_adapter_health(model) -> dict:
 def adapter_report(model, record, bar, main=True):
     """Adapter health into `record` and one line (a warning when no B has moved: the adapters are not training). Every
     rank of a sharded model computes it (its blocks are gathered one by one); rank 0 writes."""
-    health = sharded_adapter_health(model) if fsdp.is_sharded(model) else adapter_health(model)
+    health = sharded_adapter_health(model) if ranks.is_sharded(model) else adapter_health(model)
     updates = {n: u for n, (u, _) in health.items()}
     moved = sum(m for _, m in health.values()) / len(health)
     worst = max(updates, key=updates.get)

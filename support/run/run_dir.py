@@ -72,7 +72,7 @@ from support.formats import gguf_read, gguf_write, hf, hub, modelfile
 from support.formats.atomic import atomic_write
 from support.run import ranks
 from support.run.config import resume_keys
-from support.run.fsdp import full
+from support.run.ranks import full
 
 
 def claim_inputs(cfg) -> tuple[str, dict]:
