@@ -192,12 +192,6 @@ def add_lora_(model, targets, r, alpha, dropout, use_rslora=False, lora_dtype=No
     return count_parameters(model)
 
 
-def describe(model, r, linears) -> str:
-    """One line: the rank, how many linears have adapters, and the trainable share of the parameters."""
-    trainable, total = count_parameters(model)
-    return f"LoRA r={r} on {linears} linears: {trainable:,} trainable of {total:,} parameters ({trainable / total:.3%})"
-
-
 @torch.no_grad()
 def rebase_(model, original=None):
     """Give every NF4 linear a 16-bit base, adapters kept: its original weight when `original` (an hf.Checkpoint or a

@@ -67,7 +67,6 @@ real token and no query attends to padding.
 Shapes: B batch rows, T tokens per row, N = B*T flattened tokens, H / Hkv query / key-value heads, D head size.
 """
 
-import functools
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -77,7 +76,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from support.kernels.attention import Docs, causal_sdpa, compilable, in_buckets, sdpa_varlen
+from support.kernels.attention import Docs, causal_sdpa, compilable, compiled, in_buckets, sdpa_varlen
 from support.kernels.long_context import OffloadedSaves, tiled_mlp
 
 LOSS_CHUNK = 1024  # supervised tokens per lm_head + cross-entropy chunk
@@ -253,26 +252,18 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg, layer_idx, varlen)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
-        self.compiled = compiled  # the training forward through torch.compile (compiled_block)
+        self.compiled = compiled  # the training forward through torch.compile (support/kernels/attention.py)
 
     def forward(self, x, cos, sin, docs=None, cache=None, mlp_tile=0):
         # Compiled where gradients are recorded; evaluation and generation stay eager. Either way inside the block's
         # call, so hooks on the block (FSDP gathering its weights) run around the graph.
-        compute = compiled_block() if self.compiled and torch.is_grad_enabled() else Block.compute
+        compute = compiled(Block.compute) if self.compiled and torch.is_grad_enabled() else Block.compute
         return compute(self, x, cos, sin, docs, cache, mlp_tile)
 
     def compute(self, x, cos, sin, docs, cache, mlp_tile):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, docs, cache)
         h = self.post_attention_layernorm(x)
         return x + (tiled_mlp(self.mlp, h, mlp_tile) if mlp_tile else self.mlp(h))  # support/kernels/long_context.py
-
-
-@functools.cache
-def compiled_block():
-    """Block.compute through torch.compile: one graph for every block (the block is an input), dynamic shapes (no
-    recompiling for other document counts and lengths). Shape padding off: on CUDA it recompiled for every new row
-    width (docs/internals.md)."""
-    return torch.compile(Block.compute, dynamic=True, options={"shape_padding": False})
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ ones the model must generate after its prompt's tokens. A cut through what the t
 in a space, a response starting with spaces after a newline) makes the tokens at that cut differ from the joined
 text's.
 
+support/data/tokenizer.py cuts each example into its pieces (`segment`, one line naming the example it cannot render);
 support/data/preview.py shows documents as the model sees them and warns about the usual data bugs.
 
 Packing
@@ -46,15 +47,9 @@ import bisect
 
 import numpy as np
 import torch
-from jinja2 import TemplateError
 
 from support.data.token_cache import cached_packer, tokenize_cached
-from support.data.tokenizer import segments
-
-
-def _label(ex, i):
-    """Where example i came from, for messages: its file and line, its stdlib function, or else its position."""
-    return ex.get("source") or ex.get("name") or f"example {i}"
+from support.data.tokenizer import segment
 
 
 def document(segmented, piece_ids, tokenizer, train_on_prompt=False):
@@ -74,26 +69,6 @@ def document(segmented, piece_ids, tokenizer, train_on_prompt=False):
             ids.append(tokenizer.eos_id)
             mask.append(True)
     return ids, mask
-
-
-def segment(examples, tokenizer, template, first=0, skip_bad_rows=False):
-    """([(index, label, segmented)], skipped): tokenizer.segments of each example with its index (counting from
-    `first`) and label (file:line, stdlib function or position), and "label: why" of each example the template
-    rejects, which stops the run unless skip_bad_rows."""
-    segmented, skipped = [], []
-    for i, ex in enumerate(examples, first):
-        try:
-            segmented.append((i, _label(ex, i), segments(ex, tokenizer, template)))
-        except (ValueError, TemplateError) as e:
-            if not skip_bad_rows:
-                raise ValueError(f"{_label(ex, i)}: {e}") from None
-            skipped.append(f"{_label(ex, i)}: {e}")
-    return segmented, skipped
-
-
-def renders(ex, tokenizer, template=None):
-    """Whether the template renders example `ex` (what skip_bad_rows keeps)."""
-    return bool(segment([ex], tokenizer, template, skip_bad_rows=True)[0])
 
 
 def supervised_targets(mask, starts):

@@ -46,7 +46,7 @@ NF4Linear dequantizes with its `dequantize_op`, the reference unless the model's
 bits (support/kernels/nf4_ops.py: on CUDA a faster kernel; everywhere an op torch.compile treats as opaque).
 
 Quantization error. quantize_ records on each layer it quantizes from 16-bit weights the relative error
-||W - dequant(W)||_F / ||W||_F (`rel_error`); `error_summary` gives the mean and the worst layer. For Gaussian
+||W - dequant(W)||_F / ||W||_F (`rel_error`; support/run/progress.py prints the mean and the worst layer). For Gaussian
 weights NF4 with blocks of 64 loses about 9% of the norm; real checkpoints come close to that (tests/test_quant.py).
 """
 
@@ -220,17 +220,6 @@ class NF4Linear(nn.Module):
             layer.bias = nn.Parameter(bias.detach().to(w.packed.device, compute_dtype))
         return layer
 
-    @classmethod
-    def from_linear(cls, linear_or_weight, compute_dtype=torch.bfloat16):
-        """Quantize an nn.Linear (weight and bias) or a weight tensor (out, in), on its device."""
-        is_linear = isinstance(linear_or_weight, nn.Linear)
-        w = linear_or_weight.weight if is_linear else linear_or_weight
-        bias = linear_or_weight.bias if is_linear else None
-        q = quantize_nf4(w)
-        layer = cls.from_nf4(q, *w.shape, bias, compute_dtype)
-        layer.rel_error = relative_error(w, q)
-        return layer
-
     def nf4_weight(self):
         return NF4Weight(self.weight, self.absmax, self.nested_absmax, self.offset)
 
@@ -286,13 +275,3 @@ def quantize_(
         layer.dequantize_op = dequantize_op
         model.set_submodule(name, layer)
     return model
-
-
-def error_summary(model):
-    """The NF4 quantization error quantize_ recorded, over the layers that have one: {"layers", "mean", "worst",
-    "worst_layer"} of ||W - dequant(W)|| / ||W||, or None when there are none (a pre-quantized or 16-bit model)."""
-    errors = {n: m.rel_error for n, m in model.named_modules() if isinstance(m, NF4Linear) and m.rel_error is not None}
-    if not errors:
-        return None
-    worst = max(errors, key=errors.get)
-    return dict(layers=len(errors), mean=sum(errors.values()) / len(errors), worst=errors[worst], worst_layer=worst)

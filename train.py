@@ -33,7 +33,6 @@ outputs. docs/ says what can go wrong and how the whole is proven correct.
 import functools
 import itertools
 import math
-import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -48,7 +47,7 @@ import quant
 from model import LOSS_CHUNK, Llama, Options, find_linears
 from support.accounting.plan import micro_batch_rows, mlp_tile_tokens, plan_for
 from support.data import examples, preview
-from support.data.tokenizer import Tokenizer
+from support.data.tokenizer import Tokenizer, renders
 from support.evaluation import humaneval
 from support.formats import hf
 from support.kernels import choice
@@ -161,8 +160,8 @@ def build_data(cfg: Config, tok, files, max_positions: int, place: ranks.Placeme
     if place.main:  # the packing report; with --preview the first examples as the model sees them, and the checks
         preview.report(cfg, trainset, train_data, tok)
     held_out = examples.selected(val_data, valset.kept, cfg.data_format, cfg.skip_bad_rows)  # the files read again
-    renders = (ex for ex in held_out if pack.renders(ex, tok, cfg.template or None))
-    return trainset, valset, list(itertools.islice(renders, cfg.eval_samples))
+    rendered = (ex for ex in held_out if renders(ex, tok, cfg.template or None))
+    return trainset, valset, list(itertools.islice(rendered, cfg.eval_samples))
 
 
 # ----------------------------------------------------------------------------- model
@@ -199,7 +198,7 @@ def load_model(model_dir: str, dtype=None, device="cpu", quantize=False, add_lor
             lora.add_lora_(model, of_part(adapted, prefix), **lora_kw)
         ranks.shard_part(part, shard)  # sharded: from here on this rank keeps only its shard of the part
     if adapters:
-        print(lora.describe(model, adapters["r"], len(adapted)) + ranks.sharded_over(shard))
+        print(progress.adapters_line(model, adapters["r"], len(adapted)) + ranks.sharded_over(shard))
     if adapter:
         hf.load_adapter_(model, adapter)
     return model
@@ -361,10 +360,9 @@ def train(cfg: Config) -> list[dict]:
     estimated, peak_flops = progress.describe_step(cfg, place, model, context_length, rows, micro_rows)
     run = Run(model, opt, scaler, trainset, valset, tok, prompts, problems, rows, micro_rows, estimated, peak_flops)
     run.tracker = progress.open_tracker(cfg) if place.main else None
-    if cfg.resume:
-        where = os.path.join(cfg.out_dir, "checkpoint.pt")
-        run.step = run.last_saved = run_dir.load_checkpoint(where, model, opt, scaler, cfg)
-        run.history = run_dir.read_metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), run.step)
+    if cfg.resume:  # the step of out_dir's checkpoint, its adapters, optimizer state and loss scale, its metrics
+        run.step, run.history = run_dir.resume(cfg, model, opt, scaler)
+        run.last_saved = run.step
     else:
         before_training(cfg, place, run)
     loop(cfg, place, run)

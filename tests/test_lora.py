@@ -30,6 +30,7 @@ import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from safetensors.torch import load_file, save_file
+from test_quant import nf4_linear
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
 from transformers import LlamaConfig as HFLlamaConfig
@@ -143,7 +144,7 @@ def test_zero_B_is_the_base_model(base_dir, nf4):
 def test_an_adapted_nf4_linear_keeps_its_base_s_kernel_and_error():
     """with_lora over an NF4Linear keeps the base's dequantize_op (the kernel chosen when the model was built) and
     rel_error, and its forward dequantizes with that op."""
-    base = quant.NF4Linear.from_linear(torch.nn.Linear(64, 32), torch.float32)
+    base = nf4_linear(torch.nn.Linear(64, 32), torch.float32)
     calls = []
     base.dequantize_op = lambda *args: calls.append(args[4]) or quant.dequantize_nf4(*args)
     layer = lora.with_lora(base, r=2, alpha=4, dropout=0.0, use_rslora=False, lora_dtype=None)

@@ -22,7 +22,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from test_quant import DTYPES, ROOT, SHAPES, cuda
+from test_quant import DTYPES, ROOT, SHAPES, cuda, nf4_linear
 from test_requirements import OURS
 from torch import nn
 
@@ -191,8 +191,8 @@ def test_cuda_nf4linear_matches_f_linear(compute_dtype):
     """On CUDA, NF4Linear's forward (through the CUDA op) equals F.linear on its dequantized weight and the input and
     bias gradients agree; the weight is the CPU layer's bit for bit and the buffers get no gradient."""
     linear = nn.Linear(128, 96, bias=True)
-    cpu = quant.NF4Linear.from_linear(linear, compute_dtype)
-    ours = quant.NF4Linear.from_linear(linear, compute_dtype).cuda()
+    cpu = nf4_linear(linear, compute_dtype)
+    ours = nf4_linear(linear, compute_dtype).cuda()
     ours.dequantize_op = nf4_ops.dequantize_op_for("cuda")  # as a model built on CUDA gets it
     w = ours.dequantize()
     assert torch.equal(w.cpu(), cpu.dequantize())

@@ -34,7 +34,7 @@ from pack import PackedDataset, build_dataset, pack_bfd, tokenize_chunk
 from support.data.examples import load_examples, stdlib_examples
 from support.data.preview import packing_report, preview
 from support.data.token_cache import tokenize_cached
-from support.data.tokenizer import Tokenizer
+from support.data.tokenizer import Tokenizer, renders
 
 WORDS = [
     "sort",
@@ -160,7 +160,7 @@ def test_a_row_the_template_rejects_names_its_line_or_is_skipped(tmp_path, famil
     assert f"skipped 1 examples the template cannot render (first: {path}:2: chat template" in capsys.readouterr().err
     alone = tokenize_examples([examples[0], examples[2]], tok)
     assert [a.tolist() for a in kept] == [a.tolist() for a in alone]
-    assert [pack.renders(ex, tok) for ex in examples] == [True, False, True]
+    assert [renders(ex, tok) for ex in examples] == [True, False, True]
     with pytest.raises(ValueError, match=r"^no examples to tokenize \(every one skipped\)$"):
         tokenize_examples(examples[1:2], tok, skip_bad_rows=True)
     text = preview(examples, tok, skip_bad_rows=True)

@@ -11,8 +11,8 @@ Inductor's outputs and input gradients equal eager ones; a training step of a qu
 quant.py.
 
 Quantization error: the recorded ||W - dequant(W)|| / ||W|| equals the same norm over bitsandbytes' own dequantized
-weights, error_summary reports their mean and worst layer, and on SmolLM2 every layer stays under a bound derived from
-NF4's error on Gaussian blocks.
+weights, progress.nf4_error reports their mean and worst layer, and on SmolLM2 every layer stays under a bound derived
+from NF4's error on Gaussian blocks.
 
 bitsandbytes 0.50.2's AVX-512 CPU dequantize kernel looks up a row's absmax as if every row started a new block, which
 is wrong when in_features is a multiple of 16 but not of 64; comparisons that run bnb's CPU kernels use shapes where
@@ -34,6 +34,7 @@ import quant
 from model import Llama, LlamaConfig
 from support.formats.hf import Checkpoint, load_weights_, to_hf
 from support.kernels import nf4_ops
+from support.run import progress
 from train import load_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,6 +52,15 @@ TINY = dict(
     tie_word_embeddings=True,
 )
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the CUDA dequantize paths)")
+
+
+def nf4_linear(linear, compute_dtype):
+    """An nn.Linear (weight and bias) quantized into a quant.NF4Linear on its device, its rel_error recorded, as
+    quant.quantize_ quantizes a model's linears."""
+    q = quant.quantize_nf4(linear.weight)
+    layer = quant.NF4Linear.from_nf4(q, linear.out_features, linear.in_features, linear.bias, compute_dtype)
+    layer.rel_error = quant.relative_error(linear.weight, q)
+    return layer
 
 
 @pytest.fixture
@@ -142,7 +152,7 @@ def test_nf4linear_matches_linear4bit_and_f_linear(bnb, compute_dtype):
     dequantized weight; only the bias is a parameter, the buffers never get a gradient; bitsandbytes' kernel (the
     CUDA path's QuantState over our buffers, nf4_ops.dequantize_layer_bnb) gives the same weight."""
     linear = nn.Linear(128, 96, bias=True)
-    ours = quant.NF4Linear.from_linear(linear, compute_dtype)
+    ours = nf4_linear(linear, compute_dtype)
     ref = bnb.nn.Linear4bit(128, 96, bias=True, compute_dtype=compute_dtype, quant_type="nf4", compress_statistics=True)
     ref.weight = bnb.nn.Params4bit(linear.weight.data.clone(), requires_grad=False, quant_type="nf4")
     ref.bias = nn.Parameter(linear.bias.data.clone())
@@ -284,7 +294,7 @@ def test_nf4linear_traces_as_one_graph_and_saves_only_4_bit_buffers():
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.aot_autograd import make_boxed_func
 
-    layer = quant.NF4Linear.from_linear(nn.Linear(128, 96, bias=True), torch.float32)
+    layer = nf4_linear(nn.Linear(128, 96, bias=True), torch.float32)
     layer.dequantize_op = nf4_ops.REFERENCE_OP  # the opaque op a model's builder hands its layers
     x = torch.randn(2, 5, 128, requires_grad=True)
     step = lambda x: layer(x).square().sum()  # noqa: E731
@@ -317,7 +327,7 @@ def test_nf4linear_traces_as_one_graph_and_saves_only_4_bit_buffers():
 def test_compiled_nf4linear_equals_eager(compute_dtype):
     """torch.compile (Inductor, CPU) of an NF4Linear gives eager's output, input gradient and bias gradient (up to the
     summation order of the matmuls), and a compiled dequantize() gives eager's weight bit for bit."""
-    layer = quant.NF4Linear.from_linear(nn.Linear(128, 96, bias=True), compute_dtype)
+    layer = nf4_linear(nn.Linear(128, 96, bias=True), compute_dtype)
     layer.dequantize_op = nf4_ops.REFERENCE_OP  # the opaque op a model's builder hands its layers
     x = torch.randn(2, 5, 128, dtype=compute_dtype, requires_grad=True)
     x_c = x.detach().clone().requires_grad_(True)
@@ -372,7 +382,7 @@ def bnb_relative_error(bnb, w):
 
 def test_recorded_error_equals_bitsandbytes(bnb):
     """quantize_ records on every NF4Linear it quantizes from a bf16 weight the relative error computed over
-    bitsandbytes' dequantized weights (in_features 64 and 128: bnb's CPU kernel indexes those right), error_summary
+    bitsandbytes' dequantized weights (in_features 64 and 128: bnb's CPU kernel indexes those right), progress.nf4_error
     gives their mean and the worst layer, a layer built from a pre-quantized NF4Weight records None and a model of such
     layers has no summary."""
     model = tiny_llama(torch.bfloat16)
@@ -382,7 +392,7 @@ def test_recorded_error_equals_bitsandbytes(bnb):
     ref = {n: bnb_relative_error(bnb, dense[n]) for n in layers}
     assert {n: m.rel_error for n, m in layers.items()} == ref
     worst = max(ref, key=ref.get)
-    summary = quant.error_summary(model)
+    summary = progress.nf4_error(model)
     assert summary == dict(layers=14, mean=sum(ref.values()) / 14, worst=ref[worst], worst_layer=worst)
 
     nf4 = {f"{n}.weight": quant.quantize_nf4(w) for n, w in dense.items()}
@@ -390,7 +400,7 @@ def test_recorded_error_equals_bitsandbytes(bnb):
         meta = Llama(model.config)
     quant.quantize_(meta, weights=nf4.__getitem__)
     assert all(m.rel_error is None for m in meta.modules() if isinstance(m, quant.NF4Linear))
-    assert quant.error_summary(meta) is None and quant.error_summary(tiny_llama()) is None
+    assert progress.nf4_error(meta) is None and progress.nf4_error(tiny_llama()) is None
 
 
 def test_smollm2_quantization_error_is_bounded_by_gaussian_nf4(bnb, smollm2_nf4, smollm2_dir):
@@ -407,7 +417,7 @@ def test_smollm2_quantization_error_is_bounded_by_gaussian_nf4(bnb, smollm2_nf4,
     gaussian = quant.relative_error(g, quant.quantize_nf4(g))
     ratio = (g.abs().amax(1) / g.square().mean(1).sqrt()).mean().item()
     bound = gaussian * 3 / ratio
-    summary = quant.error_summary(smollm2_nf4)
+    summary = progress.nf4_error(smollm2_nf4)
     errors = [m.rel_error for m in smollm2_nf4.modules() if isinstance(m, quant.NF4Linear)]
     print(
         f"\nNF4 relative error: Gaussian blocks {gaussian:.4f} (absmax / RMS {ratio:.3f}), bound {bound:.4f}; "

@@ -18,9 +18,9 @@ import time
 
 import numpy as np
 
-from pack import build_dataset, pack_bfd, segment
+from pack import build_dataset, pack_bfd
 from support.data.examples import load_examples, selected, stdlib_examples
-from support.data.tokenizer import Tokenizer
+from support.data.tokenizer import Tokenizer, segment
 
 
 def packing_report(self, rows_per_batch=8):

@@ -49,6 +49,8 @@ import re
 from datetime import datetime
 from pathlib import Path
 
+from jinja2 import TemplateError
+
 DEFAULT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n{response}"
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -232,3 +234,28 @@ def render(ex, tok, template=None):
     prompt = "".join(t + eos * (s and add_eos) for t, s in pieces[:last])
     response = pieces[last][0]
     return prompt, response.removesuffix(eos) if eos and not add_eos else response, bos
+
+
+def _label(ex, i):
+    """Where example i came from, for messages: its file and line, its stdlib function, or else its position."""
+    return ex.get("source") or ex.get("name") or f"example {i}"
+
+
+def segment(examples, tokenizer, template, first=0, skip_bad_rows=False):
+    """([(index, label, segmented)], skipped): tokenizer.segments of each example with its index (counting from
+    `first`) and label (file:line, stdlib function or position), and "label: why" of each example the template
+    rejects, which stops the run unless skip_bad_rows."""
+    segmented, skipped = [], []
+    for i, ex in enumerate(examples, first):
+        try:
+            segmented.append((i, _label(ex, i), segments(ex, tokenizer, template)))
+        except (ValueError, TemplateError) as e:
+            if not skip_bad_rows:
+                raise ValueError(f"{_label(ex, i)}: {e}") from None
+            skipped.append(f"{_label(ex, i)}: {e}")
+    return segmented, skipped
+
+
+def renders(ex, tokenizer, template=None):
+    """Whether the template renders example `ex` (what skip_bad_rows keeps)."""
+    return bool(segment([ex], tokenizer, template, skip_bad_rows=True)[0])

@@ -13,9 +13,11 @@ of 5, 3 and 7 tokens give cu_seqlens = [0, 5, 8, 15]) and calls one function, ch
   few lengths (`bucket`): PyTorch's bf16 CPU attention builds and keeps a kernel for every shape it meets, so the
   hundreds of document lengths of a run would keep growing the process. All three take the window. For torch.compile
   the per-document loop becomes one opaque op (a torch.library custom op whose backward recomputes each document's
-  attention), so the compiler sees no data-dependent Python in a block (`compilable`).
+  attention), so the compiler sees no data-dependent Python in a block (`compilable`); `compiled` is a block's training
+forward through torch.compile, built once.
 """
 
+import functools
 import inspect
 from typing import NamedTuple
 
@@ -211,3 +213,11 @@ def varlen_attention(device, dtype, head_dim=128, windowed=False):
 def compilable(varlen):
     """The attention function to compile: the per-document loop's opaque twin, any fused kernel as it is."""
     return sdpa_varlen_opaque if varlen is sdpa_varlen else varlen
+
+
+@functools.cache
+def compiled(function):
+    """`function` (model.Block.compute) through torch.compile, once: one graph for every block (the block is an input),
+    dynamic shapes (no recompiling for other document counts and lengths). Shape padding off: on CUDA it recompiled
+    for every new row width (docs/internals.md)."""
+    return torch.compile(function, dynamic=True, options={"shape_padding": False})

@@ -86,14 +86,28 @@ def describe_step(cfg, place, model, context, rows, micro_rows) -> tuple[int, fl
     return sum(parts.values()), peak
 
 
+def adapters_line(model, r, linears) -> str:
+    """One line: the rank, how many linears have adapters, and the trainable share of the parameters."""
+    trainable, total = lora.count_parameters(model)
+    return f"LoRA r={r} on {linears} linears: {trainable:,} trainable of {total:,} parameters ({trainable / total:.3%})"
+
+
 def nf4_error(model) -> dict | None:
-    """The NF4 quantization error quant.quantize_ recorded, printed in one line; None for a 16-bit base."""
-    if errors := quant.error_summary(model):
-        print(
-            f"NF4 quantization error ||W - W_nf4|| / ||W|| over {errors['layers']} linears: mean "
-            f"{errors['mean']:.4f}, worst {errors['worst']:.4f} ({errors['worst_layer']})"
-        )
-    return errors
+    """The NF4 quantization error quant.quantize_ recorded on each layer it quantized from 16-bit weights, printed in
+    one line: {"layers", "mean", "worst", "worst_layer"} of ||W - dequant(W)|| / ||W||; None when no layer has one (a
+    pre-quantized or 16-bit base)."""
+    errors = {
+        n: m.rel_error for n, m in model.named_modules() if isinstance(m, quant.NF4Linear) and m.rel_error is not None
+    }
+    if not errors:
+        return None
+    worst = max(errors, key=errors.get)
+    summary = dict(layers=len(errors), mean=sum(errors.values()) / len(errors), worst=errors[worst], worst_layer=worst)
+    print(
+        f"NF4 quantization error ||W - W_nf4|| / ||W|| over {len(errors)} linears: mean "
+        f"{summary['mean']:.4f}, worst {summary['worst']:.4f} ({worst})"
+    )
+    return summary
 
 
 @torch.no_grad()

@@ -223,6 +223,13 @@ def save_metrics(cfg, history):
     atomic_write(os.path.join(cfg.out_dir, "metrics.jsonl"), lambda tmp: Path(tmp).write_text(lines))
 
 
+def resume(cfg, model, opt, scaler) -> tuple[int, list[dict]]:
+    """--resume: (the step of out_dir's checkpoint, loaded into the run as load_checkpoint loads it, and the metrics
+    up to that step)."""
+    step = load_checkpoint(os.path.join(cfg.out_dir, "checkpoint.pt"), model, opt, scaler, cfg)
+    return step, read_metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), step)
+
+
 def read_metrics(path, step) -> list[dict]:
     """The metrics of a resumed run up to its checkpoint's step."""
     history = []
