@@ -30,20 +30,70 @@ what its numbers mean.
 """
 
 import argparse
+import os
 
 import torch
 
+from benchmarks.common import OUT_DIR
 from benchmarks.cpu_train import bench_train, print_saved_tables, run_peer
 from benchmarks.first_run import bench_first_run
 from benchmarks.fsdp import bench_fsdp
-from benchmarks.gpu import bench_gpu, check_arguments, gpu_arguments
-from benchmarks.gpu_context import bench_gpu_context, gpu_context_arguments
-from benchmarks.gpu_ladder import bench_gpu_ladder, gpu_ladder_arguments
-from benchmarks.gpu_proof import bench_gpu_proof, gpu_proof_arguments
+from benchmarks.gpu import bench_gpu, gpu_problem
+from benchmarks.gpu_context import bench_gpu_context
+from benchmarks.gpu_ladder import bench_gpu_ladder
+from benchmarks.gpu_proof import PHASES, bench_gpu_proof
+from benchmarks.gpu_systems import SHAPES, SYSTEMS
 from benchmarks.grpo import bench_grpo, trl_peer
 from benchmarks.humaneval import bench_humaneval
 from benchmarks.pack import bench_pack
 from benchmarks.quant import bench_quant
+
+
+def gpu_arguments(sub):
+    """The GPU commands: gpu-proof, gpu, gpu-context, gpu-ladder."""
+    g = sub.add_parser("gpu-proof", help="the whole GPU proof (tests, step, compiled, context, ladder) within a budget")
+    g.add_argument("--budget", type=float, default=540, help="seconds for all phases together (default 540)")
+    g.add_argument("--out", required=True, help="the folder of the results")
+    g.add_argument("--shape", default="8b", help="the model shape of bench.py gpu (default 8b; tiny on CPU)")
+    g.add_argument("--warmup", type=int, default=2, help="bench.py gpu's warm-up steps (default 2)")
+    g.add_argument("--rounds", type=int, default=4, help="bench.py gpu's measured rounds (default 4)")
+    g.add_argument("--wheels", default="wheels", help="folder of wheels to install first (default wheels/)")
+    g.add_argument("--phases", default=",".join(p[0] for p in PHASES), help="comma-separated subset of the phases")
+    g.set_defaults(run=bench_gpu_proof)
+    g = sub.add_parser("gpu", help="ours (LoRA, QLoRA) vs transformers + PEFT on a random Llama, in one process")
+    shape_arguments(g, rounds=8)
+    g.add_argument("--out", default=os.path.join(OUT_DIR, "gpu.json"), help="raw results (default out/bench/gpu.json)")
+    g.add_argument("--row", type=int, default=0, help="tokens per row (default: 8192; 256 for tiny)")
+    g.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {', '.join(SYSTEMS)}")
+    g.add_argument("--device", default="auto", help="auto (CUDA when available), cuda, cuda:N or cpu")
+    precision = "auto: bf16 on a GPU, on CPU what it declares (support.run.precision.pick_precision)"
+    g.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto", help=precision)
+    g.add_argument("--memory", action="store_true", help="QLoRA peak memory at 1, 2, 4 rows, checkpointing off/on")
+    g.add_argument("--profile", action="store_true", help="the kernels of one step of ours (torch.profiler)")
+    g.set_defaults(run=bench_gpu, problem=gpu_problem)
+    g = sub.add_parser("gpu-context", help="the longest single row of our QLoRA on this GPU, three settings")
+    shape_arguments(g)
+    g.add_argument("--out", required=True, help="the JSON file of the results")
+    g.add_argument("--doc", type=int, default=0, help="tokens per document in the row (default: the shape's row)")
+    g.add_argument("--budget_gib", type=float, default=2.0, help="on CPU: the memory the estimate must fit")
+    g.set_defaults(run=bench_gpu_context)
+    g = sub.add_parser("gpu-ladder", help="the GPU optimization ladder: one technique per rung, natural batching")
+    shape_arguments(g, rounds=3)
+    g.add_argument("--out", required=True, help="the JSON file of the results")
+    g.set_defaults(run=bench_gpu_ladder)
+
+
+def shape_arguments(parser, rounds=0):
+    """--shape and --deadline of a GPU command; with `rounds`: --rows, --warmup and --rounds (default `rounds`)."""
+    parser.add_argument("--shape", choices=list(SHAPES), default="8b", help="8b, 3b, 1b (Llama 3.x) or tiny (CPU)")
+    deadline = "time.time() after which no step starts (0: none; for gpu-context, 10 minutes from now)"
+    parser.add_argument("--deadline", type=float, default=0, help=deadline)
+    if rounds:
+        parser.add_argument("--rows", type=int, default=1, help="rows per step, one micro-batch (default 1)")
+        parser.add_argument("--warmup", type=int, default=2, help="steps per system left out (default 2: compilation)")
+        parser.add_argument(
+            "--rounds", type=int, default=rounds, help=f"measured steps, interleaved (default {rounds})"
+        )
 
 
 def arguments():
@@ -51,22 +101,23 @@ def arguments():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = "{gpu-proof,gpu,gpu-context,gpu-ladder,quant,train,pack,first-run,fsdp,humaneval,grpo}"
     sub = parser.add_subparsers(dest="command", required=True, metavar=commands)
-    gpu_proof_arguments(sub)
     gpu_arguments(sub)
-    gpu_context_arguments(sub)
-    gpu_ladder_arguments(sub)
     s = sub.add_parser("fsdp", help="DDP vs FSDP over 2 CPU ranks, interleaved: step time and per-rank peak RSS")
     s.add_argument("--rounds", type=int, default=2, help="rounds of both, interleaved (default 2)")
+    s.set_defaults(run=lambda a: bench_fsdp(rounds=a.rounds))
     q = sub.add_parser("quant", help="NF4 quantize / dequantize throughput, ours vs bitsandbytes (CPU)")
     q.add_argument("--size", type=int, default=4096, help="the weight is size x size (default 4096)")
     q.add_argument("--repeat", type=int, default=5, help="timed runs per case; the best is reported (default 5)")
     q.add_argument("--smollm2", action="store_true", help="also time SmolLM2-135M loading (quantize vs pre-quantized)")
+    q.set_defaults(run=lambda a: bench_quant(a.size, a.repeat, a.smollm2))
     t = sub.add_parser("train", help="training speed and memory: ours vs transformers + PEFT, and the ladder")
     t.add_argument("--steps", type=int, default=8, help="optimizer steps per run (default 8)")
     t.add_argument("--warmup", type=int, default=2, help="first steps left out of the statistics (default 2)")
     t.add_argument("--tables", action="store_true", help="only print the tables of out/bench/results.json again")
     t.add_argument("--only", default="", help="comma-separated: compare, ladder, padded-fp32, ..., NAME/ours, ladder/3")
     t.add_argument("--repeat", type=int, default=1, help="rounds of the whole plan, interleaved (default 1)")
+    t.set_defaults(run=lambda a: print_saved_tables() if a.tables else bench_train(a.steps, a.warmup, a.only, a.repeat))
+    t.set_defaults(problem=lambda a: (a.steps <= a.warmup or a.repeat < 1) and TRAIN_PROBLEM.format(a=a))
     h = sub.add_parser("humaneval", help="HumanEval: ours vs transformers' generate, pass@1, tokens/s")
     h.add_argument("--limit", type=int, default=0, help="the first N problems (default: all 164)")
     h.add_argument("--start", type=int, default=0, help="skip the first N problems")
@@ -75,16 +126,22 @@ def arguments():
     h.add_argument("--speed", action="store_true", help="only generated tokens/s, today's sampler vs ours")
     h.add_argument("--threads", type=int, default=0, help="torch threads (default torch's; 1 on an oversubscribed CPU)")
     h.add_argument("--only", default="", help="comma-separated phases: ours-fp32, transformers, ours-nf4, ours-adapter")
+    h.set_defaults(run=humaneval)
     k = sub.add_parser("pack", help="tokenizing and packing Magicoder-sized examples, the cache hit, the training data")
     k.add_argument("--rows", type=int, default=75_000, help="examples in the dataset (default 75,000)")
+    k.set_defaults(run=lambda a: bench_pack(a.rows))
     f = sub.add_parser("first-run", help="the default python train.py as a newcomer runs it: wall time, losses, memory")
     f.add_argument("--repeat", type=int, default=1, help="runs, one after the other (default 1)")
+    f.set_defaults(run=lambda a: bench_first_run(a.repeat))
     r = sub.add_parser("grpo", help="a GRPO step on CPU: rl.py vs TRL's GRPOTrainer, interleaved")
     r.add_argument("--rounds", type=int, default=2, help="rounds of both, interleaved (default 2)")
     r.add_argument("--steps", type=int, default=3, help="steps per run; the first is left out (default 3)")
+    r.set_defaults(run=lambda a: bench_grpo(a.rounds, a.steps))
+    r.set_defaults(problem=lambda a: (a.steps < 2 or a.rounds < 1) and GRPO_PROBLEM.format(a=a))
     g = sub.add_parser("grpo-peer")  # one TRL GRPOTrainer run, started by `grpo` in a child process
     g.add_argument("--steps", type=int, default=3)
     g.add_argument("--out", required=True, help="JSON file for the per-step records")
+    g.set_defaults(run=lambda a: trl_peer(a.steps, a.out))
     p = sub.add_parser("peer")  # one transformers + PEFT run, started by `train` in a child process
     p.add_argument("--data", default="", help="JSONL of equal-work examples; '' = the stdlib dataset")
     p.add_argument("--train_on_prompt", action="store_true")
@@ -92,48 +149,26 @@ def arguments():
     p.add_argument("--nf4", action="store_true", help="bitsandbytes NF4 base weights (QLoRA)")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--out", required=True, help="JSON file for the per-step records")
+    p.set_defaults(run=lambda a: run_peer(a.data, a.train_on_prompt, a.precision, a.nf4, a.steps, a.out))
     return parser
+
+
+TRAIN_PROBLEM = "--steps ({a.steps}) must exceed --warmup ({a.warmup}); --repeat must be at least 1"
+GRPO_PROBLEM = "--steps ({a.steps}) must be at least 2 (the first is left out); --rounds at least 1"
+
+
+def humaneval(args):
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    bench_humaneval(args.limit, args.max_new_tokens, args.adapter, args.speed, args.only, args.start)
 
 
 def main():
     parser = arguments()
     args = parser.parse_args()
-    if args.command == "gpu-proof":
-        bench_gpu_proof(args)
-    elif args.command == "gpu":
-        check_arguments(parser, args)
-        bench_gpu(args)
-    elif args.command == "gpu-context":
-        bench_gpu_context(args)
-    elif args.command == "gpu-ladder":
-        bench_gpu_ladder(args)
-    elif args.command == "quant":
-        bench_quant(args.size, args.repeat, args.smollm2)
-    elif args.command == "humaneval":
-        if args.threads:
-            torch.set_num_threads(args.threads)
-        bench_humaneval(args.limit, args.max_new_tokens, args.adapter, args.speed, args.only, args.start)
-    elif args.command == "pack":
-        bench_pack(args.rows)
-    elif args.command == "first-run":
-        bench_first_run(args.repeat)
-    elif args.command == "fsdp":
-        bench_fsdp(rounds=args.rounds)
-    elif args.command == "train":
-        if args.steps <= args.warmup or args.repeat < 1:
-            parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup}); --repeat must be at least 1")
-        if args.tables:
-            print_saved_tables()
-        else:
-            bench_train(args.steps, args.warmup, args.only, args.repeat)
-    elif args.command == "grpo":
-        if args.steps < 2 or args.rounds < 1:
-            parser.error(f"--steps ({args.steps}) must be at least 2 (the first is left out); --rounds at least 1")
-        bench_grpo(args.rounds, args.steps)
-    elif args.command == "grpo-peer":
-        trl_peer(args.steps, args.out)
-    else:
-        run_peer(args.data, args.train_on_prompt, args.precision, args.nf4, args.steps, args.out)
+    if problem := getattr(args, "problem", lambda a: "")(args):
+        parser.error(problem)  # what argparse cannot check: it exits
+    args.run(args)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,12 @@ conversion gives our loss.
 import importlib.metadata
 import os
 import platform
+import socket
 import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 import torch
@@ -28,6 +30,7 @@ from support.accounting import memory
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT_DIR = os.path.join(REPO, "out", "bench")
 SEED = 1337  # train.Config's seed (data order, LoRA init)
+LORA = dict(r=16, alpha=32.0, dropout=0.05)  # every benchmark's adapters (train.Config's), on every block linear
 
 
 def best_time(fn, repeat):
@@ -67,8 +70,6 @@ def package_versions(names) -> dict:
 
 
 def machine() -> dict:
-    import psutil
-
     versions = {"python": platform.python_version(), "torch": torch.__version__}
     versions |= package_versions(("transformers", "peft", "bitsandbytes"))
     return dict(
@@ -91,6 +92,34 @@ def run_child(argv, log_path, with_workers=False):
         peaks = peaks_while_running(proc, descendants=with_workers, itself=True)
     peak = sum(peaks.values()) if with_workers else peaks.get(proc.pid, 0)
     return proc.returncode, peak, time.perf_counter() - start
+
+
+def child_failed(what, code, log_path):
+    """Stop the benchmark: `what` failed with exit code `code`; the end of its log says why."""
+    raise SystemExit(f"error: {what} failed (exit code {code}); see {log_path}:\n{Path(log_path).read_text()[-3000:]}")
+
+
+def run_child_ok(argv, log_path, what, with_workers=False):
+    """run_child's (peak RSS bytes, wall seconds), the benchmark stopped (child_failed) when the child fails."""
+    code, peak, wall = run_child(argv, log_path, with_workers)
+    if code:
+        child_failed(what, code, log_path)
+    return peak, wall
+
+
+def run_two_ranks(argv, log_path, what, env=None):
+    """`torchrun --nproc_per_node=2 argv...` on a free port, output to log_path: {pid: peak RSS bytes} of the processes
+    it starts (child_failed when it fails)."""
+    with socket.socket() as s:  # a free port for the rendezvous
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ranks = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}", *argv]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(ranks, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        peaks = peaks_while_running(proc, descendants=True)
+    if proc.returncode:
+        child_failed(what, proc.returncode, log_path)
+    return peaks
 
 
 def peaks_while_running(proc, descendants=False, itself=False) -> dict:
@@ -125,3 +154,36 @@ def hf_batch(batch):
     labels[:, 1:] = batch["labels"][:, :-1]
     mask = ((batch["position_ids"] == 0).cumsum(1) == 1).long()  # (rows, width)
     return dict(input_ids=batch["input_ids"], attention_mask=mask, labels=labels)
+
+
+def nf4_config(compute_dtype):
+    """The peers' QLoRA: bitsandbytes NF4 with double quantization, computing in `compute_dtype`."""
+    import transformers
+
+    return transformers.BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=compute_dtype,
+    )
+
+
+def peft_lora(model, lr):
+    """PEFT LoRA (LORA on "all-linear", adapters in fp32: PEFT's autocast_adapter_dtype) on a transformers model, and
+    fused AdamW (the Trainer's default, adamw_torch_fused): (the PEFT model in training mode, its trainable parameters,
+    the optimizer)."""
+    import peft
+
+    model.config.use_cache = False
+    torch.manual_seed(SEED)
+    config = peft.LoraConfig(
+        r=LORA["r"],
+        lora_alpha=LORA["alpha"],
+        lora_dropout=LORA["dropout"],
+        target_modules="all-linear",
+        task_type="CAUSAL_LM",
+    )
+    model = peft.get_peft_model(model, config)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    return model, params, torch.optim.AdamW(params, lr=lr, fused=True)

@@ -1,19 +1,14 @@
 """How fast does ours train on CPU against transformers + PEFT, and what does each optimization buy?
 
-    python bench.py train              training speed and memory on CPU: ours vs transformers + PEFT, and the
-                                       optimization ladder (SmolLM2-135M, 4 x 512 tokens per step; about 25 minutes)
-    python bench.py train --only=padded-fp32,ladder --steps=6      pieces of it
-    python bench.py train --repeat=3   every run three times, interleaved; ratios are medians of per-round ratios
-    python bench.py train --tables     print the tables of out/bench/results.json again
-
-Every configuration runs in a fresh child process, so its peak RSS (its VmHWM, read from /proc while it runs; the same
-measure for both systems) is its own. Ours is `python train.py --key=value ...`; its per-step times come from
-metrics.jsonl. The peer is `python bench.py peer ...` (run_peer): transformers' LlamaForCausalLM from the same
-converted SmolLM2 directory, PEFT LoRA (r=16, alpha=32, dropout 0.05, target_modules="all-linear"), AdamW as
-transformers' Trainer picks it (fused), gradient clipping at 1.0 (both), and batches built by pack.py exactly as
-train.py builds them (tests/test_bench.py proves both the identity of the token tensors and that the peer's labels and
-attention mask give our loss). Precision is the same on both sides: fp32 everywhere, or bf16 base weights + fp32 LoRA
-parameters under torch.autocast(bf16); the peer's QLoRA is bitsandbytes NF4 with double quantization and bf16 compute.
+`python bench.py train` (bench.py lists its options). Every configuration runs in a fresh child process, so its peak RSS
+(its VmHWM, read from /proc while it runs; the same measure for both systems) is its own. Ours is `python train.py
+--key=value ...`; its per-step times come from metrics.jsonl. The peer is `python bench.py peer ...` (run_peer):
+transformers' LlamaForCausalLM from the same converted SmolLM2 directory, PEFT LoRA (r=16, alpha=32, dropout 0.05,
+target_modules="all-linear"), AdamW as transformers' Trainer picks it (fused), gradient clipping at 1.0 (both), and
+batches built by pack.py exactly as train.py builds them (tests/test_bench.py proves both the identity of the token
+tensors and that the peer's labels and attention mask give our loss). Precision is the same on both sides: fp32
+everywhere, or bf16 base weights + fp32 LoRA parameters under torch.autocast(bf16); the peer's QLoRA is bitsandbytes NF4
+with double quantization and bf16 compute.
 
 Two workloads, 4 x 512 tokens per optimizer step:
 - padded: long standard-library functions, each truncated to 512 tokens, every token supervised, one per row. Both
@@ -46,7 +41,20 @@ from pathlib import Path
 import torch
 
 import pack
-from benchmarks.common import OUT_DIR, REPO, SEED, fmt_gb, hf_batch, machine, median_ratio, print_table, run_child
+from benchmarks.common import (
+    LORA,
+    OUT_DIR,
+    REPO,
+    SEED,
+    fmt_gb,
+    hf_batch,
+    machine,
+    median_ratio,
+    nf4_config,
+    peft_lora,
+    print_table,
+    run_child,
+)
 from support.accounting.flops import batch_flops, flops_per_token, matmul_peak
 from support.data.examples import load_examples, stdlib_examples
 from support.data.token_cache import tokenize_cached
@@ -86,7 +94,6 @@ def batch_hash(batch) -> str:
 def run_peer(data, train_on_prompt, precision, nf4, steps, out):
     """N optimizer steps of transformers + PEFT LoRA on our batches; per-step seconds, tokens and supervised tokens,
     the step-1 loss and the first batch's hash go to the JSON file `out`."""
-    import peft
     import transformers
 
     from support.formats import gguf_read
@@ -95,23 +102,9 @@ def run_peer(data, train_on_prompt, precision, nf4, steps, out):
     config = hf.read_config(model_dir)[0]
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     ds = peer_dataset(data, Tokenizer(model_dir), train_on_prompt)
-    kw = {}
-    if nf4:
-        kw["device_map"] = "cpu"
-        kw["quantization_config"] = transformers.BitsAndBytesConfig(
-            load_in_4bit=True,
-            bnb_4bit_quant_type="nf4",
-            bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16,
-        )
+    kw = dict(device_map="cpu", quantization_config=nf4_config(torch.bfloat16)) if nf4 else {}
     model = transformers.LlamaForCausalLM.from_pretrained(model_dir, dtype=dtype, **kw)
-    model.config.use_cache = False
-    torch.manual_seed(SEED)
-    lora = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear", task_type="CAUSAL_LM")
-    model = peft.get_peft_model(model, lora)  # adapters in fp32 over a bf16 base (autocast_adapter_dtype)
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=1e-3, fused=True)  # transformers' Trainer default: adamw_torch_fused
+    model, params, opt = peft_lora(model, lr=1e-3)  # adapters in fp32 over a bf16 base
     amp = torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16")
     records, first = [], None
     for step in range(steps):
@@ -176,9 +169,9 @@ def plan(padded_path):
         context_length=CONTEXT,
         batch_tokens=ROWS * CONTEXT,
         micro_batch_tokens=ROWS * CONTEXT,
-        lora_r=16,
-        lora_alpha=32.0,
-        lora_dropout=0.05,
+        lora_r=LORA["r"],
+        lora_alpha=LORA["alpha"],
+        lora_dropout=LORA["dropout"],
         lora_targets="all-linear",
         optimizer="adamw",
         activation_checkpointing=False,
@@ -296,6 +289,11 @@ def print_saved_tables():
     print_tables(json.load(open(os.path.join(OUT_DIR, "results.json"))))
 
 
+def rate_cells(s):
+    """A summary's step seconds, tokens/s, supervised tokens/s and MFU, as the tables print them."""
+    return f"{s['step_s']:.2f}", f"{s['tokens_per_s']:.0f}", f"{s['supervised_per_s']:.0f}", f"{100 * s['mfu']:.1f}%"
+
+
 def compare_row(name, data, system, by):
     """One row of the ours-vs-peer table."""
     r = by[f"{name}/{system}"]
@@ -307,8 +305,7 @@ def compare_row(name, data, system, by):
         ratio = f"{speed['median']:.2f}x / {r['peak_rss'] / peer['peak_rss']:.2f}x"
         ratio += f" ({speed['low']:.2f}-{speed['high']:.2f}, {speed['n']} rounds)" if speed["n"] > 1 else ""
     precision = r["precision"] + (" NF4" if name.endswith("nf4") else "")
-    rates = (f"{s['step_s']:.2f}", f"{s['tokens_per_s']:.0f}", f"{s['supervised_per_s']:.0f}", f"{100 * s['mfu']:.1f}%")
-    return (name, r["system"], precision, *rates, fmt_gb(r["peak_rss"]), ratio)
+    return (name, r["system"], precision, *rate_cells(s), fmt_gb(r["peak_rss"]), ratio)
 
 
 def print_compare(by):
@@ -349,17 +346,7 @@ def print_ladder(by):
             continue
         s = r["summary"]
         gain = round_ratio(r, base, "supervised_per_s") if "summary" in base else None
-        rows.append(
-            (
-                label,
-                f"{s['step_s']:.2f}",
-                f"{s['tokens_per_s']:.0f}",
-                f"{s['supervised_per_s']:.0f}",
-                f"{100 * s['mfu']:.1f}%",
-                fmt_gb(r["peak_rss"]),
-                f"{gain['median']:.2f}x" if gain else "",
-            )
-        )
+        rows.append((label, *rate_cells(s), fmt_gb(r["peak_rss"]), f"{gain['median']:.2f}x" if gain else ""))
     if rows:
         print("\noptimization ladder (ours, stdlib dataset, 4 x 512 tokens per step, each row adds one technique)")
         print_table(

@@ -1,11 +1,8 @@
 """What does a newcomer's first `python train.py` take on this machine?
 
-    python bench.py first-run          the default `python train.py` as a newcomer runs it: wall time, steps,
-                                       validation loss before and after, peak RSS, the CPU kind and the precision
-
-Each run is a fresh child process (benchmarks/common.py's run_child, which reads its peak RSS from /proc) with a fresh
-token cache and out_dir, after the one-time conversion of the embedded GGUF weights that comes before a newcomer's
-first run.
+`python bench.py first-run`: each run is a fresh child process (benchmarks/common.py's run_child, which reads its peak
+RSS from /proc) with a fresh token cache and out_dir, after the one-time conversion of the embedded GGUF weights that
+comes before a newcomer's first run.
 """
 
 import json
@@ -16,7 +13,7 @@ import time
 
 import torch
 
-from benchmarks.common import OUT_DIR, cpu_name, fmt_gb, print_table, run_child
+from benchmarks.common import OUT_DIR, cpu_name, fmt_gb, print_table, run_child_ok
 
 
 def cpu_kind() -> str:
@@ -41,9 +38,9 @@ def bench_first_run(repeat=1):
         rows = []
         for r in range(repeat):
             out, log = os.path.join(tmp, f"run{r}"), os.path.join(OUT_DIR, "logs", f"first-run-{r}.log")
-            rc, rss, wall = run_child(["train.py", f"--out_dir={out}", f"--cache_dir={out}/cache"], log)
-            if rc != 0:
-                raise SystemExit(f"error: python train.py failed (exit code {rc}); see {log}")
+            rss, wall = run_child_ok(
+                ["train.py", f"--out_dir={out}", f"--cache_dir={out}/cache"], log, "python train.py"
+            )
             text = open(log).read()
             history = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
             vals = [h["val_loss"] for h in history if "val_loss" in h]

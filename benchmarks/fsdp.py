@@ -1,25 +1,22 @@
 """What does sharding cost against replicating? DDP and FSDP over 2 CPU ranks, interleaved.
 
-    python bench.py fsdp                 SmolLM2-135M QLoRA, 2 gloo ranks, DDP vs FSDP (--rounds=2, --steps=6)
-
-Each configuration is a fresh `torchrun --nproc_per_node=2 train.py ...` of the default model with the same settings
-but --parallel (2 micro-batches of 256 tokens per rank per step, fp32, no evaluation), run in rounds (DDP, FSDP,
-DDP, FSDP ...) so that a shared machine's drift stays out of their ratio. Step time is the median over the measured
-steps (the first --warmup left out, from metrics.jsonl); the ratio is the median of the per-round ratios. Peak RSS
-is each rank's own (its VmHWM, read from /proc while it runs), so the table shows what sharding saves per rank: on
-CPU the weights are a small part of the process (Python, torch, the tokenizer and the activations weigh more); on
-GPUs with a large model the weights dominate. One machine's two ranks share its cores, so the times say what FSDP's
-extra all-gathers cost in work, not what a network between GPUs costs.
+`python bench.py fsdp`: SmolLM2-135M QLoRA, 2 gloo ranks, DDP vs FSDP (--rounds=2, --steps=6). Each configuration is a
+fresh `torchrun --nproc_per_node=2 train.py ...` of the default model with the same settings but --parallel (2
+micro-batches of 256 tokens per rank per step, fp32, no evaluation), run in rounds (DDP, FSDP, DDP, FSDP ...) so that a
+shared machine's drift stays out of their ratio. Step time is the median over the measured steps (the first --warmup
+left out, from metrics.jsonl); the ratio is the median of the per-round ratios. Peak RSS is each rank's own (its VmHWM,
+read from /proc while it runs), so the table shows what sharding saves per rank: on CPU the weights are a small part of
+the process (Python, torch, the tokenizer and the activations weigh more); on GPUs with a large model the weights
+dominate. One machine's two ranks share its cores, so the times say what FSDP's extra all-gathers cost in work, not what
+a network between GPUs costs.
 """
 
 import json
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 
-from benchmarks.common import OUT_DIR, REPO, cpu_name, fmt_gb, median_ratio, peaks_while_running, print_table
+from benchmarks.common import OUT_DIR, cpu_name, fmt_gb, median_ratio, print_table, run_two_ranks
 
 BATCH_TOKENS = 1024  # 2 ranks x 2 micro-batches of 1 row of 256 tokens (FSDP reduce-scatters once a step)
 SETTINGS = [
@@ -34,14 +31,9 @@ SETTINGS = [
 
 def run_ranks(parallel, steps, out):
     """([seconds of each step], [peak RSS of each rank]) of one 2-rank torchrun of train.py."""
-    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--master_port=29561", "train.py"]
-    argv += [*SETTINGS, f"--parallel={parallel}", f"--max_steps={steps}", f"--out_dir={out}", "--overwrite"]
+    argv = ["train.py", *SETTINGS, f"--parallel={parallel}", f"--max_steps={steps}", f"--out_dir={out}", "--overwrite"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    with open(os.path.join(out + ".log"), "w") as log:
-        proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        peaks = peaks_while_running(proc, descendants=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"error: torchrun with --parallel={parallel} failed; see {out}.log")
+    peaks = run_two_ranks(argv, out + ".log", f"torchrun with --parallel={parallel}", env)
     records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     times = [BATCH_TOKENS / r["tokens_per_s"] for r in records if "tokens_per_s" in r]
     ranks = sorted(peaks.values())[-2:]  # the two workers: the largest resident sets under torchrun

@@ -1,15 +1,10 @@
 """How fast do ours (LoRA and QLoRA) train on a GPU against transformers + PEFT, at which MFU and peak memory?
 
-    python bench.py gpu                the CUDA benchmark: ours (LoRA and QLoRA, eager and compiled) vs transformers +
-                                       PEFT on a random Llama-3.1-8B, 8,192-token rows, in one process (minutes)
-    python bench.py gpu --shape=1b --memory --profile      a smaller shape, plus QLoRA peak memory and a kernel profile
-    python bench.py gpu --shape=tiny   the same on a 2-layer toy, on CPU (CI runs this)
-    python bench.py gpu --deadline=T   no round of steps starts after time.time() T; what ran is reported
-
-`bench.py gpu` needs nothing but PyTorch, transformers and PEFT, and no network: up to eight systems (gpu_systems.py)
-train on one set of random weights of a published Llama shape, in one process, each workload (gpu_workloads.py: equal
-work, then natural batching) interleaved step by step. The tables give per system tokens/s, supervised tokens/s, fill,
-MFU and peak memory, and the median (and range) of the per-round ratios between the systems.
+`python bench.py gpu` (variants in bench.py's docstring; --deadline=T: no round of steps starts after time.time() T,
+what ran is reported) needs nothing but PyTorch, transformers and PEFT, and no network: up to eight systems
+(gpu_systems.py) train on one set of random weights of a published Llama shape, in one process, each workload
+(gpu_workloads.py: equal work, then natural batching) interleaved step by step. The tables give per system tokens/s,
+supervised tokens/s, fill, MFU and peak memory, and the median (and range) of the per-round ratios between the systems.
 
 --memory: the QLoRA model alone (the others freed) at 1, 2 and 4 rows per micro-batch, with and without activation
 checkpointing: the measured peak beside the estimate train.py prints (support.accounting.memory.run_estimate) for the
@@ -27,22 +22,27 @@ import time
 import numpy as np
 import torch
 
-import train
-from benchmarks.common import OUT_DIR, REPO, cpu_name, package_versions, print_table
+from benchmarks.common import REPO, cpu_name, package_versions, print_table
 from benchmarks.gpu_systems import (
-    FAILURES,
     LORA,
     LR,
     SHAPES,
     SYSTEMS,
     build_systems,
     free_cache,
-    one_line,
     our_llama,
     ours_system,
     weights_of,
 )
-from benchmarks.gpu_workloads import equal_work, natural_work, resident_bytes, run_workload, timed_step, workload_result
+from benchmarks.gpu_workloads import (
+    equal_work,
+    measured_step,
+    natural_work,
+    qlora_estimate,
+    run_workload,
+    timed_step,
+    workload_result,
+)
 from model import Llama, Options
 from support.accounting import memory
 from support.accounting.flops import flops_per_token, fmt_flops, peak_flops
@@ -52,15 +52,13 @@ from support.kernels import dropout_cuda
 from support.kernels.attention import varlen_attention
 from support.kernels.choice import pick_precision
 from support.kernels.nf4_ops import cuda_dequantize
+from support.run import ranks
 
 # Kinds of kernel (on CPU: of operator) by name, for the profile's summary line; the first pattern that matches wins.
 KERNEL_KINDS = [
     ("attention", r"flash|fmha|attention|attn"),  # first: FlashAttention's kernel names hold "cutlass" too
     ("matmul", r"gemm|cutlass|nvjet|xmma|wgmma|^aten::(mm|addmm|bmm)$"),
-    (
-        "NF4 dequantize",
-        r"dequant",
-    ),  # bitsandbytes' kDequantizeBlockwise, support/kernels/nf4_ops.py's nf4_dequantize_kernel
+    ("NF4 dequantize", r"dequant"),  # bitsandbytes' kDequantizeBlockwise, nf4_ops.py's nf4_dequantize_kernel
     ("LoRA dropout", r"keyed_dropout"),  # support/kernels/dropout_cuda.py's keyed_dropout_kernel
 ]
 
@@ -90,43 +88,31 @@ def profile_step(system, batch, device, cfg, top=15):
     return dict(measure=attr, total_ms=total / 1e3, kinds=kinds, kernels=kernels)
 
 
+def profile_table(p):
+    """(headers, rows) of a profile: the kernels (operators) by time, the most first."""
+    rows = [(k["name"][:100], k["calls"], f"{k['ms']:.2f}", f"{k['share']:.1%}") for k in p["kernels"]]
+    return ["name", "calls", "ms", "share"], rows
+
+
 def print_profile(label, p):
     what = "kernels by device time" if p["measure"] == "self_device_time_total" else "operators by own CPU time"
     print(f"\nprofile of one equal-work step, {label}: {what}, {p['total_ms']:.1f} ms in all")
-    rows = [(k["name"][:100], k["calls"], f"{k['ms']:.2f}", f"{k['share']:.1%}") for k in p["kernels"]]
-    print_table(["name", "calls", "ms", "share"], rows)
+    print_table(*profile_table(p))
     print("by kind: " + ", ".join(f"{k} {v:.1%}" for k, v in p["kinds"].items()))
 
 
 def memory_rows(weights, cfg, cells, device, dtype):
     """One step of our QLoRA over `weights` (gpu_systems.weights_of) on an equal-work batch for each cell (rows, tokens
-    per row, checkpointing): the measured peak (resident + the step's own allocation) beside the total of
-    support.accounting.memory.run_estimate, the memory estimate train.py prints, for the same setting."""
-    out, adapters = [], dict(lora_r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"])
-    place, systems = train.Placement(0, 1, device, dtype), {}
+    per row, checkpointing): measured_step's peak beside the estimate train.py prints for the same setting."""
+    out, place, systems = [], ranks.Placement(0, 1, device, dtype), {}
     for rows, row, ckpt in cells:
         if ckpt not in systems:  # a model built with checkpointing, or without, over the same NF4 weights
             model = our_llama(cfg, weights, device, dtype, Options(checkpointing=ckpt), nf4=True)
             systems[ckpt] = ours_system("ours-qlora", model, device, dtype, LR)
-        system = systems[ckpt]
-        setting = train.Config(quantize=True, activation_checkpointing=ckpt, lora_targets="all-linear", **adapters)
-        est = memory.run_estimate(setting, cfg, rows * row, place)  # what train.py prints
-        rec = dict(rows=rows, row=row, checkpointing=ckpt, estimate_bytes=sum(est.values()))
-        try:
-            step = timed_step(system, equal_work(cfg.vocab_size, row, rows, 1)[0], device, cfg)
-        except torch.OutOfMemoryError:
-            rec["status"] = "out of memory"
-        except FAILURES as e:
-            rec["status"] = f"failed: {one_line(e)}"
-        else:
-            rec |= dict(step_s=step["time"], tokens_per_s=step["tokens"] / step["time"])
-            if "extra_bytes" in step:
-                rec["peak_bytes"] = resident_bytes(system) + step["extra_bytes"]
-        if "status" in rec:
-            system.opt.zero_grad(set_to_none=True)
-            free_cache(device)
+        rec = dict(rows=rows, row=row, checkpointing=ckpt, estimate_bytes=qlora_estimate(cfg, rows * row, place, ckpt))
+        rec |= measured_step(systems[ckpt], equal_work(cfg.vocab_size, row, rows, 1)[0], device, cfg)
         out.append(rec)
-        print(f"memory: {rows} x {row}, checkpointing {'on' if ckpt else 'off'}: {rec.get('status', 'done')}")
+        print(f"memory: {rows} x {row}, checkpointing {'on' if ckpt else 'off'}: {rec['status']}")
     return out
 
 
@@ -134,39 +120,45 @@ def print_memory(label, rows):
     print(f"\npeak memory of {label}, one step per micro-batch (the other systems freed)")
     table = []
     for r in rows:
-        peak = memory.fmt(r["peak_bytes"]) if "peak_bytes" in r else r.get("status", "-")
+        peak = memory.fmt(r["peak_bytes"]) if "peak_bytes" in r else r["status"]
         speed = (f"{r['step_s']:.2f}", f"{r['tokens_per_s']:,.0f}") if "step_s" in r else ("", "")
         on = "on" if r["checkpointing"] else "off"
         table.append((f"{r['rows']} x {r['row']:,}", on, peak, memory.fmt(r["estimate_bytes"]), *speed))
     print_table(["micro-batch", "checkpointing", "measured peak", "memory.run_estimate", "step s", "tokens/s"], table)
 
 
-def print_workload(title, result, systems):
-    """A workload's table (a row per system) and its ratios (median of the per-round ratios, and their range)."""
-    print(f"\n{title}")
+def workload_table(result):
+    """(headers, rows) of a workload (workload_result): a row per system, its status where it did not run."""
     rows = []
-    for s in systems:
-        r = result["systems"][s.key]
+    for key, r in result["systems"].items():
         if "summary" not in r:
-            rows.append((s.label, r["status"], *[""] * 7))
+            rows.append((SYSTEMS[key], r["status"], *[""] * 7))
             continue
         m = r["summary"]
         batch = f"{m['rows']:.3g} x {m['width']:.0f}"
         rates = (f"{m['step_s']:.3f}", f"{m['tokens_per_s']:,.0f}", f"{m['supervised_per_s']:,.0f}", f"{m['mfu']:.1%}")
         peak = memory.fmt(m["peak_bytes"]) if "peak_bytes" in m else "-"
-        rows.append((s.label, batch, f"{m['fill']:.1%}", *rates, peak, f"{m['loss_step1']:.4f}"))
+        rows.append((SYSTEMS[key], batch, f"{m['fill']:.1%}", *rates, peak, f"{m['loss_step1']:.4f}"))
     headers = ["system", "rows x width", "fill", "step s", "tokens/s", "supervised/s", "MFU", "peak memory"]
-    print_table([*headers, "step-1 loss"], rows)
-    ratios = [
-        (f"{SYSTEMS[a]} / {SYSTEMS[b]}", f"{r['median']:.2f}x", f"{r['low']:.2f}-{r['high']:.2f}", r["n"])
-        for pair, r in result["ratios"].items()
-        for a, b in [pair.split("/")]
-    ]
-    if ratios:
-        metric = (
-            "supervised tokens/s" if next(iter(result["ratios"].values()))["metric"] == "supervised" else "tokens/s"
-        )
-        print_table([f"ratio of {metric}", "median of rounds", "range", "rounds"], ratios)
+    return [*headers, "step-1 loss"], rows
+
+
+def ratio_table(result):
+    """(headers, rows) of a workload's ratios: the median of the per-round ratios, their range, the rounds."""
+    rows, metric = [], "tokens/s"
+    for pair, r in result["ratios"].items():
+        a, b = pair.split("/")
+        rows.append((f"{SYSTEMS[a]} / {SYSTEMS[b]}", f"{r['median']:.2f}x", f"{r['low']:.2f}-{r['high']:.2f}", r["n"]))
+        metric = "supervised tokens/s" if r["metric"] == "supervised" else "tokens/s"
+    return [f"ratio of {metric}", "median of rounds", "range", "rounds"], rows
+
+
+def print_workload(title, result):
+    """A workload's table (a row per system) and its ratios (median of the per-round ratios, and their range)."""
+    print(f"\n{title}")
+    print_table(*workload_table(result))
+    if result["ratios"]:
+        print_table(*ratio_table(result))
 
 
 def gpu_device(name):
@@ -203,18 +195,13 @@ def print_gpu_header(results, cfg, device):
     with torch.device("meta"):
         params = sum(p.numel() for p in Llama(cfg).parameters())
     size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.2f}M"
-    print(
-        f"shape {results['shape']} ({SHAPES[results['shape']][0]}, {size} parameters, random weights), "
-        f"{results['precision']}, "
-        f"LoRA r={LORA['r']} alpha={LORA['alpha']:g} dropout {LORA['dropout']} on every block linear"
-    )
+    shape = f"shape {results['shape']} ({SHAPES[results['shape']][0]}, {size} parameters, random weights)"
+    lora = f"LoRA r={LORA['r']} alpha={LORA['alpha']:g} dropout {LORA['dropout']} on every block linear"
+    print(f"{shape}, {results['precision']}, {lora}")
     dequant = cuda_dequantize().__name__ if device.type == "cuda" else "dequantize_nf4"
     print(f"ours: attention {results['attention']}, NF4 {dequant}, LoRA dropout {results['dropout']}")
-    print(
-        f"MFU against {fmt_flops(results['peak_flops'])} {results['precision']} ({results['peak_source']}); "
-        "model FLOPs per "
-        f"token of a {row}-token document: {flops_per_token(cfg, row) / 1e9:.3g} GFLOP"
-    )
+    mfu = f"MFU against {fmt_flops(results['peak_flops'])} {results['precision']} ({results['peak_source']})"
+    print(f"{mfu}; model FLOPs per token of a {row}-token document: {flops_per_token(cfg, row) / 1e9:.3g} GFLOP")
     warmup, rounds = results["warmup"], results["rounds"]
     print(f"{rows} x {row} tokens per step; {warmup} warm-up step(s), then {rounds} interleaved rounds")
 
@@ -280,7 +267,7 @@ def bench_gpu(args):
 
         save(*run_workload(systems, batch_of, steps, device, cfg, name, args.deadline or None, save))
     for name, (_, _, title) in work.items():
-        print_workload(title, results["workloads"][name], systems)
+        print_workload(title, results["workloads"][name])
     finish_gpu(args, results, systems, cfg, row, device, dtype, equal[0])
 
 
@@ -317,34 +304,12 @@ def finish_gpu(args, results, systems, cfg, row, device, dtype, batch):
     print(f"\nraw results: {os.path.relpath(args.out, REPO) if inside else args.out}")
 
 
-def check_arguments(parser, args):
-    """The checks of `bench.py gpu`'s arguments argparse cannot make: parser.error names what is wrong."""
+def gpu_problem(args):
+    """What is wrong with `bench.py gpu`'s arguments that argparse cannot check, or ""."""
     if args.warmup < 1 or args.rounds < 1:
-        parser.error("--warmup and --rounds must be at least 1 (the first step allocates the optimizer state)")
+        return "--warmup and --rounds must be at least 1 (the first step allocates the optimizer state)"
     if unknown := set(args.systems.split(",")) - set(SYSTEMS):
-        parser.error(f"--systems: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SYSTEMS)}")
+        return f"--systems: unknown {', '.join(sorted(unknown))}; choose from {', '.join(SYSTEMS)}"
     if args.rows < 1 or args.row < 0:
-        parser.error("--rows must be at least 1 and --row positive")
-
-
-def gpu_arguments(sub):
-    g = sub.add_parser("gpu", help="ours (LoRA, QLoRA) vs transformers + PEFT on a random Llama, in one process")
-    g.add_argument(
-        "--shape", choices=list(SHAPES), default="8b", help="8b, 3b, 1b (Llama 3.x) or tiny (CPU smoke test)"
-    )
-    g.add_argument("--row", type=int, default=0, help="tokens per row (default: 8192; 256 for tiny)")
-    g.add_argument("--rows", type=int, default=1, help="rows per step, one micro-batch (default 1)")
-    g.add_argument("--warmup", type=int, default=2, help="steps per system left out of the statistics (default 2)")
-    g.add_argument("--rounds", type=int, default=8, help="measured steps per system, interleaved (default 8)")
-    g.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {', '.join(SYSTEMS)}")
-    g.add_argument("--device", default="auto", help="auto (CUDA when available), cuda, cuda:N or cpu")
-    g.add_argument(
-        "--precision",
-        choices=["auto", "bf16", "fp32"],
-        default="auto",
-        help="auto: bf16 on a GPU, on CPU what it declares (support.run.precision.pick_precision)",
-    )
-    g.add_argument("--deadline", type=float, default=0, help="time.time() after which no round starts (0: none)")
-    g.add_argument("--memory", action="store_true", help="QLoRA peak memory at 1, 2, 4 rows, checkpointing off/on")
-    g.add_argument("--profile", action="store_true", help="the kernels of one step of ours (torch.profiler)")
-    g.add_argument("--out", default=os.path.join(OUT_DIR, "gpu.json"), help="raw results (default out/bench/gpu.json)")
+        return "--rows must be at least 1 and --row positive"
+    return ""

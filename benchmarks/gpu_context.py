@@ -1,18 +1,15 @@
 """How long a single row does our QLoRA train on the GPU at hand, and how close is the estimate to its peak?
 
-    python bench.py gpu-context                  Llama-3.1-8B QLoRA, one row: checkpointing, + a tiled MLP, + offloaded
-                                                 checkpoints, each at the length train.py --plan predicts for this card
-    python bench.py gpu-context --shape=tiny     the same on a 2-layer toy, on CPU (the tests run it)
-
-For each setting the length tried first is the longest single row support/accounting/plan.py's longest_tokens predicts
-for this GPU's memory, capped by the CPU memory offloaded checkpoints would take (80% of what is available) and by the
-time the phase has left: a setting gets its share of the remaining time, and one step at a single document's length
-first measures its rate. A step that runs out of memory is tried again 15% shorter, until one fits or the time is up.
-Each row holds documents of --doc tokens (8,192 for the 8b shape) one after the other, so attention costs what it costs
-per document and a step's time grows linearly with the row, while its memory is a single row's: the per-document
-attention keeps no T x T matrix, and every activation is (tokens, ...) whatever the documents' boundaries. Peak memory
-is the QLoRA model's resident bytes plus the most the step allocated (torch.cuda.max_memory_allocated), beside the total
-of support.accounting.memory.run_estimate for the same setting: the estimate train.py prints. Results: --out (JSON),
+`python bench.py gpu-context` (--shape=tiny: a 2-layer toy, on CPU; the tests run it). For each setting the length tried
+first is the longest single row support/accounting/plan.py's longest_tokens predicts for this GPU's memory, capped by
+the CPU memory offloaded checkpoints would take (80% of what is available) and by the time the phase has left: a setting
+gets its share of the remaining time, and one step at a single document's length first measures its rate. A step that
+runs out of memory is tried again 15% shorter, until one fits or the time is up. Each row holds documents of --doc
+tokens (8,192 for the 8b shape) one after the other, so attention costs what it costs per document and a step's time
+grows linearly with the row, while its memory is a single row's: the per-document attention keeps no T x T matrix, and
+every activation is (tokens, ...) whatever the documents' boundaries. Peak memory is the QLoRA model's resident bytes
+plus the most the step allocated (torch.cuda.max_memory_allocated), beside the total of
+support.accounting.memory.run_estimate for the same setting: the estimate train.py prints. Results: --out (JSON),
 written after every step."""
 
 import time
@@ -20,25 +17,23 @@ import time
 import psutil
 import torch
 
-import train
 from benchmarks.gpu_systems import (
-    FAILURES,
     LORA,
     LR,
     SHAPES,
     free_cache,
-    one_line,
     our_llama,
     ours_system,
     random_llama,
     weights_of,
 )
-from benchmarks.gpu_workloads import resident_bytes, timed_step
+from benchmarks.gpu_workloads import measured_step, qlora_estimate
 from model import Options
 from support.accounting import memory, plan
 from support.formats import atomic
 from support.formats.hf import from_hf
 from support.kernels.choice import pick_precision
+from support.run import ranks
 
 # (label, MLP tiles of hidden_size tokens, offloaded checkpoints); checkpointing is on in each
 SETTINGS = [("checkpointing", False, False), ("+ tiled MLP", True, False), ("+ offloaded checkpoints", True, True)]
@@ -70,11 +65,6 @@ def qlora_system(cfg, weights, device, dtype, tiled, offloaded):
     return ours_system("ours-qlora", our_llama(cfg, weights, device, dtype, options, nf4=True), device, dtype, LR)
 
 
-def setting_config(tiled, offloaded):
-    adapters = dict(lora_r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"])
-    return train.Config(quantize=True, activation_checkpointing=True, offload_checkpoints=offloaded, **adapters)
-
-
 def predicted(cfg, budget, dtype, tiled, offloaded):
     """(tokens, what limits them): longest_tokens for the GPU's `budget` bytes, and for offloaded checkpoints the CPU
     memory they take within 80% of what is available."""
@@ -88,25 +78,11 @@ def predicted(cfg, budget, dtype, tiled, offloaded):
     return tokens, "the estimate"
 
 
-def try_length(system, cfg, length, doc, place, tiled, offloaded):
+def try_length(system, cfg, length, doc, place, offloaded):
     """One training step of `system` (built with the setting) on one row of `length` tokens: its record."""
     tile = system.model.options.mlp_tile
-    est = memory.run_estimate(setting_config(tiled, offloaded), cfg, length, place, tile_tokens=tile)
-    rec = dict(tokens=length, estimate_bytes=sum(est.values()))
-    try:
-        step = timed_step(system, one_row(length, doc, cfg.vocab_size), place.device, cfg)
-    except torch.OutOfMemoryError:
-        rec["status"] = "out of memory"
-    except FAILURES as e:
-        rec["status"] = f"failed: {one_line(e)}"
-    else:
-        rec |= dict(status="fits", step_s=step["time"], tokens_per_s=step["tokens"] / step["time"])
-        if "extra_bytes" in step:
-            rec["peak_bytes"] = resident_bytes(system) + step["extra_bytes"]
-    if rec["status"] != "fits":
-        system.opt.zero_grad(set_to_none=True)
-        free_cache(place.device)
-    return rec
+    rec = dict(tokens=length, estimate_bytes=qlora_estimate(cfg, length, place, True, offloaded, tile))
+    return rec | measured_step(system, one_row(length, doc, cfg.vocab_size), place.device, cfg)
 
 
 def longest_for(weights, cfg, setting, seconds, place, budget, doc, out, save):
@@ -116,7 +92,7 @@ def longest_for(weights, cfg, setting, seconds, place, budget, doc, out, save):
     label, tiled, offloaded = setting
     end = time.time() + seconds
     system = qlora_system(cfg, weights, place.device, place.dtype, tiled, offloaded)
-    calibration = try_length(system, cfg, doc, doc, place, tiled, offloaded)
+    calibration = try_length(system, cfg, doc, doc, place, offloaded)
     rate = calibration.get("tokens_per_s", 0.0)
     tokens, limit = predicted(cfg, budget, place.dtype, tiled, offloaded)
     by_time = int(rate * (end - time.time()) * 0.9) // 256 * 256
@@ -124,7 +100,7 @@ def longest_for(weights, cfg, setting, seconds, place, budget, doc, out, save):
     save()
     length = min(tokens, by_time, 4 * doc if place.device.type == "cpu" else tokens)  # CPU: the path, not the peak
     while length > doc and time.time() < end:
-        rec = try_length(system, cfg, length, doc, place, tiled, offloaded)
+        rec = try_length(system, cfg, length, doc, place, offloaded)
         out["attempts"].append(rec)
         save()
         print(f"{label}: {length:,} tokens, {rec['status']}", flush=True)
@@ -139,7 +115,7 @@ def bench_gpu_context(args):
     _, config, row = SHAPES[args.shape]
     cfg, doc = from_hf(config), args.doc or row
     dtype = pick_precision("auto", device, cfg)
-    place = train.Placement(0, 1, device, dtype)
+    place = ranks.Placement(0, 1, device, dtype)
     cuda = device.type == "cuda"
     budget = torch.cuda.get_device_properties(device).total_memory if cuda else int(args.budget_gib * memory.GIB)
     results = dict(shape=args.shape, device=torch.cuda.get_device_name(device) if cuda else "cpu", doc=doc)
@@ -154,17 +130,7 @@ def bench_gpu_context(args):
             print(f"{setting[0]}: skipped, the deadline has passed", flush=True)
             continue
         save = lambda: atomic.write_json(args.out, results)  # noqa: E731
-        longest_for(
-            weights, cfg, setting, left / (len(SETTINGS) - i), place, budget, doc, results["settings"][-1], save
-        )
+        seconds = left / (len(SETTINGS) - i)
+        longest_for(weights, cfg, setting, seconds, place, budget, doc, results["settings"][-1], save)
         free_cache(device)  # the setting's system (its adapters, optimizer state, activations) went with the call
     atomic.write_json(args.out, results)
-
-
-def gpu_context_arguments(sub):
-    c = sub.add_parser("gpu-context", help="the longest single row of our QLoRA on this GPU, three settings")
-    c.add_argument("--shape", choices=list(SHAPES), default="8b", help="8b, 3b, 1b or tiny (CPU smoke test)")
-    c.add_argument("--doc", type=int, default=0, help="tokens per document in the row (default: the shape's row)")
-    c.add_argument("--budget_gib", type=float, default=2.0, help="on CPU: the memory the estimate must fit")
-    c.add_argument("--deadline", type=float, default=0, help="time.time() by which to stop (0: 10 minutes)")
-    c.add_argument("--out", required=True, help="the JSON file of the results")

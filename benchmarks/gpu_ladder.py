@@ -1,10 +1,8 @@
 """What does each technique buy on a GPU? The optimization ladder, the GPU twin of bench.py train's CPU ladder.
 
-    python bench.py gpu-ladder                   Llama-3.1-8B LoRA on natural batching, one technique added per rung
-    python bench.py gpu-ladder --shape=tiny      the same on a 2-layer toy, on CPU (the tests run it)
-
-The rungs train on the natural-batching documents of bench.py gpu (gpu_workloads.natural_work: log-normal lengths
-shaped like instruction data, prompts unsupervised), bf16 weights, LoRA r=16 on every block linear:
+`python bench.py gpu-ladder` (--shape=tiny: a 2-layer toy, on CPU; the tests run it). The rungs train on the
+natural-batching documents of bench.py gpu (gpu_workloads.natural_work: log-normal lengths shaped like instruction data,
+prompts unsupervised), bf16 weights, LoRA r=16 on every block linear:
 
     0  baseline: one document per row, padded to the longest of its batch; logits over the whole vocabulary for every
        position; activation checkpointing; eager (as a plain transformers + PEFT script runs)
@@ -24,9 +22,8 @@ import time
 
 import torch
 
-from benchmarks.common import median_ratio
 from benchmarks.gpu_systems import FAILURES, LR, SHAPES, System, one_line, our_llama, ours_system, random_llama
-from benchmarks.gpu_workloads import natural_work, run_workload, workload_result
+from benchmarks.gpu_workloads import natural_work, pair_ratio, run_workload, workload_result
 from model import LOSS_CHUNK, Options
 from support.accounting.flops import peak_flops
 from support.formats import atomic
@@ -61,15 +58,7 @@ def build_rungs(cfg, device, dtype):
 def gains(result, warmup):
     """Each rung's gain in supervised tokens/s over the rung before and over the baseline: medians of per-round
     ratios."""
-    runs = result["systems"]
-
-    def ratio(a, b):
-        if "summary" not in runs.get(a, {}) or "summary" not in runs.get(b, {}):
-            return None
-        rate = lambda r: r["supervised"] / r["time"]  # noqa: E731
-        pairs = zip(runs[a]["steps"][warmup:], runs[b]["steps"][warmup:], strict=False)
-        return median_ratio([(rate(x), rate(y)) for x, y in pairs])
-
+    ratio = lambda a, b: pair_ratio(result["systems"], a, b, "supervised", warmup)  # noqa: E731
     return {f"rung{i}": dict(previous=ratio(f"rung{i}", f"rung{i - 1}"), baseline=ratio(f"rung{i}", "rung0"))
             for i in range(1, len(RUNGS))}  # fmt: skip
 
@@ -97,13 +86,3 @@ def bench_gpu_ladder(args):
     result |= dict(rows=args.rows, peak_flops=peak, peak_source=source, precision=str(dtype).removeprefix("torch."))
     atomic.write_json(args.out, result)
     print(f"ladder: {time.strftime('%H:%M:%S')} written to {args.out}")
-
-
-def gpu_ladder_arguments(sub):
-    g = sub.add_parser("gpu-ladder", help="the GPU optimization ladder: one technique per rung, natural batching")
-    g.add_argument("--shape", choices=list(SHAPES), default="8b", help="8b, 3b, 1b or tiny (CPU smoke test)")
-    g.add_argument("--rows", type=int, default=1, help="rows per step (default 1)")
-    g.add_argument("--warmup", type=int, default=2, help="steps per rung left out (default 2: compilation)")
-    g.add_argument("--rounds", type=int, default=3, help="measured steps per rung, interleaved (default 3)")
-    g.add_argument("--deadline", type=float, default=0, help="time.time() after which no round starts (0: none)")
-    g.add_argument("--out", required=True, help="the JSON file of the results")

@@ -35,29 +35,21 @@ import time
 from pathlib import Path
 
 from benchmarks.common import REPO
-from benchmarks.gpu_proof_tables import render
-from benchmarks.gpu_systems import COMPILED, EAGER
+from benchmarks.gpu import profile_table, ratio_table, workload_table
+from benchmarks.gpu_systems import COMPILED, EAGER, SYSTEMS
+from support.accounting.memory import fmt
 from support.formats import atomic
 
 # (phase, share of the budget, the fewest seconds worth starting it with)
 PHASES = [("tests", 0.10, 20), ("step", 0.22, 60), ("compiled", 0.36, 60), ("context", 0.14, 40), ("ladder", 0.18, 30)]
+CUDA_TESTS = "-m pytest -v -p no:cacheprovider --cuda-only tests --continue-on-collection-errors"  # the tests phase
 GRACE = 0.2  # the share of a phase's limit from its child's deadline to its kill: the step in flight, the results
 
 
 def phase_command(name, args, deadline):
     """The child process of phase `name`, as an argv."""
     if name == "tests":
-        return [
-            sys.executable,
-            "-m",
-            "pytest",
-            "-v",
-            "-p",
-            "no:cacheprovider",
-            "--cuda-only",
-            "tests",
-            "--continue-on-collection-errors",
-        ]
+        return [sys.executable, *CUDA_TESTS.split()]
     out = os.path.join(args.out, f"{name}.json")
     common = [f"--shape={args.shape}", f"--deadline={deadline:.1f}", f"--out={out}"]
     if name in ("step", "compiled"):
@@ -197,12 +189,88 @@ def write_proof(out, proof):
     atomic.atomic_write(os.path.join(out, "proof.md"), lambda tmp: Path(tmp).write_text(text))
 
 
-def gpu_proof_arguments(sub):
-    g = sub.add_parser("gpu-proof", help="the whole GPU proof (tests, step, compiled, context, ladder) within a budget")
-    g.add_argument("--budget", type=float, default=540, help="seconds for all phases together (default 540)")
-    g.add_argument("--out", required=True, help="the folder of the results")
-    g.add_argument("--shape", default="8b", help="the model shape of bench.py gpu (default 8b; tiny on CPU)")
-    g.add_argument("--warmup", type=int, default=2, help="bench.py gpu's warm-up steps (default 2)")
-    g.add_argument("--rounds", type=int, default=4, help="bench.py gpu's measured rounds (default 4)")
-    g.add_argument("--wheels", default="wheels", help="folder of wheels to install first (default wheels/)")
-    g.add_argument("--phases", default=",".join(p[0] for p in PHASES), help="comma-separated subset of the phases")
+# proof.md: every phase's tables, rendered from its JSON file
+
+
+def md_table(headers, rows):
+    lines = ["| " + " | ".join(headers) + " |", "| " + " | ".join("---" for _ in headers) + " |"]
+    return lines + ["| " + " | ".join(str(x).replace("|", "/") for x in row) + " |" for row in rows]
+
+
+def ratio_text(r):
+    return f"{r['median']:.2f}x ({r['low']:.2f}-{r['high']:.2f}, {r['n']} rounds)" if r else "-"
+
+
+def md_tests(res):
+    counts = {}
+    for outcome in res["outcomes"].values():
+        counts[outcome] = counts.get(outcome, 0) + 1
+    lines = [f"pytest: {res['summary'] or 'no summary line (cut off)'}; exit code {res['exit_code']}"]
+    lines += [f"- {test}: {outcome}" for test, outcome in res["outcomes"].items() if outcome in ("FAILED", "ERROR")]
+    return lines + [", ".join(f"{k} {v}" for k, v in sorted(counts.items()))]
+
+
+def md_step(res):
+    """bench.py gpu's results: a table and the ratios per workload, then the profiles."""
+    m = res["machine"]
+    versions = ", ".join(f"{k} {m.get(k)}" for k in ("torch", "cuda", "transformers", "peft", "bitsandbytes", "triton"))
+    lines = [f"{m['device']}; {versions}; shape {res['shape']}, {res['rows']} x {res['row']} tokens per step"]
+    lines += [f"attention {res['attention']}, LoRA dropout {res.get('dropout')}, {res['warmup']} warm-up steps", ""]
+    for name, work in res["workloads"].items():
+        lines += [f"**{name}**", ""] + md_table(*workload_table(work)) + [""]
+        lines += md_table(*ratio_table(work)) + [""] if work["ratios"] else []
+    for key, p in res.get("profile", {}).items():
+        kinds = ", ".join(f"{k} {v:.1%}" for k, v in p["kinds"].items())
+        headers, rows = profile_table(p)
+        lines += [f"profile of {SYSTEMS[key]}: {p['total_ms']:.1f} ms of kernels; {kinds}", ""]
+        lines += md_table(headers, rows[:8]) + [""]
+    return lines
+
+
+def md_context(res):
+    lines = [f"{res['device']}, {fmt(res['budget_bytes'])}; documents of {res['doc']:,} tokens in the row", ""]
+    rows = []
+    for s in res["settings"]:
+        if "skipped" in s:
+            rows.append((s["setting"], "", "", "", s["skipped"], "", "", ""))
+        for a in s.get("attempts", []):
+            peak = fmt(a["peak_bytes"]) if "peak_bytes" in a else "-"
+            step = f"{a['step_s']:.1f}" if "step_s" in a else ""
+            row = (s["setting"], f"{s['predicted']:,}", s["limited_by"], f"{a['tokens']:,}", a["status"], peak)
+            rows.append((*row, fmt(a["estimate_bytes"]), step))
+    headers = ["setting", "--plan predicts", "length limited by", "tokens tried", "result", "peak", "estimate"]
+    return lines + md_table([*headers, "step s"], rows)
+
+
+def md_ladder(res):
+    rows = []
+    for i, label in enumerate(res["rungs"]):
+        r = res["systems"].get(f"rung{i}", {})
+        if "summary" not in r:
+            rows.append((label, r.get("status", "-"), "", "", "", ""))
+            continue
+        s, g = r["summary"], res["gains"].get(f"rung{i}", {})
+        peak = fmt(s["peak_bytes"]) if "peak_bytes" in s else "-"
+        gain = (ratio_text(g.get("previous")), ratio_text(g.get("baseline"))) if i else ("", "")
+        rows.append((label, f"{s['supervised_per_s']:,.0f}", f"{s['mfu']:.1%}", peak, *gain))
+    headers = ["rung", "supervised tokens/s", "MFU", "peak memory", "over the rung before", "over the baseline"]
+    lines = [f"shape {res['shape']}, {res['rows']} x {res['row']} tokens per step, {res['precision']}", ""]
+    return lines + md_table(headers, rows)
+
+
+RENDER = {"tests": md_tests, "step": md_step, "compiled": md_step, "context": md_context, "ladder": md_ladder}
+
+
+def render(proof, results):
+    """proof.md: the phases' statuses, then each phase's tables from its JSON (results: {phase: its JSON})."""
+    lines = [f"# gpu-proof: `{proof['command']}`", "", f"GPU {proof.get('gpu')}; commit {proof.get('commit')}", ""]
+    rows = [(p["name"], p["status"], p.get("seconds", ""), p.get("limit_s", "")) for p in proof["phases"]]
+    lines += md_table(["phase", "status", "seconds", "limit"], rows) + [""]
+    for name, res in results.items():
+        lines += [f"## {name}", ""]
+        try:
+            lines += RENDER[name](res)
+        except (KeyError, TypeError, ValueError) as e:  # a phase stopped early may lack a part: say so, go on
+            lines += [f"(incomplete results: {type(e).__name__} {e})"]
+        lines.append("")
+    return "\n".join(lines) + "\n"

@@ -40,12 +40,13 @@ import torch
 import lora
 import quant
 import train
-from benchmarks.common import OUT_DIR, SEED, hf_batch
+from benchmarks.common import LORA, OUT_DIR, SEED, hf_batch, nf4_config, peft_lora
 from model import Llama, Options
 from support.formats import atomic, hf
 from support.formats.hf import to_hf
 from support.kernels import dropout, dropout_cuda, nf4_ops
 from support.kernels.attention import varlen_attention
+from support.run import ranks
 
 _LLAMA3 = dict(
     model_type="llama",
@@ -58,39 +59,23 @@ _LLAMA3 = dict(
     max_position_embeddings=131072,
 )
 _ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
+
+
+def llama3(hidden, ffn, layers, heads, rope, **keys):
+    """config.json of a Llama 3.x shape: these sizes, its RoPE scaling `rope` (over _ROPE), `keys` over _LLAMA3."""
+    sizes = dict(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads)
+    return _LLAMA3 | sizes | keys | dict(rope_scaling=_ROPE | rope)
+
+
+_TOY = dict(vocab_size=512, head_dim=16, num_key_value_heads=2, max_position_embeddings=1024)  # the CPU toy
+_TOY_ROPE = dict(factor=8.0, original_max_position_embeddings=128)
 # --shape: (name, config.json keys of the published model, default tokens per row). The weights are random.
 SHAPES = {
-    "8b": (
-        "Llama-3.1-8B",
-        _LLAMA3
-        | dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32)
-        | dict(rope_scaling=_ROPE | dict(factor=8.0)),
-        8192,
-    ),
-    "3b": (
-        "Llama-3.2-3B",
-        _LLAMA3
-        | dict(hidden_size=3072, intermediate_size=8192, num_hidden_layers=28, num_attention_heads=24)
-        | dict(tie_word_embeddings=True, rope_scaling=_ROPE | dict(factor=32.0)),
-        8192,
-    ),
-    "1b": (
-        "Llama-3.2-1B",
-        _LLAMA3
-        | dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, head_dim=64)
-        | dict(tie_word_embeddings=True, rope_scaling=_ROPE | dict(factor=32.0)),
-        8192,
-    ),
-    "tiny": (
-        "a 2-layer toy",
-        _LLAMA3
-        | dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4)
-        | dict(num_key_value_heads=2, head_dim=16, max_position_embeddings=1024)
-        | dict(rope_scaling=_ROPE | dict(factor=8.0, original_max_position_embeddings=128)),
-        256,
-    ),
+    "8b": ("Llama-3.1-8B", llama3(4096, 14336, 32, 32, dict(factor=8.0)), 8192),
+    "3b": ("Llama-3.2-3B", llama3(3072, 8192, 28, 24, dict(factor=32.0), tie_word_embeddings=True), 8192),
+    "1b": ("Llama-3.2-1B", llama3(2048, 8192, 16, 32, dict(factor=32.0), head_dim=64, tie_word_embeddings=True), 8192),
+    "tiny": ("a 2-layer toy", llama3(64, 176, 2, 4, _TOY_ROPE, **_TOY), 256),
 }
-LORA = dict(r=16, alpha=32.0, dropout=0.05)
 LR = 1e-4  # the same for every system; speed does not depend on it
 SYSTEMS = {  # key: row label
     "ours-lora": "nanoqlora LoRA",
@@ -192,7 +177,7 @@ def ours_system(key, model, device, dtype, lr):
     torch.manual_seed(SEED)  # the same adapters on LoRA and QLoRA
     dropout_op = dropout_cuda.dropout_op_for(device)  # as train.load_model chooses it
     lora.add_lora_(model, "all-linear", *LORA.values(), lora_dtype=torch.float32, dropout_op=dropout_op)
-    place = train.Placement(0, 1, device, dtype)
+    place = ranks.Placement(0, 1, device, dtype)
     params = [p for p in model.parameters() if p.requires_grad]
 
     def forward(batch):
@@ -243,12 +228,9 @@ def peer_qlora_llama(cfg, base, device, dtype):
             os.path.join(tmp, "model.safetensors"), {k: v for k, v in base.items() if k not in tied}
         )
         atomic.write_json(os.path.join(tmp, "config.json"), hf.config_json(cfg, dtype))
-        q = transformers.BitsAndBytesConfig(
-            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True, bnb_4bit_compute_dtype=dtype
-        )
         where = device.index if device.type == "cuda" else "cpu"
         return transformers.LlamaForCausalLM.from_pretrained(
-            tmp, dtype=dtype, quantization_config=q, device_map={"": where}, attn_implementation="sdpa"
+            tmp, dtype=dtype, quantization_config=nf4_config(dtype), device_map={"": where}, attn_implementation="sdpa"
         )
 
 
@@ -269,20 +251,7 @@ def peer_system(key, model, device, dtype, lr, compile=False):
     """PEFT LoRA on a transformers model (adapters in fp32: PEFT's autocast_adapter_dtype), fused AdamW as the
     Trainer's default; the loss on our batch converted by hf_batch, under the same autocast as ours; with `compile`,
     the PEFT model called through torch.compile."""
-    import peft
-
-    model.config.use_cache = False
-    torch.manual_seed(SEED)
-    config = peft.LoraConfig(
-        r=LORA["r"],
-        lora_alpha=LORA["alpha"],
-        lora_dropout=LORA["dropout"],
-        target_modules="all-linear",
-        task_type="CAUSAL_LM",
-    )
-    model = peft.get_peft_model(model, config)
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
+    model, params, opt = peft_lora(model, lr)
     amp = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     call = torch.compile(model) if compile else model
 
@@ -291,7 +260,7 @@ def peer_system(key, model, device, dtype, lr, compile=False):
         with amp:
             return call(**inputs).loss
 
-    return System(key, forward, model, params, torch.optim.AdamW(params, lr=lr, fused=True))
+    return System(key, forward, model, params, opt)
 
 
 def build_system(key, cfg, base, device, dtype):

@@ -30,9 +30,11 @@ import time
 import numpy as np
 import torch
 
-from benchmarks.common import SEED, median_ratio
+import train
+from benchmarks.common import LORA, SEED, median_ratio
 from benchmarks.gpu_systems import FAILURES, PAIRS, free_cache, one_line
 from pack import PackedDataset
+from support.accounting import memory
 from support.accounting.flops import batch_flops
 
 # Natural batching: document lengths like instruction data (a log-normal, median 400 tokens, a tail to a few
@@ -143,6 +145,34 @@ def timed_step(system, batch, device, cfg):
     return rec
 
 
+def measured_step(system, batch, device, cfg):
+    """One step of `system` (timed_step) for a memory table: status ("fits", "out of memory", "failed: ..."), seconds,
+    tokens/s and, on CUDA, the peak = resident + the step's own allocation. A failed step's gradients and cached blocks
+    are freed."""
+    try:
+        step = timed_step(system, batch, device, cfg)
+    except torch.OutOfMemoryError:
+        rec = dict(status="out of memory")
+    except FAILURES as e:
+        rec = dict(status=f"failed: {one_line(e)}")
+    else:
+        rec = dict(status="fits", step_s=step["time"], tokens_per_s=step["tokens"] / step["time"])
+        if "extra_bytes" in step:
+            rec["peak_bytes"] = resident_bytes(system) + step["extra_bytes"]
+        return rec
+    system.opt.zero_grad(set_to_none=True)
+    free_cache(device)
+    return rec
+
+
+def qlora_estimate(cfg, tokens, place, checkpointing, offloaded=False, tile=0):
+    """The total of support.accounting.memory.run_estimate, the memory estimate train.py prints, for our QLoRA (LORA on
+    every block linear) on a micro-batch of `tokens` with these settings."""
+    adapters = dict(lora_r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"], lora_targets="all-linear")
+    run = train.Config(quantize=True, activation_checkpointing=checkpointing, offload_checkpoints=offloaded, **adapters)
+    return sum(memory.run_estimate(run, cfg, tokens, place, tile_tokens=tile).values())
+
+
 def run_workload(systems, batch_of, steps, device, cfg, title, deadline=None, save=None):
     """Steps 0..steps-1 of every system that runs, interleaved (step s of each in turn, then s + 1): {key: records}
     and {key: "failed: ..."} for a system whose step failed (it sits out the rest of the workload). No round starts
@@ -207,9 +237,16 @@ def workload_result(systems, records, errors, warmup, peak_flops, metric, pairs=
         if not status:
             out["systems"][s.key]["summary"] = summarize_system(s, records[s.key], warmup, peak_flops)
     for a, b in pairs:
-        ra, rb = out["systems"].get(a, {}), out["systems"].get(b, {})
-        if "summary" in ra and "summary" in rb:
-            rate = lambda r: r[metric] / r["time"]  # noqa: E731
-            pairs = zip(ra["steps"][warmup:], rb["steps"][warmup:], strict=False)  # the rounds both completed
-            out["ratios"][f"{a}/{b}"] = median_ratio([(rate(x), rate(y)) for x, y in pairs]) | dict(metric=metric)
+        if ratio := pair_ratio(out["systems"], a, b, metric, warmup):
+            out["ratios"][f"{a}/{b}"] = ratio | dict(metric=metric)
     return out
+
+
+def pair_ratio(runs, a, b, metric, warmup):
+    """median_ratio of a's `metric` per second over b's, round by round over the measured rounds both completed; None
+    when either has no summary. runs: workload_result's {key: summary and steps, or status}."""
+    if "summary" not in runs.get(a, {}) or "summary" not in runs.get(b, {}):
+        return None
+    rate = lambda r: r[metric] / r["time"]  # noqa: E731
+    rounds = zip(runs[a]["steps"][warmup:], runs[b]["steps"][warmup:], strict=False)
+    return median_ratio([(rate(x), rate(y)) for x, y in rounds])

@@ -1,17 +1,15 @@
 """How fast is a GRPO step of rl.py against TRL's GRPOTrainer on CPU?
 
-    python bench.py grpo                         ours vs TRL, 2 rounds of 3 steps each, interleaved (about 25 minutes)
-    python bench.py grpo --rounds=3 --steps=4    more of both
-
-The same model, data and settings on both sides: SmolLM2-135M-Instruct with an NF4 base (ours: quant.py, dequantized
-once per rollout for sampling; TRL: bitsandbytes NF4 with double quantization, fp32 compute, as PEFT's QLoRA), LoRA
-r=16, alpha=32 on every block linear, no dropout, AdamW at configs/grpo_stdlib.py's learning rate, gradient clipping
-at 1.0; configs/grpo_stdlib.py's problems (the 24 stdlib doctested functions with the shortest solutions, the prompts
-rendered by the same chat template), group size, problems per step, temperature, answer length and KL coefficient,
-the token-level loss ("dapo" in TRL); each answer rewarded by the same sandboxed run of its doctests. TRL generates
-with transformers' generate (no vLLM), in one batch of all the step's answers; ours with generate_batch. One difference
-is kept as each system has it: ours stops an answer when its code block closes (humaneval.finished), TRL at eos or
-max_completion_length; so the steps are compared by seconds and by generated tokens per second of step.
+`python bench.py grpo` (--rounds=3 --steps=4: more of both). The same model, data and settings on both sides:
+SmolLM2-135M-Instruct with an NF4 base (ours: quant.py, dequantized once per rollout for sampling; TRL: bitsandbytes NF4
+with double quantization, fp32 compute, as PEFT's QLoRA), LoRA r=16, alpha=32 on every block linear, no dropout, AdamW
+at configs/grpo_stdlib.py's learning rate, gradient clipping at 1.0; configs/grpo_stdlib.py's problems (the 24 stdlib
+doctested functions with the shortest solutions, the prompts rendered by the same chat template), group size, problems
+per step, temperature, answer length and KL coefficient, the token-level loss ("dapo" in TRL); each answer rewarded by
+the same sandboxed run of its doctests. TRL generates with transformers' generate (no vLLM), in one batch of all the
+step's answers; ours with generate_batch. One difference is kept as each system has it: ours stops an answer when its
+code block closes (humaneval.finished), TRL at eos or max_completion_length; so the steps are compared by seconds and by
+generated tokens per second of step.
 
 Every run is a fresh child process: ours is `python rl.py configs/grpo_stdlib.py` with no evaluation or checkpoint,
 its step times from metrics.jsonl (generation + rewards + the updates); TRL's is `python bench.py grpo-peer`, its step
@@ -28,7 +26,7 @@ import time
 
 import torch
 
-from benchmarks.common import OUT_DIR, REPO, SEED, machine, median_ratio, print_table, run_child
+from benchmarks.common import OUT_DIR, REPO, SEED, machine, median_ratio, nf4_config, print_table, run_child_ok
 
 CONFIG = os.path.join(REPO, "configs", "grpo_stdlib.py")
 SETTINGS = ["--sample_tokens=128"]  # shorter answers than the config's, so that a round takes minutes
@@ -39,9 +37,7 @@ def run_ours(steps, folder) -> dict:
     out = os.path.join(folder, "ours")
     argv = ["rl.py", CONFIG, *SETTINGS, f"--max_steps={steps}", "--eval_task=", "--eval_every=0", "--save_every=0",
             f"--out_dir={out}", "--overwrite"]  # fmt: skip
-    code, _, _ = run_child(argv, os.path.join(folder, "ours.log"))
-    if code:
-        raise RuntimeError(f"rl.py failed (exit {code}); see {folder}/ours.log")
+    run_child_ok(argv, os.path.join(folder, "ours.log"), "rl.py")
     records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     steps = [r for r in records if "loss" in r][1:]
     seconds = [r["generate_s"] + r["reward_s"] + r["train_s"] for r in steps]
@@ -52,11 +48,7 @@ def run_ours(steps, folder) -> dict:
 def run_trl(steps, folder) -> dict:
     """One child run of TRL's GRPOTrainer (bench.py grpo-peer): the same per-step numbers."""
     out = os.path.join(folder, "trl.json")
-    code, _, _ = run_child(
-        ["bench.py", "grpo-peer", f"--steps={steps}", f"--out={out}"], os.path.join(folder, "trl.log")
-    )
-    if code:
-        raise RuntimeError(f"the TRL peer failed (exit {code}); see {folder}/trl.log")
+    run_child_ok(["bench.py", "grpo-peer", f"--steps={steps}", f"--out={out}"], os.path.join(folder, "trl.log"), "TRL")
     steps_ = json.load(open(out))["steps"][1:]
     return dict(seconds=[s["seconds"] for s in steps_], generated=[s["generated"] for s in steps_],
                 reward=[s["reward"] for s in steps_])  # fmt: skip
@@ -79,12 +71,13 @@ def trl_peer(steps, out):
 
     cfg = load_config(rl.RLConfig, [CONFIG, *SETTINGS])
     model_dir = gguf_read.smollm2_dir()
-    found = problem_sets.training_problems(cfg, Tokenizer(model_dir))
-    by_id = {p["task_id"]: p for p in found}
     tok = Tokenizer(model_dir)
-    prompt = lambda p: render({"instruction": humaneval.INSTRUCTION + p["prompt"].strip(), "response": ""}, tok, None)[
-        0
-    ]  # noqa: E731
+    found = problem_sets.training_problems(cfg, tok)
+    by_id = {p["task_id"]: p for p in found}
+
+    def prompt(p):
+        return render({"instruction": humaneval.INSTRUCTION + p["prompt"].strip(), "response": ""}, tok, None)[0]
+
     data = Dataset.from_list([{"prompt": prompt(p), "task_id": p["task_id"]} for p in found])
 
     def reward(prompts, completions, task_id, **kwargs):  # the same sandboxed run of the same extracted code as ours
@@ -92,10 +85,9 @@ def trl_peer(steps, out):
         verdicts = humaneval.score(chosen, [humaneval.completion(c, True) for c in completions])
         return [float(v == "passed") for v in verdicts]
 
-    nf4 = transformers.BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                          bnb_4bit_compute_dtype=torch.float32)  # fmt: skip
-    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, quantization_config=nf4,
-                                                              device_map="cpu")  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32, quantization_config=nf4_config(torch.float32), device_map="cpu"
+    )
     rows = cfg.problems_per_step * cfg.group_size
     args = GRPOConfig(output_dir=tempfile.mkdtemp(), per_device_train_batch_size=rows, num_generations=cfg.group_size,
                       max_completion_length=cfg.sample_tokens, temperature=cfg.temperature, beta=cfg.kl_coef,

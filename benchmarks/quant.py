@@ -1,9 +1,7 @@
 """How fast is NF4 on CPU, ours against bitsandbytes, and how fast does a QLoRA model load?
 
-    python bench.py quant              NF4 quantize / dequantize throughput on CPU, ours vs bitsandbytes (4096 x 4096)
-    python bench.py quant --smollm2    plus SmolLM2-135M load times: quantize 16-bit weights vs load pre-quantized
-
-Quant timings are the best of --repeat runs after one warm-up run; the machine's other load shows up as noise.
+`python bench.py quant` (--smollm2: the load times too). Quant timings are the best of --repeat runs after one warm-up
+run; the machine's other load shows up as noise.
 """
 
 import os

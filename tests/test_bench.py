@@ -47,7 +47,7 @@ import train
 from benchmarks import common, cpu_train, gpu, gpu_proof, gpu_systems, gpu_workloads
 from support.data.tokenizer import Tokenizer
 from support.formats.hf import from_hf, read_config
-from support.run import run_dir
+from support.run import ranks, run_dir
 from train import load_model
 
 
@@ -62,7 +62,7 @@ def setup(smollm2_dir, tmp_path_factory):
 
 
 def train_batches(cfg, tok, steps):
-    place = train.Placement(0, 1, torch.device("cpu"))
+    place = ranks.Placement(0, 1, torch.device("cpu"))
     trainset, _, _ = train.build_data(cfg, tok, run_dir.data_files(cfg), 8192, place)
     rows = cfg.batch_tokens // trainset.context_length
     return [trainset.step_batch(s, rows) for s in steps]
@@ -347,7 +347,7 @@ def test_failing_system_gets_its_row_and_the_others_run(capsys):
     assert errors == {"peer-lora": "failed: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"}
     result = gpu_workloads.workload_result(systems, records, errors, 1, 1.0, "tokens")
     assert "summary" in result["systems"]["ours-lora"] and result["ratios"] == {}
-    gpu.print_workload("equal", result, systems)
+    gpu.print_workload("equal", result)
     rows = {line.split("  ")[0]: line for line in capsys.readouterr().out.splitlines()}
     assert "failed: OutOfMemoryError" in rows["transformers + PEFT LoRA"]
     assert "skipped: bitsandbytes" in rows["transformers + PEFT + bitsandbytes QLoRA"]
