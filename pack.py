@@ -217,15 +217,19 @@ def auto_context_length(lengths, max_context=None, multiple=64):
     return min(c, max_context) if max_context else c
 
 
-def build_dataset(data, tokenizer, context_length="auto", *, pack=True, truncate=True, pad_to_max=False, seed=0,
-                  template=None, train_on_prompt=False, cache_dir=None, max_context=None, fmt="auto",
-                  skip_bad_rows=False, keep=None):  # fmt: skip
-    """Files (a path, or paths read one after the other) or a list of example dicts -> PackedDataset, tokenized once
-    through the cache. keep(n): which of the n examples read the dataset takes (bool (n,); default all), as
-    examples.train_and_val splits them; the dataset's `kept` says so after."""
-    tokenize = dict(template=template, train_on_prompt=train_on_prompt, fmt=fmt, skip_bad_rows=skip_bad_rows)
-    stream = tokenize_cached(tokenize_chunk, data, tokenizer, cache_dir, **tokenize)  # memory maps (token_cache.py)
-    kept = keep(stream["read"]) if keep else np.ones(stream["read"], dtype=bool)
+def tokenized(data, tokenizer, *, cache_dir=None, **settings):
+    """Files (a path, or paths read one after the other) or example dicts -> their token stream, tokenized once through
+    the cache (support/data/token_cache.py): memory maps, and "read", the number of examples read."""
+    return tokenize_cached(tokenize_chunk, data, tokenizer, cache_dir, **settings)
+
+
+def build_dataset(data, tokenizer, context_length="auto", *, kept=None, pack=True, truncate=True, pad_to_max=False,
+                  seed=0, max_context=None, **tokenize):  # fmt: skip
+    """A token stream (`tokenized`), or the files or example dicts to tokenize first (with `tokenize`, tokenized's
+    keywords) -> PackedDataset of the examples the index mask `kept` takes (bool (n,) over the n examples read; default
+    all), which the dataset keeps as `kept`."""
+    stream = data if isinstance(data, dict) else tokenized(data, tokenizer, **tokenize)
+    kept = np.ones(stream["read"], dtype=bool) if kept is None else kept
     docs = np.flatnonzero(kept[stream["example"]])  # the documents of the kept examples, in order
     if not len(docs):
         raise ValueError("no examples to tokenize (every one skipped)")

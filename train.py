@@ -146,17 +146,16 @@ class Config:
 def build_data(cfg: Config, tok, files, max_positions: int, place: ranks.Placement):
     """Examples -> (training, validation) packed datasets, plus the first eval_samples held-out examples that render:
     the prompts every evaluation answers."""
-    if isinstance(cfg.context_length, int) and cfg.context_length > max_positions:
-        raise ValueError(
-            f"context_length: {cfg.context_length} is beyond the model's max_position_embeddings {max_positions}"
-            " (positions it was never trained on); lower it or use 'auto'"
-        )
-    (train_data, train_keep), (val_data, val_keep) = examples.train_and_val(cfg, files)
-    common = dict(template=cfg.template or None, train_on_prompt=cfg.train_on_prompt, truncate=cfg.truncate,
-                  pack=cfg.pack, pad_to_max=cfg.pad_to_max, cache_dir=cfg.cache_dir, seed=cfg.seed,
-                  max_context=max_positions, fmt=cfg.data_format, skip_bad_rows=cfg.skip_bad_rows)  # fmt: skip
-    trainset = pack.build_dataset(train_data, tok, cfg.context_length, keep=train_keep, **common)
-    valset = pack.build_dataset(val_data, tok, trainset.context_length, keep=val_keep, **common)
+    train_data, val_data = examples.sources(cfg, files)  # validation held out of data: the same object
+    tokenize = dict(template=cfg.template or None, train_on_prompt=cfg.train_on_prompt, cache_dir=cfg.cache_dir,
+                    fmt=cfg.data_format, skip_bad_rows=cfg.skip_bad_rows)  # fmt: skip
+    train_stream = pack.tokenized(train_data, tok, **tokenize)
+    val_stream = train_stream if val_data is train_data else pack.tokenized(val_data, tok, **tokenize)
+    train_kept, val_kept = examples.split(cfg, train_stream, val_stream)  # index masks over the examples read
+    common = dict(pack=cfg.pack, truncate=cfg.truncate, pad_to_max=cfg.pad_to_max, seed=cfg.seed,
+                  max_context=max_positions)  # fmt: skip
+    trainset = pack.build_dataset(train_stream, tok, cfg.context_length, kept=train_kept, **common)
+    valset = pack.build_dataset(val_stream, tok, trainset.context_length, kept=val_kept, **common)
     if place.main:  # the packing report; with --preview the first examples as the model sees them, and the checks
         preview.report(cfg, trainset, train_data, tok)
     held_out = examples.selected(val_data, valset.kept, cfg.data_format, cfg.skip_bad_rows)  # the files read again
@@ -356,8 +355,7 @@ def train(cfg: Config) -> list[dict]:
     scaler = torch.amp.GradScaler("cuda", enabled=place.dtype == torch.float16)
     micro_rows = micro_batch_rows(cfg, place, model, trainset, rows, forward_loss)
     micro_rows = ranks.agreed_min(micro_rows, place.world, place.device)  # what each rank's memory allows: the least
-    context_length = trainset.context_length
-    estimated, peak_flops = progress.describe_step(cfg, place, model, context_length, rows, micro_rows)
+    estimated, peak_flops = progress.describe_step(cfg, place, model, trainset.context_length, rows, micro_rows)
     run = Run(model, opt, scaler, trainset, valset, tok, prompts, problems, rows, micro_rows, estimated, peak_flops)
     run.tracker = progress.open_tracker(cfg) if place.main else None
     if cfg.resume:  # the step of out_dir's checkpoint, its adapters, optimizer state and loss scale, its metrics

@@ -16,7 +16,7 @@ import pytest
 from conftest import CONVERSATIONS
 
 from support.data import examples
-from support.data.examples import load_examples, split_examples, stdlib_examples
+from support.data.examples import load_examples, stdlib_examples
 
 
 def _write(path, rows):
@@ -47,9 +47,8 @@ def test_load_formats(tmp_path):
     ]
     chat = _write(tmp_path / "c.jsonl", [{"messages": CONVERSATIONS[1]}])
     assert load_examples(chat)[0]["messages"][1] == {"role": "user", "content": "Hi"}
-    ex = load_examples(magi)
-    train, val = split_examples(ex * 10, 0.2, seed=1)
-    assert len(val) == 4 and len(train) == 16 and split_examples(ex * 10, 0.2, seed=1) == (train, val)
+    val = examples.held_out(20, 0.2, seed=1)
+    assert val.sum() == 4 and (val == examples.held_out(20, 0.2, seed=1)).all()
 
 
 @pytest.mark.parametrize(
@@ -190,16 +189,21 @@ def _error(path):
 
 
 def test_the_split_by_index_is_the_split_of_the_examples(tmp_path):
-    """train_and_val's keep(n) takes, of the n examples read, exactly what split_examples holds out of them in memory
-    (the same seeded permutation), and max_examples the first of the rest."""
+    """split's index masks, over the n examples a file's token stream read, take exactly the examples a seeded
+    permutation of the n (held_out) holds out, and the rest, both in file order; max_examples the first of the rest; a
+    validation file of its own gives every one of its examples; a share that holds out none is one line."""
     rows = [{"problem": f"p{i}", "solution": "s"} for i in range(50)]
     path = _write(tmp_path / "d.jsonl", rows)
     cfg = type("Config", (), dict(val_fraction=0.2, seed=3, max_examples=0, data=str(path)))
-    (data, train), (_, val) = examples.train_and_val(cfg, {"data": [path], "val_data": []})
-    in_memory = split_examples(load_examples(path), 0.2, seed=3)
-    assert [list(examples.selected(data, keep(50))) for keep in (train, val)] == list(in_memory)
+    stream, held = {"read": 50}, examples.held_out(50, 0.2, seed=3)
+    train, val = examples.split(cfg, stream, stream)
+    in_memory = load_examples(path)
+    want = [[ex for ex, v in zip(in_memory, held, strict=True) if v == side] for side in (False, True)]
+    assert [list(examples.selected([path], kept)) for kept in (train, val)] == want and val.sum() == 10
     cfg.max_examples = 7
-    assert list(examples.selected(data, train(50))) == in_memory[0][:7]
+    assert list(examples.selected([path], examples.split(cfg, stream, stream)[0])) == want[0][:7]
+    train, val = examples.split(cfg, stream, {"read": 5})
+    assert train.tolist() == [True] * 7 + [False] * 43 and val.tolist() == [True] * 5
     cfg.val_fraction = 0.001
     with pytest.raises(ValueError, match=r"^val_fraction: 0.001 .*holds out none"):
-        val(50)
+        examples.split(cfg, stream, stream)

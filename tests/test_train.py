@@ -745,7 +745,7 @@ def test_probe_fits_under_a_capped_memory_fraction(smollm2_dir, tmp_path):
     cfg = train.Config(model=model_dir, device="cuda", context_length=2048, batch_tokens=16 * 2048)
     cfg.max_examples, cfg.cache_dir = 600, str(tmp_path / "cache")
     place = ranks.Placement(1, 1, torch.device("cuda"), torch.bfloat16)  # rank 1: builds quietly
-    trainset = train.build_data(cfg, Tokenizer(model_dir), 8192, place)[0]
+    trainset = train.build_data(cfg, Tokenizer(model_dir), run_dir.data_files(cfg), 8192, place)[0]
     model = train.build_model(cfg, place, model_dir, mlp_tile=0)
     longest = sorted(range(len(trainset)), key=lambda r: -sum(trainset.lens[d] for d in trainset.rows[r]))
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)

@@ -10,9 +10,8 @@ never sits in memory (a JSON array is read whole). A malformed row stops the run
 its errors name a line too. Each example keeps its "file:line" as "source", so that what tokenizing it finds later (a
 chat template that rejects it, a warning of the preview) names the line as well.
 
-Validation is held out by index: `held_out(n)` marks a seeded random val_fraction of the n examples a file holds, so
-the files are tokenized whole, once, and each split takes its examples' documents (train_and_val's keep);
-`split_examples` is the same split of a list in memory.
+Validation is held out by index: the files are tokenized whole, once, and `split` gives each split an index mask over
+the n examples read (`held_out(n)`: a seeded random val_fraction of them), which pack.build_dataset takes.
 
 The stdlib dataset is the default: every documented function and method of this Python's standard library becomes a
 "complete this function" example, signature + docstring -> body, verbatim from the source. The body is answered in a
@@ -215,14 +214,6 @@ def held_out(n, val_fraction, seed=0):
     return val
 
 
-def split_examples(examples, val_fraction, seed=0):
-    """(train, val): a seeded random `val_fraction` of the examples held out, both in their original order."""
-    val = held_out(len(examples), val_fraction, seed)
-    return [ex for ex, v in zip(examples, val, strict=True) if not v], [
-        ex for ex, v in zip(examples, val, strict=True) if v
-    ]
-
-
 def _functions(body, lines, prefix):
     """(qualified name, signature + docstring, body) for documented functions and methods, not nested functions."""
     out = []
@@ -280,30 +271,27 @@ def first(kept, limit):
     return kept
 
 
-def train_and_val(cfg, files):
-    """The training and validation examples a train.Config asks for, as (data, keep) each: `data` the files to read
-    one after the other (files: {"data": paths, "val_data": paths}) or, without data, the stdlib dataset's split as
-    a list; keep(n) which of the n examples `data` holds it takes (bool (n,)), so that the files are tokenized whole
-    once and the split needs no second reading. Validation is val_data's, or val_fraction of data held out; training
-    at most the first max_examples of the rest."""
-    held = bool(files["data"]) and not files["val_data"]  # val_fraction of data held out, else val_data's examples
-
-    def everything(n):
-        return np.ones(n, dtype=bool)
-
-    def train(n):
-        return first(~val(n) if held else everything(n), cfg.max_examples)
-
-    def val(n):
-        out = held_out(n, cfg.val_fraction, cfg.seed)
-        if out.all() or not out.any():
-            left = "holds out none" if not out.any() else "leaves none to train on"
-            raise ValueError(f"val_fraction: {cfg.val_fraction} of the {n} examples in {cfg.data} {left}")
-        return out
-
+def sources(cfg, files):
+    """(training data, validation data): each the files to read one after the other (files: {"data": paths,
+    "val_data": paths}) or, without data, the stdlib dataset's split as a list. Validation held out of data is data
+    itself, the same object: one tokenized stream serves both splits."""
     if not files["data"]:
-        return (stdlib_examples("train"), train), (stdlib_examples("val"), everything)
-    return (files["data"], train), (files["data"], val) if held else (files["val_data"], everything)
+        return stdlib_examples("train"), stdlib_examples("val")
+    return files["data"], files["val_data"] or files["data"]
+
+
+def split(cfg, stream, val_stream):
+    """The index masks (bool) of the examples each split takes, (training, validation), over the examples each token
+    stream read (pack.tokenized): validation held out of the training stream (the same stream) is val_fraction of its
+    n examples, else every example of its own stream; training takes at most the first max_examples of what is left."""
+    n = stream["read"]
+    if val_stream is not stream:
+        return first(np.ones(n, dtype=bool), cfg.max_examples), np.ones(val_stream["read"], dtype=bool)
+    val = held_out(n, cfg.val_fraction, cfg.seed)
+    if val.all() or not val.any():
+        left = "holds out none" if not val.any() else "leaves none to train on"
+        raise ValueError(f"val_fraction: {cfg.val_fraction} of the {n} examples in {cfg.data} {left}")
+    return first(~val, cfg.max_examples), val
 
 
 def selected(data, kept, fmt="auto", skip_bad_rows=False):

@@ -5,7 +5,7 @@ uint32 (N,), mask uint8 (N,)), and per document its offsets (int64 (docs + 1,)),
 and its supervised targets (int64 (docs,)), with meta.json (the examples read, what was said about them). The key
 hashes the data (content for files under 64 MiB, else path + size + mtime), the tokenizer files, the template and the
 settings. Both splits of a file share one entry: it holds every example, and each split takes its documents by their
-example index (examples.train_and_val), so changing val_fraction or max_examples tokenizes nothing again.
+example index (examples.split), so changing val_fraction or max_examples tokenizes nothing again.
 
 Building streams: the files are read a block of rows at a time, pack.tokenize_chunk turns each chunk of examples into
 arrays, and the arrays are appended to growing .npy files whose header gets its length at the end. Memory stays bounded

@@ -76,14 +76,21 @@ from support.run.ranks import full
 
 
 def claim_inputs(cfg) -> tuple[str, dict]:
-    """Fail before any work when out_dir is not writable, holds another run, or the model, data or checkpoint is
-    missing; returns the model directory (the embedded SmolLM2 when cfg.model is "", converted on first use) and the
-    data files {"data": [...], "val_data": [...]} (empty lists for "", the stdlib dataset), Hub ids resolved into the
-    Hugging Face cache. A preview writes nothing, so it claims no out_dir; a plan reads no data."""
+    """Fail before any work when out_dir is not writable, holds another run, the model, data or checkpoint is missing,
+    or context_length is beyond the model's positions; returns the model directory (the embedded SmolLM2 when cfg.model
+    is "", converted on first use) and the data files {"data": [...], "val_data": [...]} (empty lists for "", the stdlib
+    dataset), Hub ids resolved into the Hugging Face cache. A preview writes nothing, so it claims no out_dir; a plan
+    reads no data."""
     model_dir = hub.model_dir(cfg.model, only_config=bool(cfg.plan)) if cfg.model else gguf_read.smollm2_dir()
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise FileNotFoundError(f"model: {os.path.join(model_dir, 'config.json')} not found (not a model directory)")
     files = data_files(cfg)
+    max_positions = hf.read_config(model_dir)[0].max_position_embeddings
+    if isinstance(cfg.context_length, int) and cfg.context_length > max_positions:
+        raise ValueError(
+            f"context_length: {cfg.context_length} is beyond the model's max_position_embeddings {max_positions}"
+            " (positions it was never trained on); lower it or use 'auto'"
+        )
     if cfg.export_gguf:  # what llama.cpp cannot read is refused now, not after the training
         gguf_write.check_gguf_export(model_dir, cfg.export_gguf)
     if not (cfg.preview or cfg.plan):
