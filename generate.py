@@ -40,14 +40,6 @@ def model_dir_for(model, adapter):
     return base if base and os.path.isfile(os.path.join(base, "config.json")) else gguf_read.smollm2_dir()
 
 
-def score_line(model, tok, problems, task, max_new_tokens=0, confine=True) -> str:
-    """The line `HumanEval pass@1: 12.2% (20/164 problems)` of greedy answers to `problems`, scored sandboxed."""
-    tokens = max_new_tokens or humaneval.MAX_NEW_TOKENS
-    result = humaneval.evaluate(model, tok, problems, max_new_tokens=tokens, confine=confine)
-    counts = f"{result['passed']}/{result['problems']} problems"
-    return f"{humaneval.label(task)} pass@1: {100 * result['pass@1']:.1f}% ({counts})"
-
-
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("prompt", nargs="?", default="", help="what to answer (not with --eval_task)")
@@ -74,9 +66,11 @@ def main():
         model = load_model(model_dir, torch.float32, quantize=args.quantize, adapter=args.adapter).eval()
     except (ValueError, OSError, ImportError) as e:  # a bad directory or adapter: one line, as train.py says it
         raise SystemExit(f"error: {e}") from None
-    if problems:
-        confine = not args.eval_task_unconfined
-        return print(score_line(model, tok, problems, args.eval_task, args.max_new_tokens, confine))
+    if problems:  # greedy answers, scored sandboxed: "HumanEval pass@1: 12.2% (20/164 problems)"
+        tokens = args.max_new_tokens or humaneval.MAX_NEW_TOKENS
+        result = humaneval.evaluate(model, tok, problems, max_new_tokens=tokens, confine=not args.eval_task_unconfined)
+        counts = f"{result['passed']}/{result['problems']} problems"
+        return print(f"{humaneval.label(args.eval_task)} pass@1: {100 * result['pass@1']:.1f}% ({counts})")
     ids = chat_prompt(tok, args.prompt)
     tokens = args.max_new_tokens or 200
     out = generate(model, ids, tokens, args.temperature, args.top_p, eos_id=tok.eos_id, seed=args.seed)

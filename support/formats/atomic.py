@@ -28,9 +28,9 @@ from safetensors.torch import save_file
 
 
 def atomic_write(path, write, directory=False):
-    """write(tmp) into a fresh temp file (or, with directory=True, a fresh empty directory), flush it to disk, then
-    os.replace it onto `path`. A failed write (a full disk, a folder that became read-only) leaves `path` as it was and
-    raises one OSError line that names the file, the reason and what was kept."""
+    """write(tmp) into a fresh temp file (directory=True: an empty directory) put in place as the file docstring says;
+    a failed write (a full disk, a folder that became read-only) raises one OSError line naming the file, the reason
+    and what was kept."""
     path = os.path.abspath(path)  # the folder is removed at the end even if the writer changed directory
     parent, name = os.path.split(path)
     kept = "the previous file is kept" if os.path.exists(path) else "nothing was written"

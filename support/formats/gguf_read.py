@@ -58,6 +58,7 @@ the post-processor only fixes offsets.
 import importlib.util
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -174,10 +175,11 @@ def _hf_name(path, name):
     return f"model.layers.{parts[1]}.{LAYER_NAMES[parts[2]]}.{parts[3]}"
 
 
-def _unpermute(w, n_head):
-    """Undo llama.cpp's interleaved RoPE row order: (heads, d/2, 2, ...) -> (heads, 2, d/2, ...); w is (out, in) or
-    a (out,) bias."""
-    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+def rope_rows(w, n_head, to_gguf=False):
+    """Undo llama.cpp's interleaved RoPE row order, (heads, d/2, 2, ...) -> (heads, 2, d/2, ...), or with to_gguf
+    apply it (gguf_write.py); w is (out, in) or a (out,) bias."""
+    pair = (2, w.shape[0] // n_head // 2) if to_gguf else (w.shape[0] // n_head // 2, 2)
+    return w.reshape(n_head, *pair, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
 def _weights(reader, path, cfg, dtype):
@@ -193,7 +195,7 @@ def _weights(reader, path, cfg, dtype):
             kind = t.tensor_type.name
             raise ValueError(f"{path}: tensor {t.name} is of type {kind}, which gguf cannot read ({e})") from None
         if permuted and (kind := t.name.split(".")[-2]) in heads:
-            w = _unpermute(w, heads[kind])
+            w = rope_rows(w, heads[kind])
         state[_hf_name(path, t.name)] = w.to(dtype).contiguous()
     with torch.device("meta"):  # the parameter names a model of this config owns (tied lm_head counted once)
         expected = set(dict(Llama(from_hf(cfg, path)).named_parameters()))
@@ -241,19 +243,18 @@ def _tokenizer(reader, path):
     return tok, tokens
 
 
-def _tokenizer_config(reader, path, tokens):
-    name = lambda key: None if (i := _meta(reader, path, key, None)) is None else tokens[i]
-    arch = _meta(reader, path, "general.architecture")
+def _tokenizer_config(reader, path, tokens, cfg):
+    name = lambda i: None if i is None else tokens[i]  # noqa: E731
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": name("tokenizer.ggml.bos_token_id"),
-        "eos_token": name("tokenizer.ggml.eos_token_id"),
-        "pad_token": name("tokenizer.ggml.padding_token_id"),
-        "unk_token": name("tokenizer.ggml.unknown_token_id"),
+        "bos_token": name(cfg["bos_token_id"]),
+        "eos_token": name(cfg["eos_token_id"]),
+        "pad_token": name(cfg["pad_token_id"]),
+        "unk_token": name(_meta(reader, path, "tokenizer.ggml.unknown_token_id", None)),
         "add_bos_token": bool(_meta(reader, path, "tokenizer.ggml.add_bos_token", False)),
         "add_eos_token": bool(_meta(reader, path, "tokenizer.ggml.add_eos_token", False)),
         "clean_up_tokenization_spaces": False,
-        "model_max_length": _meta(reader, path, f"{arch}.context_length"),
+        "model_max_length": cfg["max_position_embeddings"],
         "chat_template": _meta(reader, path, "tokenizer.chat_template", None),
     }
 
@@ -273,14 +274,13 @@ def convert_gguf(gguf_path, out_dir, dtype=torch.float32):
     # everything is read and converted first: a GGUF this cannot convert is its own error, not a failed write
     cfg = _config(reader, gguf_path, dtype)
     tok, tokens = _tokenizer(reader, gguf_path)
-    tok_cfg = _tokenizer_config(reader, gguf_path, tokens)
+    tok_cfg = _tokenizer_config(reader, gguf_path, tokens, cfg)
     gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg[k] is not None}
     weights = _weights(reader, gguf_path, cfg, dtype)
 
     def write(tmp):
         for name, obj in [("config.json", cfg), ("tokenizer_config.json", tok_cfg), ("generation_config.json", gen)]:
-            with open(os.path.join(tmp, name), "w") as f:
-                json.dump(obj, f, indent=2, ensure_ascii=False)
+            Path(tmp, name).write_text(json.dumps(obj, indent=2, ensure_ascii=False))
         tok.save(os.path.join(tmp, "tokenizer.json"))
         save_file(weights, os.path.join(tmp, "model.safetensors"), {"format": "pt"})
 

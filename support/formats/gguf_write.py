@@ -2,31 +2,26 @@
 llama.cpp's RoPE row order and the byte-level BPE tokenizer are explained where a GGUF is read,
 support/formats/gguf_read.py; the Ollama Modelfile written beside the file is support/formats/modelfile.py.
 
-`export_gguf` (and `python convert.py to-gguf MERGED_DIR OUT.gguf --type q8_0`) writes a merged model: 16- or 32-bit
-safetensors, no LoRA or NF4 entries left. llama.cpp checks a file strictly, so the writer follows what its loader
-reads. `general.architecture` picks the compute graph: "llama" (Llama and Mistral), "qwen2" or "qwen3". Then, under
-that prefix, context_length, embedding_length, feed_forward_length, block_count, attention.head_count(_kv),
-attention.layer_norm_rms_epsilon, rope.freq_base and rope.dimension_count size it, and attention.key_length /
-value_length give the head size when it is not hidden / heads. Each key has a fixed type (u32 counts, f32 floats;
-a wrong one fails the load), which gguf.GGUFWriter's add_* methods get right. The tensor set must be exactly what the
-architecture consumes: an extra tensor (a tied lm_head copy, `rotary_emb.inv_freq`) fails the load too. Qwen2 adds
-q/k/v biases, Qwen3 per-head q/k RMSNorm weights; a sliding window has no key in these architectures and is dropped
-(llama.cpp attends over the whole context, as its own converter leaves it).
+`export_gguf` (convert.py's to-gguf) writes a merged model: 16- or 32-bit safetensors, no LoRA or NF4 entries left.
+llama.cpp checks a file strictly, so the writer follows what its loader reads. `general.architecture` picks the compute
+graph: "llama" (Llama and Mistral), "qwen2" or "qwen3"; the hyper-parameters under that prefix size it
+(_write_hparams). Each key has a fixed type (u32 counts, f32 floats; a wrong one fails the load), which
+gguf.GGUFWriter's add_* methods get right. The tensor set must be exactly what the architecture consumes: an extra
+tensor (a tied lm_head copy, `rotary_emb.inv_freq`) fails the load too. Qwen2 adds q/k/v biases, Qwen3 per-head q/k
+RMSNorm weights; a sliding window has no key in these architectures and is dropped (llama.cpp attends over the whole
+context, as its own converter leaves it).
 
 "linear" RoPE scaling is two keys, the type and the factor. llama3 scaling has no keys: llama.cpp divides each
 rotation frequency by one entry of a `rope_freqs.weight` tensor (head_dim / 2 values), which we compute as the
 unscaled over the scaled frequencies of model.rope_inv_freq. Four numbers of config.json become a curve that does
 not give them back, so reading such a file is refused.
 
-Q/K rows go through the inverse of the un-permutation in support/formats/gguf_read.py: view HF rows as (heads, 2, d/2,
-in) and swap to (heads, d/2, 2, in) (biases the same way), for the llama architecture only.
-
 Weights take the requested type, token embedding and output head included; 1-D tensors (norms, biases, rope_freqs) stay
 F32 as llama.cpp expects. F16 and BF16 round each weight to the nearest representable value (relative error at most
-2^-11 and 2^-8). Q8_0 (see support/formats/gguf_read.py) computes per block d = max|x| / 127 in fp32, q = round(x / d)
-and stores d rounded to fp16, so |x - q * fp16(d)| <= d / 2 + 127 * |fp16(d) - d|: half a step, plus the scale's own
-rounding times the largest code. A row (the `in` dimension) must hold whole blocks, a multiple of 32. Tensors are read,
-converted and written one at a time (the GGUF header only needs their shapes), so only one is in memory at once.
+2^-11 and 2^-8). Q8_0 computes per block d = max|x| / 127 in fp32, q = round(x / d) and stores d rounded to fp16,
+so |x - q * fp16(d)| <= d / 2 + 127 * |fp16(d) - d|: half a step, plus the scale's own rounding times the largest code.
+A row (the `in` dimension) must hold whole blocks, a multiple of 32. Tensors are read, converted and written one at a
+time (the GGUF header only needs their shapes), so only one is in memory at once.
 
 The tokenizer goes in as the reader expects it back: tokens by id, holes below vocab_size filled with unique `[PAD<id>]`
 strings typed UNUSED (llama.cpp wants one token per id, all distinct), token types, "a b" merges, the special ids,
@@ -41,7 +36,6 @@ import dataclasses
 import functools
 import json
 import os
-from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -49,17 +43,17 @@ import torch
 
 from model import Llama, rope_inv_freq
 from support.data import tokenizer
-from support.formats import atomic, hf
+from support.formats import atomic, gguf_read, hf
 from support.formats.gguf_read import CONTROL, LAYER_NAMES, NORMAL, PRE_TOKENIZERS, TOP_NAMES, UNUSED, USER_DEFINED
 from support.formats.modelfile import write_modelfile
 
 GGUF_NAMES = {v: k for k, v in (LAYER_NAMES | TOP_NAMES).items()}  # Hugging Face module path -> GGUF name
-# config.json model_type -> (GGUF architecture, whether W_q/W_k rows are permuted for llama.cpp's adjacent-pair RoPE)
+# config.json model_type -> GGUF architecture; only llama's W_q/W_k rows are permuted (gguf_read.rope_rows)
 GGUF_ARCHS = {
-    "llama": ("llama", True),
-    "mistral": ("llama", True),
-    "qwen2": ("qwen2", False),
-    "qwen3": ("qwen3", False),
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
 }
 # --type -> (ggml tensor type of the weight matrices, general.file_type), names in gguf's enums
 FILE_TYPES = {"f32": ("F32", "ALL_F32"), "f16": ("F16", "MOSTLY_F16"), "bf16": ("BF16", "MOSTLY_BF16")}
@@ -67,16 +61,6 @@ FILE_TYPES["q8_0"] = ("Q8_0", "MOSTLY_Q8_0")
 
 
 # ----------------------------------------------------------------------------- the model
-class Planned(NamedTuple):
-    """One tensor of the file: what the header says about it, and how to make its bytes when their turn comes."""
-
-    name: str  # GGUF name
-    shape: tuple  # numpy shape as stored: (out, in) for F32/F16, (out, bytes per row) for BF16/Q8_0
-    dtype: type  # numpy dtype as stored
-    ggml_type: str | None  # gguf.GGMLQuantizationType name for byte-stored types, None for F32/F16 (implied)
-    make: Callable[[], np.ndarray]
-
-
 def _merged_model(model_dir):
     """(LlamaConfig, Checkpoint) of a merged model directory, or a one-line error that says what it is instead."""
     if not os.path.isdir(model_dir):
@@ -98,18 +82,18 @@ def _merged_model(model_dir):
 
 
 def _gguf_arch(cfg, path):
-    """(GGUF architecture, permute q/k?) for a config, or a one-line error for what llama.cpp cannot run."""
+    """The GGUF architecture for a config, or a one-line error for what llama.cpp cannot run."""
     kind = getattr(cfg, "model_type", "llama")
     if kind not in GGUF_ARCHS:
         raise ValueError(f"{path}: model_type {kind!r} cannot be written to GGUF (expected {', '.join(GGUF_ARCHS)})")
-    arch, permute = GGUF_ARCHS[kind]
+    arch = GGUF_ARCHS[kind]
     if (cfg.rope_scaling or {}).get("rope_type") == "llama3" and arch != "llama":
         raise ValueError(f"{path}: llama3 rope_scaling is only read by llama.cpp's llama architecture, not {arch}")
     if arch != "llama" and getattr(cfg, "o_bias", False):
         raise ValueError(f"{path}: attention_bias puts a bias on o_proj, which llama.cpp's {arch} does not load")
     if arch == "qwen2" and cfg.num_attention_heads * cfg.head_dim != cfg.hidden_size:
         raise ValueError(f"{path}: llama.cpp's qwen2 needs head_dim x num_attention_heads == hidden_size")
-    return arch, permute
+    return arch
 
 
 def _gguf_name(name):
@@ -121,38 +105,23 @@ def _gguf_name(name):
     return f"{GGUF_NAMES[module]}.{leaf}"
 
 
-def _permute(w, n_head):
-    """The inverse of gguf_read._unpermute: Hugging Face's rotate-half rows into llama.cpp's adjacent rotation pairs."""
-    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
-
-
-def _encode(t, ggml_type):
-    """A float tensor as the numpy array GGUF stores for `ggml_type`, converted a slab of rows at a time."""
+def _encode(ckpt, name, shape, n_head, ggml_type):
+    """Tensor `name` (its q/k rows permuted when n_head is given) as the numpy array GGUF stores for `ggml_type`,
+    converted a slab of rows at a time."""
     import gguf
 
-    qtype = gguf.GGMLQuantizationType[ggml_type]
-    if t.ndim == 1 or qtype == gguf.GGMLQuantizationType.F32:
+    t = ckpt.get(name, shape)
+    t = gguf_read.rope_rows(t, n_head, to_gguf=True) if n_head else t
+    if ggml_type == "F32":  # every 1-D tensor too
         return t.float().numpy()
     rows = max(1, (1 << 22) // t.shape[1])  # ~16 MB of fp32 per slab: quantize's temporaries stay small
+    qtype = gguf.GGMLQuantizationType[ggml_type]
     return np.concatenate([gguf.quants.quantize(s.float().numpy(), qtype) for s in t.split(rows)])
 
 
-def _load(ckpt, name, shape, heads, ggml_type):
-    t = ckpt.get(name, shape)
-    return _encode(_permute(t, heads) if heads else t, ggml_type)
-
-
-def _planned(name, shape, ggml_type, make):
-    import gguf
-
-    if ggml_type in ("F32", "F16"):
-        return Planned(name, tuple(shape), np.float32 if ggml_type == "F32" else np.float16, None, make)
-    qtype = gguf.GGMLQuantizationType[ggml_type]
-    return Planned(name, tuple(gguf.quants.quant_shape_to_byte_shape(shape, qtype)), np.uint8, ggml_type, make)
-
-
-def _plan(cfg, ckpt, permute, file_type):
-    """Every tensor of the file in order, checked against the checkpoint before a byte is written."""
+def _plan(cfg, ckpt, arch, file_type):
+    """Every tensor of the file in order, checked against the checkpoint before a byte is written: (GGUF name, shape,
+    gguf.GGMLQuantizationType name, a function that makes the bytes when their turn comes)."""
     with torch.device("meta"):
         model = Llama(cfg)
     known = {n for n, _ in model.named_parameters(remove_duplicate=False)}  # a tied lm_head may be stored or not
@@ -163,19 +132,18 @@ def _plan(cfg, ckpt, permute, file_type):
             f"{ckpt.where(extra[0])}: tensor {extra[0]} is not a weight of a merged {kind} model ({len(extra)} such; "
             "LoRA or NF4 entries must be merged away first)"
         )
-    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads} if permute else {}
+    heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads} if arch == "llama" else {}
     plan, weight_type = [], FILE_TYPES[file_type][0]
     for name, p in model.named_parameters():  # tied: lm_head is embed_tokens, listed once
         if name not in ckpt:
             raise ValueError(f"{ckpt.path}: tensor {name} is missing (expected every weight of a merged model)")
         ggml_type = "F32" if p.ndim == 1 else weight_type
         _check_rows(ckpt.where(name), name, p.shape, ggml_type)
-        n_head = heads.get(name.split(".")[-2])
-        make = functools.partial(_load, ckpt, name, p.shape, n_head, ggml_type)
-        plan.append(_planned(_gguf_name(name), p.shape, ggml_type, make))
+        make = functools.partial(_encode, ckpt, name, p.shape, heads.get(name.split(".")[-2]), ggml_type)
+        plan.append((_gguf_name(name), tuple(p.shape), ggml_type, make))
     if (cfg.rope_scaling or {}).get("rope_type") == "llama3":
         scaled, plain = rope_inv_freq(cfg), rope_inv_freq(dataclasses.replace(cfg, rope_scaling=None))
-        plan.insert(1, _planned("rope_freqs.weight", scaled.shape, "F32", lambda: (plain / scaled).numpy()))
+        plan.insert(1, ("rope_freqs.weight", tuple(scaled.shape), "F32", lambda: (plain / scaled).numpy()))
     return plan
 
 
@@ -307,11 +275,9 @@ def _write_vocab(w, vocab):
     w.add_token_list(vocab.tokens)
     w.add_token_types(vocab.types)
     w.add_token_merges(vocab.merges)
-    adders = {"bos": w.add_bos_token_id, "eos": w.add_eos_token_id, "unk": w.add_unk_token_id}
-    adders["pad"] = w.add_pad_token_id
-    for key, add in adders.items():
-        if vocab.ids[key] is not None:
-            add(vocab.ids[key])
+    for key, token_id in vocab.ids.items():  # bos, eos, unk, pad
+        if token_id is not None:
+            getattr(w, f"add_{key}_token_id")(token_id)
     w.add_add_bos_token(vocab.add_bos)  # always written: some pre-tokenizer names imply a default otherwise
     w.add_add_eos_token(vocab.add_eos)
     if vocab.tok.chat_template:
@@ -326,15 +292,16 @@ def _write_gguf(path, arch, cfg, vocab, plan, file_type, name):
     try:
         _write_hparams(w, cfg, file_type, name)
         _write_vocab(w, vocab)
-        for t in plan:
-            nbytes = int(np.prod(t.shape)) * np.dtype(t.dtype).itemsize
-            raw = gguf.GGMLQuantizationType[t.ggml_type] if t.ggml_type else None
-            w.add_tensor_info(t.name, t.shape, np.dtype(t.dtype), nbytes, raw)
+        for tensor_name, shape, ggml_type, _ in plan:
+            qtype = gguf.GGMLQuantizationType[ggml_type]
+            block, size = gguf.GGML_QUANT_SIZES[qtype]
+            # the shape in values, not bytes: gguf reads it as a byte shape only for a uint8 tensor_dtype
+            w.add_tensor_info(tensor_name, shape, np.float32, int(np.prod(shape)) // block * size, qtype)
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        for t in plan:
-            w.write_tensor_data(t.make())
+        for *_, make in plan:
+            w.write_tensor_data(make())
     finally:
         w.close()
 
@@ -367,11 +334,11 @@ def export_gguf(model_dir, out_path, file_type="q8_0", modelfile=True):
     if file_type not in FILE_TYPES:
         raise ValueError(f"GGUF file type {file_type!r} is not one of {', '.join(FILE_TYPES)}")
     cfg, ckpt = _merged_model(model_dir)
-    arch, permute = _gguf_arch(cfg, cfg_file := os.path.join(model_dir, "config.json"))
+    arch = _gguf_arch(cfg, cfg_file := os.path.join(model_dir, "config.json"))
     vocab = _vocab(model_dir, cfg)
     if getattr(cfg, "sliding_layers", None) and cfg.sliding_window < cfg.max_position_embeddings:
         print(f"{cfg_file}: sliding_window {cfg.sliding_window} is not kept: llama.cpp's {arch} attends to all tokens")
-    plan = _plan(cfg, ckpt, permute, file_type)
+    plan = _plan(cfg, ckpt, arch, file_type)
     parent = os.path.dirname(os.path.abspath(out_path))
     os.makedirs(parent, exist_ok=True)
     name = os.path.basename(os.path.abspath(model_dir))

@@ -1,26 +1,19 @@
-"""Hugging Face formats: checkpoints and adapters read, adapters and merged models written, each file whole.
+"""How are Hugging Face checkpoints and PEFT adapters read, and adapters and merged models written?
 
 A Hugging Face model directory
 ------------------------------
 config.json holds the hyper-parameters and the family (model_type); read_config reads it into model.LlamaConfig and
-config_json writes it back. Qwen2/2.5, Qwen3 and Mistral are the Llama of model.py with a switch or two: Qwen2 puts
-biases on q/k/v (o_proj has none); Qwen3 normalises each head of q and k and sets its head size explicitly; Mistral
-(v0.1) and Qwen with use_sliding_window attend within a sliding window, in every layer (Mistral) or in the layers from
-max_window_layers on (Qwen); Llama's attention_bias puts biases on all four projections. Families that need more than
-switches (Gemma's scaled embeddings, Phi's fused projections, mixtures of experts) are refused with what they would
-need. RoPE comes in transformers 5's rope_parameters or the classic top-level rope_theta + rope_scaling; both are read,
-the classic form is written, as every transformers reads it. The stored dtype is under "dtype" (transformers 5) and
-"torch_dtype" (older readers): both are written, either read.
+config_json writes it back. Qwen2/2.5, Qwen3 and Mistral are the Llama of model.py with the switches its docstring
+lists; from_hf and _windows read them as transformers does. Families that need more than switches (Gemma's scaled
+embeddings, Phi's fused projections, mixtures of experts) are refused with what they would need. RoPE comes in
+transformers 5's rope_parameters or the classic top-level rope_theta + rope_scaling; both are read, the classic form is
+written, as every transformers reads it. The stored dtype is under "dtype" (transformers 5) and "torch_dtype" (older
+readers): both are written, either read.
 
 The weights are safetensors files (https://huggingface.co/docs/safetensors): an 8-byte header length, a JSON header
 naming each tensor's dtype, shape and byte range, then the raw little-endian bytes, so one tensor can be read without
 touching the rest. Large models are sharded: model.safetensors.index.json maps each tensor name to its shard file.
 Tensor names are the module paths of model.Llama ("model.layers.0.self_attn.q_proj.weight"), so nothing is renamed.
-
-train.load_model builds a model from these files without ever holding the whole 16-bit model in memory: the Llama on
-the meta device (shapes only), quant.quantize_ reading and quantizing one 16-bit weight at a time through
-open_checkpoint's `weights` (each NF4 linear handed the dequantize op support/kernels/nf4_ops.py chooses
-for the device), load_weights_ filling what is left (embeddings, norms, lm_head), then the adapters.
 
 bnb-4bit
 --------
@@ -29,7 +22,7 @@ The format transformers + bitsandbytes use for pre-quantized checkpoints. A quan
 `name.weight.quant_map` (16 floats) and `name.weight.nested_quant_map` (256 floats), and
 `name.weight.quant_state.bitsandbytes__nf4`: the UTF-8 bytes of a JSON object with quant_type, blocksize, dtype (the
 dtype dequantization produces), shape, nested_blocksize, nested_dtype and nested_offset. config.json carries a
-`quantization_config`. These are exactly quant.NF4Weight's buffers, so loading one skips the quantization work.
+`quantization_config`. These are quant.NF4Weight's buffers (quant.py).
 
 PEFT adapters
 -------------
@@ -37,8 +30,7 @@ What transformers + PEFT load (and what vLLM's loader reads, though it has not r
 adapter_config.json (peft_type "LORA", task_type "CAUSAL_LM", r, lora_alpha, lora_dropout, use_rslora,
 target_modules, bias "none", ...) and adapter_model.safetensors holding `base_model.model.<module>.lora_A.weight`
 (r, in) and `base_model.model.<module>.lora_B.weight` (out, r), e.g. <module> = model.layers.0.self_attn.q_proj. PEFT
-itself may keep its adapter name in the key (`lora_A.default.weight`); both spellings load. `adapter_settings` reads the
-add_lora_ keywords from the config, and `load_adapter_` the tensors into the adapters added with them.
+itself may keep its adapter name in the key (`lora_A.default.weight`); both spellings load.
 
 Every file is written whole by support/formats/atomic.py.
 """
@@ -71,7 +63,6 @@ UNSUPPORTED = (
 NF4_STATE = ".quant_state.bitsandbytes__nf4"
 
 
-# ----------------------------------------------------------------------------- config.json
 # ----------------------------------------------------------------------------- reading checkpoints
 class Checkpoint:
     """Lazy reader of model.safetensors or of shards listed in model.safetensors.index.json."""
@@ -145,7 +136,7 @@ def open_checkpoint(path, model):
 
 def load_weights_(model, ckpt, dtype=None, device=None, within=""):
     """Fill every parameter still on the meta device from `ckpt`, one tensor at a time, then tie lm_head. within: fill
-    only the modules under this name ("model.layers.3."), for a model loaded block by block (support/run/fsdp.py)."""
+    only the modules under this name ("model.layers.3."), for a model loaded block by block (support/run/ranks.py)."""
     tied = model.config.tie_word_embeddings
     for mod_name, module in model.named_modules():
         for p_name, p in list(module.named_parameters(recurse=False)):
@@ -270,8 +261,9 @@ def save_adapter(model, out_dir, base_model_name_or_path=None, weights=None):
     write_json(os.path.join(out_dir, "adapter_config.json"), config)
 
 
-def _read_adapter(cfg_path, path):
-    """(adapter_config dict, {"<module>.lora_A.weight": tensor, ...}) of a PEFT adapter's two files, checked."""
+def _read_adapter(adapter_dir):
+    """(its two files' paths, adapter_config, {"<module>.lora_A.weight": tensor, ...}) of a PEFT adapter, checked."""
+    cfg_path, path = (os.path.join(adapter_dir, f) for f in ("adapter_config.json", "adapter_model.safetensors"))
     for p in (cfg_path, path):
         if not os.path.isfile(p):
             raise FileNotFoundError(f"{p} not found (a PEFT adapter directory holds it)")
@@ -287,20 +279,14 @@ def _read_adapter(cfg_path, path):
         if match is None:
             raise ValueError(f"{path}: tensor {key} is not a LoRA A/B weight of a linear layer")
         state[f"{match[1]}.{match[2]}.weight"] = t
-    return cfg, state
-
-
-def adapter_files(adapter_dir):
-    """The paths of a PEFT adapter's two files: adapter_config.json and adapter_model.safetensors."""
-    return tuple(os.path.join(adapter_dir, f) for f in ("adapter_config.json", "adapter_model.safetensors"))
+    return cfg_path, path, cfg, state
 
 
 def adapter_settings(adapter_dir, model) -> dict:
     """lora.add_lora_'s keywords (targets, r, alpha, dropout, use_rslora) for the PEFT adapter in `adapter_dir`, its
     targets checked against `model`'s linears: the first mistake in one line naming the file. target_modules absent,
     or a regex: the modules the tensors name."""
-    cfg_path, path = adapter_files(adapter_dir)
-    cfg, state = _read_adapter(cfg_path, path)
+    cfg_path, _, cfg, state = _read_adapter(adapter_dir)
     targets = cfg.get("target_modules")
     if targets is None or (isinstance(targets, str) and targets != "all-linear"):
         targets = sorted({k.rsplit(".lora_", 1)[0] for k in state})
@@ -317,8 +303,7 @@ def load_adapter_(model, adapter_dir):
     """A PEFT-format adapter's tensors (ours or PEFT's own) into `model`'s LoRA modules, which must match the file's
     r, scaling, modules and shapes (add them first: lora.add_lora_(model, **adapter_settings(...))); returns the
     adapter_config as a dict."""
-    cfg_path, path = adapter_files(adapter_dir)
-    cfg, state = _read_adapter(cfg_path, path)
+    cfg_path, path, cfg, state = _read_adapter(adapter_dir)
     r, alpha, use_rslora = cfg.get("r", 8), cfg.get("lora_alpha", 8), cfg.get("use_rslora", False)
     mods = lora.lora_modules(model)
     if not mods:
@@ -380,6 +365,7 @@ def export_merged(model, out_dir, tokenizer_dir=None, shard_size=5 * 10**9):
             atomic_write(os.path.join(out_dir, f), lambda t, f=f: shutil.copyfile(os.path.join(tokenizer_dir, f), t))
 
 
+# ----------------------------------------------------------------------------- config.json
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 PLAIN_KEYS = ("rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id")
 ROPE_KEYS = {"default": (), "linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
@@ -430,8 +416,8 @@ def from_hf(d, path="config.json") -> LlamaConfig:
 
 
 def to_hf(config: LlamaConfig) -> dict:
-    """A config.json dict in the classic form (top-level rope_theta + rope_scaling) every transformers reads, as
-    the family's own config class spells it. Only Hugging Face keys are written, whatever else a fork stores."""
+    """A config.json dict in the classic form (the file docstring), as the family's own config class spells it:
+    Hugging Face keys only, whatever else a fork stores."""
     keys = [*REQUIRED_KEYS, "num_key_value_heads", "head_dim", "rope_theta", *PLAIN_KEYS]
     kind, layers = config.model_type, config.num_hidden_layers
     d = {"architectures": [FAMILIES[kind]], "model_type": kind, "hidden_act": "silu"}

@@ -54,9 +54,8 @@ def model_dir(spec, only_config=False) -> str:
 
 
 def weight_files(path) -> list[str]:
-    """The weight files support/formats/hf.py's Checkpoint reads from a snapshot holding (or not) a shard index: the
-    shards the index names, else model.safetensors. An index without a weight_map names none (Checkpoint then says
-    so)."""
+    """The weight files of a snapshot that the file docstring names; an index without a weight_map names none
+    (hf.Checkpoint then says so)."""
     if not os.path.isfile(index := os.path.join(path, SHARD_INDEX)):
         return ["model.safetensors"]
     contents = read_json(index)
@@ -80,10 +79,9 @@ def data_files(spec) -> list[str]:
         rel = sorted(os.path.relpath(f, path) for f in found if os.path.isfile(f))  # ones fetched; ours match
         rel = [f for f in rel if any(fnmatch.fnmatch(f, p) for p in patterns)]
         rel = [f for f in rel if TRAIN_WORD.search(f)] if patterns is TRAIN_FILES else rel  # not "unconstrained"
-        files = [os.path.join(path, f) for f in rel]
-        if files:
-            print(f"data: {spec} from the Hugging Face cache ({', '.join(os.path.relpath(f, path) for f in files)})")
-            return files
+        if rel:
+            print(f"data: {spec} from the Hugging Face cache ({', '.join(rel)})")
+            return [os.path.join(path, f) for f in rel]
     raise FileNotFoundError(f"data: {spec} holds no such file" if inside else f"data: {spec} holds no data file")
 
 

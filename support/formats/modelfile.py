@@ -27,6 +27,7 @@ from support.formats import atomic
 MARKS = {k: f"MARK{k}q7" for k in ("S", "U1", "A1", "U2", "A2", "BOS")}
 # Ordinary contents (whitespace at the ends, a newline, quotes) that the derived template must reproduce.
 CHECK_TEXTS = ("  Be brief.\n", 'Say "hi"\n\nplease ', " Hi! ", "  x = 1\n", "ok")
+GO_ESCAPES = {'"': '\\"', "\\": "\\\\", "\n": "\\n", "\t": "\\t", "\r": "\\r"}  # in a Go string literal
 
 
 def modelfile_path(gguf_path):
@@ -105,8 +106,8 @@ def _derive(tok):
 
 
 def render_turns(turns, messages):
-    """What the TEMPLATE of `turns` renders for `messages`: Ollama adds the SYSTEM default as the first message when
-    there is no system message, and prompts for a reply unless the last message is the assistant's."""
+    """What the TEMPLATE of `turns` renders for `messages`, SYSTEM included as Ollama adds it, prompting for a reply
+    unless the last message is the assistant's."""
     if turns.system is not None and all(m["role"] != "system" for m in messages):
         messages = [_msg("system", turns.system), *messages]
     out = turns.prefix
@@ -152,13 +153,11 @@ def chat_turns(tok):
 
 
 def _go(s):
-    """A Go template action printing `s`; pure ASCII, since Ollama's parser drops unprintable characters."""
+    """A Go template action printing `s`, in pure ASCII (the file docstring says why)."""
     out = []
     for ch in s:
-        if ch in '"\\':
-            out.append("\\" + ch)
-        elif ch in "\n\t\r":
-            out.append({"\n": "\\n", "\t": "\\t", "\r": "\\r"}[ch])
+        if ch in GO_ESCAPES:
+            out.append(GO_ESCAPES[ch])
         elif " " <= ch <= "~":
             out.append(ch)
         else:
@@ -186,7 +185,7 @@ def go_template(turns):
 
 
 def _stops(vocab, turns):
-    """Special tokens that close an assistant turn or open the next user turn, then eos: where Ollama stops."""
+    """The stop tokens the file docstring names, in the order they appear, then eos."""
     text = turns.suf["assistant"] + turns.pre["user"] if turns else ""
     found = [t for _, t in sorted((text.find(t), t) for t in vocab.specials if t in text)]
     eos = vocab.ids["eos"]
