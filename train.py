@@ -1,6 +1,6 @@
 """train.py: the plain QLoRA fine-tuning loop, end to end.
 
-    python train.py                                  # the default: SmolLM2-135M on stdlib docstrings, minutes on CPU
+    python train.py                                  # the default: SmolLM2-135M on stdlib code, minutes on CPU
     python train.py configs/magicoder.py --lr=1e-4   # a config file plus --key=value overrides
     python train.py configs/tiny.py --resume         # continue step-exactly from out_dir/checkpoint.pt
     python train.py configs/qwen.py --preview        # the first examples as the model will see them, then stop
@@ -11,9 +11,9 @@ Read top to bottom, in the order a run happens:
 1. Config. Every setting is a field below, declared once: its default, what it allows, whether --resume must match.
 2. Data (pack.py). Examples are chat-formatted and tokenized with their loss masks, then packed best-fit-decreasing
    into rows of `context_length` tokens whose position_ids restart at every document.
-3. Model (model.py, quant.py, lora.py). The Llama is built on the meta device, its block linears are quantized to NF4
-   one 16-bit weight at a time as they are read from the checkpoint, and the chosen linears get trainable low-rank
-   adapters in fp32. Only the adapters require grad.
+3. Model (model.py, quant.py, lora.py). The Llama is built on the meta device, its block linears quantized to NF4 one
+   16-bit weight at a time as the checkpoint is read; the chosen linears get fp32 low-rank adapters, the only
+   parameters that require grad.
 4. Optimizer. AdamW over the adapters (fused on CUDA, foreach on CPU, or bitsandbytes' 8-bit), linear warmup then
    cosine decay.
 5. The step. One optimizer step sees `batch_tokens` tokens, split into micro-batches and, under torchrun, across
@@ -25,9 +25,8 @@ Read top to bottom, in the order a run happens:
 6. The loop, with its once-in-a-while blocks: evaluate (validation loss, adapter health), log, save a checkpoint; at
    the end the PEFT-format adapter, a loss plot, a sample before and after, and on request a merged export and a GGUF.
 
-Everything a step does not need to be understood lives in support/, one question per file, one line each from here:
-config files and checks, out_dir claims, checkpoints, stops (Ctrl-C, NaN), memory and FLOP accounting, progress,
-outputs. docs/ says what can go wrong and how the whole is proven correct.
+What a step does not need to be understood lives in support/, one question per file, called by one line each
+(docs/internals.md lists them); docs/ says what can go wrong and how the whole is proven correct.
 """
 
 import functools
@@ -71,8 +70,8 @@ from support.run.config import (
 @dataclass
 class Config:
     # --- model and data ---
-    model: str = setting("", resume=True)  # HF-format dir or Hub id ("meta-llama/Llama-3.1-8B"); "" = SmolLM2-135M
-    data: str = setting("", resume=True)  # JSONL / JSON / Parquet file or Hub dataset id; "" = stdlib docstring -> code
+    model: str = setting("", resume=True)  # HF model dir or Hub id; "" = SmolLM2-135M
+    data: str = setting("", resume=True)  # JSONL, JSON or Parquet file, or Hub dataset id; "" = stdlib code
     data_format: str = setting("auto", ("auto", "magicoder", "alpaca", "pairs", "messages"), resume=True)
     val_data: str = setting("", resume=True)  # separate validation file; "" = hold out val_fraction of `data`
     val_fraction: float = setting(0.02, within(0, 1, "()"), resume=True)  # share held out when val_data is ""
@@ -80,8 +79,8 @@ class Config:
     template: str = setting("", TEMPLATE, resume=True)  # "" = the chat template; else "{instruction}...{response}"
     train_on_prompt: bool = setting(False, resume=True)  # also supervise prompt tokens
     context_length: int | str = setting(256, auto_or_at_least(16), resume=True)  # tokens per row, or "auto" (p95)
-    truncate: bool = setting(True, resume=True)  # truncate examples longer than context_length (False = drop them)
-    skip_bad_rows: bool = setting(False, resume=True)  # skip malformed data rows (and count them) instead of stopping
+    truncate: bool = setting(True, resume=True)  # cut examples longer than context_length (False: drop them)
+    skip_bad_rows: bool = setting(False, resume=True)  # skip (and count) malformed rows instead of stopping
     pack: bool = setting(True, resume=True)  # sample packing; False = one example per row, padded
     pad_to_max: bool = setting(False)  # with pack=False: pad every row to context_length (the naive baseline)
     # --- QLoRA ---
@@ -104,10 +103,10 @@ class Config:
     optimizer: str = setting("adamw", ("adamw", "adamw8bit", "paged_adamw8bit"), resume=True)  # 8-bit: bitsandbytes
     grad_clip: float = setting(1.0, at_least(0, " (0 = off)"))  # max global gradient norm (0 = off)
     precision: str = setting("auto", ("auto", "bf16", "fp16", "fp32"))  # auto: bf16 (fp16 on old GPUs; CPU: faster)
-    tf32: bool = setting(False)  # CUDA rounds fp32 matmul inputs to TF32 (10-bit mantissa, faster); False: fp32 is fp32
-    compile: bool = setting(False)  # torch.compile the blocks' training forward/backward (slow to start; best on CUDA)
+    tf32: bool = setting(False)  # CUDA fp32 matmuls in TF32 (10-bit mantissa, faster); False: fp32 is fp32
+    compile: bool = setting(False)  # torch.compile each block's training forward (slow to start; best on CUDA)
     activation_checkpointing: bool = setting(False)  # recompute each block in backward to save memory
-    offload_checkpoints: bool = setting(False)  # the block inputs checkpointing keeps, in CPU memory (for long rows)
+    offload_checkpoints: bool = setting(False)  # checkpointed block inputs in CPU memory (long rows)
     mlp_tile_tokens: int | str = setting("auto", auto_or_at_least(0))  # a row's tokens per MLP tile; auto: if needed
     chunked_loss: bool = setting(True)  # lm_head + cross-entropy in chunks; False = full-vocabulary fp32 logits
     seed: int = setting(1337, resume=True)  # seeds data order, adapter init and dropout
@@ -118,22 +117,22 @@ class Config:
     out_dir: str = setting("out")  # adapter, checkpoint, metrics.jsonl, loss.png
     resume: bool = setting(False)  # continue from out_dir/checkpoint.pt
     preview: bool = setting(False)  # print the data report and the first examples as tokenized; no training
-    plan: str = setting("")  # print what fits a GPU ("H100", "24GB") for this model and these settings; no training
+    plan: str = setting("")  # print what fits a GPU ("H100", "24GB") with these settings; no training
     overwrite: bool = setting(False)  # replace the run in out_dir (else a chosen out_dir holding one is refused)
     eval_samples: int = setting(1, at_least(0, " (0 = none)"))  # held-out prompts answered at every evaluation
     sample_tokens: int = setting(96, at_least(1))  # max new tokens of each answer
-    eval_task: str = setting("", TASK)  # "humaneval" or a JSONL of problems: greedy pass@1 at evaluations ("" = none)
+    eval_task: str = setting("", TASK)  # "humaneval" or a problems JSONL: greedy pass@1 at evaluations
     eval_task_at: str = setting("evals", ("evals", "ends"))  # at every evaluation, or only the first and the last
     eval_task_problems: int = setting(0, at_least(0, " (0 = all)"))  # only the first N problems of eval_task
     eval_task_unconfined: bool = setting(False)  # run eval_task's code under the Python guards alone (no Landlock)
     log: str = setting("", ("", "tensorboard", "wandb"))  # also send the metrics to TensorBoard or W&B
-    export_merged: bool = setting(False)  # also write a merged Hugging Face model (run's dtype) to out_dir/merged
+    export_merged: bool = setting(False)  # also write the merged model (run's dtype) to out_dir/merged
     export_gguf: str = setting("", GGUF_TYPES)  # also write out_dir/model-<type>.gguf + an Ollama Modelfile
     cache_dir: str = setting("data/cache")  # tokenized-data cache
     device: str = setting("auto", ("auto", "cpu", "cuda"))
     parallel: str = setting("ddp", ("ddp", "fsdp"))  # under torchrun: replicate the model, or shard it (FSDP2)
     cpu_offload: bool = setting(False)  # with fsdp: keep the sharded parameters in CPU memory between uses
-    rank_timeout: float = setting(30.0, above(0))  # minutes a rank waits for the others in one collective (stuck rank)
+    rank_timeout: float = setting(30.0, above(0))  # minutes a rank waits in one collective for a stuck one
 
     def adapters(self) -> dict:
         """The LoRA settings, as lora.add_lora_ and memory.estimate take them."""
@@ -146,7 +145,7 @@ class Config:
 def build_data(cfg: Config, tok, files, max_positions: int, place: ranks.Placement):
     """Examples -> (training, validation) packed datasets, plus the first eval_samples held-out examples that render:
     the prompts every evaluation answers."""
-    train_data, val_data = examples.sources(cfg, files)  # validation held out of data: the same object
+    train_data, val_data = examples.sources(cfg, files)  # held-out validation: the same object
     tokenize = dict(template=cfg.template or None, train_on_prompt=cfg.train_on_prompt, cache_dir=cfg.cache_dir,
                     fmt=cfg.data_format, skip_bad_rows=cfg.skip_bad_rows)  # fmt: skip
     train_stream = pack.tokenized(train_data, tok, **tokenize)
@@ -156,7 +155,7 @@ def build_data(cfg: Config, tok, files, max_positions: int, place: ranks.Placeme
                   max_context=max_positions)  # fmt: skip
     trainset = pack.build_dataset(train_stream, tok, cfg.context_length, kept=train_kept, **common)
     valset = pack.build_dataset(val_stream, tok, trainset.context_length, kept=val_kept, **common)
-    if place.main:  # the packing report; with --preview the first examples as the model sees them, and the checks
+    if place.main:  # the packing report (with --preview the first examples, and the checks)
         preview.report(cfg, trainset, train_data, tok)
     held_out = examples.selected(val_data, valset.kept, cfg.data_format, cfg.skip_bad_rows)  # the files read again
     rendered = (ex for ex in held_out if renders(ex, tok, cfg.template or None))
@@ -168,14 +167,13 @@ def load_model(model_dir: str, dtype=None, device="cpu", quantize=False, add_lor
                shard=None):  # fmt: skip
     """The QLoRA recipe, step by step, never holding the whole 16-bit model in memory. dtype: of the 16-bit weights and
     the compute (default: config.json's, else fp32); add_lora: lora.add_lora_'s keywords for fresh adapters; adapter: a
-    saved PEFT adapter directory instead (support/formats/hf.py reads and writes the files); options: how the training
-    forward runs (model.Options); shard: FSDP's mesh and policy, to shard each block as it is
-    built (support/run/ranks.py)."""
+    saved PEFT adapter directory instead (support/formats/hf.py); options: how the training forward runs
+    (model.Options); shard: FSDP's mesh and policy, to shard each block as it is built (support/run/ranks.py)."""
     device = torch.device(device)
     config, stored = hf.read_config(model_dir)
     dtype = dtype or stored or torch.float32
-    # 1. The Llama on the meta device: shapes, no memory. The kernels for this device are chosen here, once: the
-    #    packed-document attention, NF4's dequantization (on CUDA the fastest with the reference's bits), LoRA dropout.
+    # 1. The Llama on the meta device: shapes, no memory. Its kernels for this device are chosen once, here: the
+    #    packed-document attention, NF4 dequantization (on CUDA the fastest with the reference's bits), LoRA dropout.
     kernels = choice.kernels_for(device, dtype, config)
     with torch.device("meta"):
         model = Llama(config, kernels.attention, options)
@@ -186,7 +184,7 @@ def load_model(model_dir: str, dtype=None, device="cpu", quantize=False, add_lor
     adapted = list(find_linears(model, adapters["targets"])) if adapters else []
     lora_kw = {k: v for k, v in (adapters or {}).items() if k != "targets"} | dict(dropout_op=kernels.dropout)
     model.requires_grad_(False)
-    # 2-4 block by block, then the rest (embeddings, final norm, lm_head): a sharded run holds one part whole at most.
+    # 2-4 block by block, then the rest (embeddings, norm, lm_head): a sharded run holds one part whole at most.
     for prefix, part in [*((f"model.layers.{i}.", block) for i, block in enumerate(model.model.layers)), ("", model)]:
         # 2. Its linears become NF4: each 16-bit weight read, rounded to `dtype` and quantized, one at a time.
         quant.quantize_(model, of_part(nf4, prefix), dtype, device, weights, kernels.dequantize)
@@ -250,9 +248,8 @@ def forward_loss(model, batch, place: ranks.Placement):
 
 
 def train_step(model, opt, scaler, batch, micro_rows, step, cfg: Config, place: ranks.Placement) -> dict:
-    """Optimizer step `step` over `batch` (this rank's rows): forward/backward per micro-batch, the loss normalised by
-    the global supervised-token count, gradients summed over ranks, clipping and the update (never applied when the
-    loss or the gradient is not finite). Returns the step's record."""
+    """Step `step` on this rank's rows: forward/backward per micro-batch, the loss over the global supervised-token
+    count, gradients summed over ranks, clipping, and the update unless loss or gradient is not finite; its record."""
     params = [p for group in opt.param_groups for p in group["params"]]
     rows = len(batch["labels"])
     n_sup = (batch["labels"] != -100).sum().to(place.device, torch.float32)
@@ -261,20 +258,19 @@ def train_step(model, opt, scaler, batch, micro_rows, step, cfg: Config, place: 
     clock, loss_sum = progress.PhaseClock(place.device), torch.zeros((), dtype=torch.float64, device=place.device)
     for i in range(0, rows, micro_rows):
         b = {k: v[i : i + micro_rows] for k, v in batch.items()}
-        first = place.rank * rows + i  # its first row's index in the step's global batch (pack's step_batch)
+        first = place.rank * rows + i  # its first row's index in the step's global batch
         rows_of_b = range(first, first + len(b["labels"]))
-        ranks.sync_gradients(model, i + micro_rows >= rows)  # sharded: gradients reduce-scattered after the last only
+        ranks.sync_gradients(model, i + micro_rows >= rows)  # sharded: reduce-scatter after the last only
         with lora.row_dropout(model, cfg.seed, step, rows_of_b, place.device):  # (seed, step, global row) only
             loss, _ = forward_loss(model, b, place)
             clock.mark("fwd_s")
             scaler.scale(loss / n_sup.clamp(min=1)).backward()
         clock.mark("bwd_s")
         loss_sum += loss.detach().double()
-    if place.world > 1 and not ranks.is_sharded(model):  # a sharded model's gradients are reduce-scattered already
-        # Data parallel by hand rather than torch's DistributedDataParallel: the adapters' gradients are a few MB, so
-        # one all-reduce after the last micro-batch costs little next to a step, and it is the plain sum the global
-        # count asks for, where DDP would average each bucket during backward (to be undone) and needs no_sync for
-        # accumulation. The same sum on any number of ranks is what makes a resumed run equal (tests/test_train.py).
+    if place.world > 1 and not ranks.is_sharded(model):  # sharded: reduce-scattered already
+        # Data parallel by hand, not torch's DDP: the adapters' gradients are a few MB, one all-reduce after the last
+        # micro-batch is cheap, and it is the plain sum the global count asks for (DDP averages each bucket in backward
+        # and needs no_sync to accumulate); the same sum on any number of ranks makes a resumed run equal.
         flat = torch.cat([p.grad.flatten() for p in params])
         dist.all_reduce(flat)  # the sum over ranks: each rank already divided by the global count
         for p, g in zip(params, flat.split([p.numel() for p in params]), strict=True):
@@ -295,8 +291,8 @@ def train_step(model, opt, scaler, batch, micro_rows, step, cfg: Config, place: 
 # ----------------------------------------------------------------------------- evaluation
 @torch.no_grad()
 def evaluate(model, valset, rows: int, micro_rows: int, place: ranks.Placement) -> float:
-    """Mean loss per supervised token over the first `rows` validation rows (0 = all), `micro_rows` rows per forward:
-    the training micro-batch, whose memory the estimate and the probe vouch for."""
+    """Mean loss per supervised token over the first `rows` validation rows (0 = all), `micro_rows` rows per forward
+    (the training micro-batch, which fits)."""
     model.eval()
     total, count = torch.zeros((), dtype=torch.float64), 0
     end = min(rows or len(valset), len(valset))
@@ -358,7 +354,7 @@ def train(cfg: Config) -> list[dict]:
     estimated, peak_flops = progress.describe_step(cfg, place, model, trainset.context_length, rows, micro_rows)
     run = Run(model, opt, scaler, trainset, valset, tok, prompts, problems, rows, micro_rows, estimated, peak_flops)
     run.tracker = progress.open_tracker(cfg) if place.main else None
-    if cfg.resume:  # the step of out_dir's checkpoint, its adapters, optimizer state and loss scale, its metrics
+    if cfg.resume:  # out_dir's checkpoint (adapters, optimizer, loss scale) and metrics
         run.step, run.history = run_dir.resume(cfg, model, opt, scaler)
         run.last_saved = run.step
     else:
@@ -375,16 +371,16 @@ def train(cfg: Config) -> list[dict]:
 
 
 def evaluation_record(cfg: Config, place: ranks.Placement, run: Run) -> dict:
-    """The validation loss, then what the model generates (support/evaluation/humaneval.py: the greedy answers to the
-    held-out prompts and, when due, eval_task's pass@1), to go into the step's record."""
+    """The validation loss, then what the model generates (support/evaluation/humaneval.py: greedy answers to the
+    held-out prompts, eval_task's pass@1 when due), for the step's record."""
     val_loss = evaluate(run.model, run.valset, cfg.eval_rows, run.micro_rows, place)
     record = {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 50))}
     return record | humaneval.generated(cfg, run.model, run.tok, run.prompts, run.problems, place.autocast, run.step)
 
 
 def before_training(cfg: Config, place: ranks.Placement, run: Run):
-    """A fresh run's first records, on rank 0: NF4's quantization error, and the step-0 evaluation (every rank of a
-    sharded model evaluates with it: a sharded model computes only when all ranks do)."""
+    """A fresh run's first records, on rank 0: NF4's quantization error and the step-0 evaluation (every rank of a
+    sharded model evaluates: it computes only when all ranks do)."""
     if place.main and (errors := progress.nf4_error(run.model)):
         run.history.append({"step": 0, "nf4_error": errors})
     if cfg.eval_every and (place.main or ranks.is_sharded(run.model)):
@@ -397,9 +393,8 @@ def before_training(cfg: Config, place: ranks.Placement, run: Run):
 
 
 def loop(cfg: Config, place: ranks.Placement, run: Run):
-    """Optimizer steps from run.step to max_steps. Each turn first does, for the step just taken, what is done once in
-    a while (evaluate, show, save), then takes one step. Ctrl-C stops after the step under way, with a checkpoint of
-    exactly that step; twice, at once."""
+    """Steps from run.step to max_steps. Each turn does what is due once in a while for the step just taken (evaluate,
+    show, save), then takes one step. Ctrl-C stops after the step under way, with its checkpoint; twice, at once."""
     first = run.step
     record = None  # the record of the step just taken
     bar = tqdm(total=cfg.max_steps, initial=run.step, disable=not place.main, dynamic_ncols=True)
@@ -422,7 +417,7 @@ def loop(cfg: Config, place: ranks.Placement, run: Run):
                 break
             # ---------------------------------------------- one optimizer step
             record = optimizer_step(cfg, place, run)
-    if run.last_saved != run.step:  # before the merged export changes the model (a save at this step is not repeated)
+    if run.last_saved != run.step:  # before the merged export changes the model; never twice at a step
         run_dir.save(cfg, run.model, run.opt, run.scaler, run.step, run.history, place.main)
     if run.step < cfg.max_steps:  # Ctrl-C: stopped between two steps, so the checkpoint is exactly that step
         if place.main:
