@@ -66,7 +66,7 @@ def gpu_arguments(sub):
     g.add_argument("--row", type=int, default=0, help="tokens per row (default: 8192; 256 for tiny)")
     g.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {', '.join(SYSTEMS)}")
     g.add_argument("--device", default="auto", help="auto (CUDA when available), cuda, cuda:N or cpu")
-    precision = "auto: bf16 on a GPU, on CPU what it declares (support.run.precision.pick_precision)"
+    precision = "auto: bf16 on a GPU, on CPU what it declares (support.kernels.choice.pick_precision)"
     g.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto", help=precision)
     g.add_argument("--memory", action="store_true", help="QLoRA peak memory at 1, 2, 4 rows, checkpointing off/on")
     g.add_argument("--profile", action="store_true", help="the kernels of one step of ours (torch.profiler)")

@@ -127,14 +127,14 @@ def pack_bfd(lengths, capacity):
 class PackedDataset:
     """Documents laid out in rows of context_length (packed, or one per row with pack=False); see the docstring."""
 
-    def __init__(self, tokens, mask, offsets, context_length, pack=True, truncate=True, pad_to_max=False, seed=0,
-                 pad_id=0, docs=None, supervised=None, packer=pack_bfd):  # fmt: skip
-        """docs: which documents of the stream to use, in order (default all); supervised: each document's
-        supervised targets (default counted from the mask: the token cache keeps them, so that a memory-mapped mask
-        is not read whole); packer: pack_bfd, or the token cache's copy of what it packed before."""
-        C = context_length
+    def __init__(self, stream, context_length, pack=True, truncate=True, pad_to_max=False, seed=0, pad_id=0, docs=None):
+        """stream: {tokens, mask, offsets} (`tokenized`'s; its documents' "supervised" targets and cache "entry" used
+        where there: a memory-mapped mask is not read whole, rows packed before are read back); docs: which documents
+        of the stream to use, in order (default all)."""
+        C, tokens, mask, offsets = context_length, stream["tokens"], stream["mask"], stream["offsets"]
         docs = slice(None) if docs is None else docs
         starts = np.asarray(offsets[:-1])  # (docs,) where each document begins in the token stream
+        supervised = stream.get("supervised")
         supervised = supervised_targets(mask, starts) if supervised is None else supervised
         starts, doc_lens, supervised = starts[docs], np.diff(offsets)[docs], np.array(supervised[docs])  # (docs,)
         lens = np.minimum(doc_lens, C)  # what a row keeps of each: a longer document is truncated to C
@@ -162,9 +162,8 @@ class PackedDataset:
         self.pad_to_max = pad_to_max
         self.seed = seed
         self.pad_id = pad_id
-        self.rows = (
-            (packer or pack_bfd)(self.lens, C) if pack else [[i] for i in range(len(self.lens))]
-        )  # document indices
+        packer = cached_packer(stream.get("entry"), pack_bfd)  # the token cache's rows of these lengths, or pack_bfd
+        self.rows = packer(self.lens, C) if pack else [[i] for i in range(len(self.lens))]  # document indices
         if not self.rows:
             raise ValueError(f"no examples left: all {len(doc_lens)} are longer than context_length {C}")
 
@@ -237,8 +236,6 @@ def build_dataset(data, tokenizer, context_length="auto", *, kept=None, pack=Tru
         context_length = auto_context_length(np.diff(stream["offsets"])[docs], max_context)
     elif not isinstance(context_length, int) or context_length <= 0:
         raise ValueError(f"context_length must be a positive int or 'auto', got {context_length!r}")
-    arrays = [stream[k] for k in ("tokens", "mask", "offsets")]
-    ds = PackedDataset(*arrays, context_length, pack, truncate, pad_to_max, seed, tokenizer.pad_id, docs=docs,
-                       supervised=stream["supervised"], packer=cached_packer(stream["entry"], pack_bfd))  # fmt: skip
+    ds = PackedDataset(stream, context_length, pack, truncate, pad_to_max, seed, tokenizer.pad_id, docs)
     ds.kept = kept
     return ds

@@ -66,7 +66,6 @@ from support.formats.hf import read_config
 from support.kernels.choice import pick_precision
 from support.run import config, progress, ranks, run_dir
 from support.run.config import above, at_least, integer_at_least, setting, within
-from support.run.run_dir import claim_inputs, claim_out_dir, write_outputs
 
 
 @dataclass
@@ -322,10 +321,10 @@ def rl(cfg: RLConfig) -> list[dict]:
     if os.environ.get("WORLD_SIZE", "1") != "1":
         raise ValueError("rl.py runs in one process: start it with python, not torchrun")
     eval_problems = humaneval.task_problems(cfg)  # a bad eval_task file fails here, before anything is written
-    model_dir, _ = claim_inputs(dataclasses.replace(cfg, preview=True))  # a preview claims no out_dir: not yet
+    model_dir, _ = run_dir.claim_inputs(dataclasses.replace(cfg, preview=True))  # a preview claims no out_dir: not yet
     tok = Tokenizer(model_dir)
     found = problem_sets.training_problems(cfg, tok)  # a bad problem file fails here, with nothing written
-    claim_out_dir(cfg)
+    run_dir.claim_out_dir(cfg)
     print(f"{len(found)} problems; {cfg.problems_per_step} x {cfg.group_size} answers a step")
     place = ranks.setup(cfg)
     place.dtype = pick_precision(cfg.precision, place.device, read_config(model_dir)[0])
@@ -333,17 +332,16 @@ def rl(cfg: RLConfig) -> list[dict]:
     opt = train.make_optimizer(cfg, [p for p in model.parameters() if p.requires_grad], place.device)
     scaler = torch.amp.GradScaler("cuda", enabled=place.dtype == torch.float16)
     run = Run(model, opt, scaler, tok, place, found, eval_problems, progress.open_tracker(cfg))
-    if cfg.resume:
-        where = os.path.join(cfg.out_dir, "checkpoint.pt")
-        run.step = run.last_saved = run_dir.load_checkpoint(where, model, opt, scaler, cfg)
-        run.history = run_dir.read_metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), run.step)
+    if cfg.resume:  # out_dir's checkpoint (adapters, optimizer, loss scale) and metrics
+        run.step, run.history = run_dir.resume(cfg, model, opt, scaler)
+        run.last_saved = run.step
     elif cfg.eval_every and (record := humaneval.task_record(cfg, model, tok, eval_problems, place.autocast, 0)):
         run.history.append({"step": 0} | record)  # the policy before training: eval_task's pass@1
         if run.tracker:
             run.tracker.log(run.history[-1])
     loop(cfg, run)
     adapter = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
-    write_outputs(cfg, model, tok, [], run.history, adapter, model_dir, run.tracker)
+    run_dir.write_outputs(cfg, model, tok, [], run.history, adapter, model_dir, run.tracker)
     return run.history
 
 

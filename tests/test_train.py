@@ -111,8 +111,9 @@ def test_a_step_without_dropout_makes_no_keys_and_draws_no_mask(tiny_dir, monkey
     def fail(*args, **kwargs):
         raise AssertionError("the keyed dropout ran")
 
-    for name in ("row_keys", "mix64_", "keyed_dropout"):
+    for name in ("mix64_", "keyed_dropout"):
         monkeypatch.setattr(dropout, name, fail)
+    monkeypatch.setattr("lora.row_keys", fail)  # lora.row_dropout makes the keys
     for p in (0.0, 0.1):
         cfg = train.Config(model=tiny_dir, lora_r=2, lora_alpha=4.0, lora_dropout=p)
         lora = dict(targets="all-linear", r=2, alpha=4.0, dropout=p, lora_dtype=torch.float32)
@@ -301,12 +302,14 @@ def test_resume_refuses_what_it_would_ignore_and_out_dir_sees_any_run(tiny_dir, 
 
 
 def test_data_settings_that_cannot_work_are_one_line(tiny_dir, tmp_path, capsys):
-    """A context longer than the model's positions; a validation share that leaves nothing to train on."""
-    err = one_line_error(args(tiny_dir, tmp_path, "--context_length=9000", "--batch_tokens=9000", "--preview"), capsys)
-    assert err == (
-        "error: context_length: 9000 is beyond the model's max_position_embeddings 8192 (positions it was never "
-        "trained on); lower it or use 'auto'"
-    )
+    """A context longer than the model's positions (refused before any work, a --plan's too); a validation share that
+    leaves nothing to train on."""
+    for stop in ("--preview", "--plan=24GB"):
+        err = one_line_error(args(tiny_dir, tmp_path, "--context_length=9000", "--batch_tokens=9000", stop), capsys)
+        assert err == (
+            "error: context_length: 9000 is beyond the model's max_position_embeddings 8192 (positions it was never "
+            "trained on); lower it or use 'auto'"
+        )
     (data := tmp_path / "d.jsonl").write_text('{"instruction": "a", "response": "b"}\n' * 2)
     err = one_line_error(args(tiny_dir, tmp_path, f"--data={data}", "--val_fraction=0.9", "--preview"), capsys)
     assert err == f"error: val_fraction: 0.9 of the 2 examples in {data} leaves none to train on"
@@ -584,7 +587,7 @@ def test_adapter_health_warns_when_adapters_do_not_train(tiny_dir, tmp_path, mon
 
 @pytest.mark.parametrize("tf32", [None, False, True])
 def test_tf32_only_where_asked(monkeypatch, tf32):
-    """On a GPU (simulated: setup only asks torch.cuda whether there is one and selects it) train.setup leaves fp32
+    """On a GPU (simulated: setup only asks torch.cuda whether there is one and selects it) ranks.setup leaves fp32
     matmuls in full fp32 ("ieee") by default and with --tf32=False, whatever they were before, and lets them round to
     TF32 only with --tf32=True; conftest's autouse fixture restores the switch."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)

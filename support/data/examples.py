@@ -273,19 +273,19 @@ def first(kept, limit):
 
 def sources(cfg, files):
     """(training data, validation data): each the files to read one after the other (files: {"data": paths,
-    "val_data": paths}) or, without data, the stdlib dataset's split as a list. Validation held out of data is data
-    itself, the same object: one tokenized stream serves both splits."""
+    "val_data": paths}) or, without data, the stdlib dataset's split as a list. Validation None: held out of the
+    training data, whose one token stream serves both splits."""
     if not files["data"]:
         return stdlib_examples("train"), stdlib_examples("val")
-    return files["data"], files["val_data"] or files["data"]
+    return files["data"], files["val_data"] or None
 
 
-def split(cfg, stream, val_stream):
+def split(cfg, stream, val_stream=None):
     """The index masks (bool) of the examples each split takes, (training, validation), over the examples each token
-    stream read (pack.tokenized): validation held out of the training stream (the same stream) is val_fraction of its
-    n examples, else every example of its own stream; training takes at most the first max_examples of what is left."""
+    stream read (pack.tokenized): validation is every example of its own stream, or without one (None) val_fraction of
+    the training stream's n examples held out; training takes at most the first max_examples of what is left."""
     n = stream["read"]
-    if val_stream is not stream:
+    if val_stream is not None:
         return first(np.ones(n, dtype=bool), cfg.max_examples), np.ones(val_stream["read"], dtype=bool)
     val = held_out(n, cfg.val_fraction, cfg.seed)
     if val.all() or not val.any():

@@ -16,7 +16,7 @@ tokenizer's batched call on every core. The entry is written as one directory by
 interrupted run never leaves a half entry.
 
 Under torchrun one rank per machine (LOCAL_RANK 0) builds an entry while the machine's other ranks wait for it
-(ranks.local_first), then every rank maps the same files: the kernel keeps one copy of their pages for all of them.
+(local_first), then every rank maps the same files: the kernel keeps one copy of their pages for all of them.
 """
 
 import collections
@@ -34,10 +34,10 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import torch.distributed as dist
 
 from support.data.examples import read_examples
 from support.formats.atomic import atomic_write, read_json, write_json
-from support.run import ranks
 
 CACHE_VERSION = 3  # 3: one streamed directory per dataset with each document's example and supervised targets
 ARRAYS = {"tokens": np.uint32, "mask": np.uint8, "offsets": np.int64, "example": np.int64, "supervised": np.int64}
@@ -219,8 +219,21 @@ def tokenize_cached(
             return _open(entry, again=None)
     entry = os.path.join(cache_dir, _key(data, paths, tokenizer, [template, train_on_prompt, fmt, skip_bad_rows]))
     os.makedirs(cache_dir, exist_ok=True)
-    hit = ranks.local_first(lambda: os.path.isdir(entry) or build(entry))  # True: built before, not by this call
+    hit = local_first(lambda: os.path.isdir(entry) or build(entry))  # True: built before, not by this call
     return _open(entry, again=bool(hit))
+
+
+def local_first(work):
+    """work() on each machine's first rank (LOCAL_RANK 0, as torchrun numbers them) while the machine's other ranks
+    wait, then on those, which find on disk what the first one wrote (the token cache) instead of doing it again.
+    Every rank calls it alike: the wait is a barrier of the process group, bounded by rank_timeout, and a first rank
+    that fails ends the others with its line (support/run/ranks.py: its connection closes, they read the store)."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return work()
+    first = int(os.environ.get("LOCAL_RANK", 0)) == 0
+    done = work() if first else None
+    dist.barrier()
+    return done if first else work()
 
 
 def cached_packer(entry, packer):

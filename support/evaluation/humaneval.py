@@ -17,6 +17,9 @@ How a prompt is put, and where an answer ends:
 Generation is batched (support/evaluation/sampling.generate_batch) over the prompts sorted by length, with the NF4
 weights dequantized once for the whole evaluation on CPU (sampling.dense_weights; on CUDA the NF4 kernel dequantizes
 fast and a dense copy of a large model's weights may not fit beside the run).
+
+During training an evaluation generates both (`generated`): the greedy answers to the held-out prompts of the run's own
+data (sampling.prompt_and_answer) and, when due, eval_task's pass@1.
 """
 
 import gzip

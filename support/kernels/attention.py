@@ -13,8 +13,10 @@ of 5, 3 and 7 tokens give cu_seqlens = [0, 5, 8, 15]) and calls one function, ch
   few lengths (`bucket`): PyTorch's bf16 CPU attention builds and keeps a kernel for every shape it meets, so the
   hundreds of document lengths of a run would keep growing the process. All three take the window. For torch.compile
   the per-document loop becomes one opaque op (a torch.library custom op whose backward recomputes each document's
-  attention), so the compiler sees no data-dependent Python in a block (`compilable`); `compiled` is a block's training
-forward through torch.compile, built once.
+  attention), so the compiler sees no data-dependent Python in a block (`compilable`).
+
+A compiled block (`compiled`) is where that op meets torch.compile: a block's training forward compiled once, for
+every block, with dynamic shapes.
 """
 
 import functools

@@ -1,2 +1,2 @@
-"""What a run needs around its loop: the settings and their checks, out_dir, ranks and FSDP, precision, stops,
-checkpoints, progress, trackers and the files a run leaves."""
+"""What a run needs around its loop: the settings and their checks, the processes that share it (ranks, FSDP), what it
+shows as it goes (progress, trackers), and its out_dir (the claim, checkpoints, early stops, the files it leaves)."""

@@ -139,19 +139,6 @@ def end_process_group():
         dist.destroy_process_group()
 
 
-def local_first(work):
-    """work() on each machine's first rank (LOCAL_RANK 0, as torchrun numbers them) while the machine's other ranks
-    wait, then on those, which find on disk what the first one wrote (the token cache) instead of doing it again.
-    Every rank calls it alike: the wait is a barrier of the process group, bounded by rank_timeout, and a first rank
-    that fails ends the others with its line (one_line_errors: its connection closes, they read the store)."""
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return work()
-    first = int(os.environ.get("LOCAL_RANK", 0)) == 0
-    done = work() if first else None
-    dist.barrier()
-    return done if first else work()
-
-
 def agreed_min(value: int, world: int, device) -> int:
     """The smallest of every rank's `value`."""
     if world == 1:
@@ -207,7 +194,7 @@ def whoami() -> str:
 @contextmanager
 def sigterm_ends_this_rank():
     """SIGTERM outside the training loop (torchrun sends it to every rank once one has failed) ends this rank with
-    one line rather than silently; inside, stops.stop_requests takes it as a request to stop after the step. Yields
+    one line rather than silently; inside, run_dir.stop_requests takes it as a request to stop after the step. Yields
     `ending()`, which ignores SIGTERM from then on: this rank is printing its line and exiting (a rank of many keeps
     ignoring it to the end, or torchrun's SIGTERM would turn its exit code 2 into -15)."""
     main = threading.current_thread() is threading.main_thread()  # only the main thread may set handlers
