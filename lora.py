@@ -7,8 +7,8 @@ low-rank update instead of W itself:
 
 so a 4096x4096 projection trains 2 * 4096 * r numbers instead of 16.7M. A starts Kaiming-uniform (as nn.Linear and
 PEFT do: kaiming_uniform_ with a=sqrt(5)) and B starts at zero, so at step 0 the product B A is exactly zero: the
-adapted model *is* the base model and training starts from its behaviour rather than from noise. B's gradient is then
-non-zero (it sees A x) while A only starts moving once B has. `scale = alpha / r` keeps the update's size roughly
+adapted model *is* the base model and training starts from its behaviour, not from noise. B's gradient is then
+non-zero (it sees A x); A starts moving once B has. `scale = alpha / r` keeps the update's size roughly
 independent of r for a fixed learning rate; rsLoRA (Kalajdzievski 2023, https://arxiv.org/abs/2312.03732) shows that
 this makes large ranks learn no better than small ones and that `alpha / sqrt(r)` is the rank-stable choice. Dropout
 acts on the LoRA branch's input only, with a mask keyed by (seed, step, row) instead of drawn from torch's generator
@@ -58,12 +58,12 @@ class LoRALinear(nn.Linear):
         device, dtype = base.weight.device, lora_dtype or base.weight.dtype
         self.lora_A = nn.Linear(base.in_features, r, bias=False, device=device, dtype=dtype)  # weight (r, in)
         self.lora_B = nn.Linear(r, base.out_features, bias=False, device=device, dtype=dtype)  # weight (out, r)
-        self.lora_dropout = KeyedDropout(dropout, dropout_op) if dropout > 0 else nn.Identity()  # same on any ranks
+        self.lora_dropout = KeyedDropout(dropout, dropout_op) if dropout > 0 else nn.Identity()
         self.r, self.lora_alpha, self.use_rslora = r, alpha, use_rslora
         self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r  # rsLoRA: alpha / sqrt(r)
         self.enabled = True  # False within adapters_off: the base alone
         start_adapter_(self)
-        self.train(base.training)  # an adapter put on a model in eval mode must not start with live dropout
+        self.train(base.training)  # on a model in eval mode, no live dropout
 
     def forward(self, x):  # x (..., in) -> (..., out)
         return adapted(self, x, super().forward(x))
@@ -96,7 +96,7 @@ LORA = (LoRALinear, LoRANF4Linear)
 
 
 def start_adapter_(layer):
-    """A as nn.Linear and PEFT start it (kaiming_uniform_, a = sqrt(5)), B = 0: the adapted model starts as the base."""
+    """A as nn.Linear and PEFT start it (kaiming_uniform_, a = sqrt(5)), B = 0: the adapted model starts as its base."""
     nn.init.kaiming_uniform_(layer.lora_A.weight, a=math.sqrt(5))
     nn.init.zeros_(layer.lora_B.weight)
 
@@ -154,10 +154,9 @@ def frozen_linear(weight, bias):
 
 
 def row_dropout(model, seed, step, rows, device):
-    """A context within which every LoRA dropout of `model` drops, in row i of the micro-batch in flight, what row
-    rows[i] of step `step`'s global batch drops in a run seeded `seed`: the same on any number of ranks and
-    micro-batches (support/kernels/dropout.py derives each mask from the three numbers; its keys made on `device`).
-    lora_dropout 0: no keys are made, no mask drawn."""
+    """A context within which LoRA dropout drops, in row i of the micro-batch in flight, what row rows[i] of step
+    `step`'s global batch drops in a run seeded `seed`, on any number of ranks and micro-batches (the keyed mask of
+    support/kernels/dropout.py, its keys on `device`). lora_dropout 0: no keys, no mask."""
     live = any(isinstance(m, KeyedDropout) for m in model.modules())
     return dropout_rows(model, row_keys(seed, step, rows, device) if live else None)
 

@@ -11,8 +11,7 @@ x (B, T, hidden); each of the L blocks adds an attention and an MLP branch to th
 and a final RMSNorm and the lm_head (hidden -> vocab, possibly sharing the embedding matrix) give the logits.
 
 RMSNorm (https://arxiv.org/abs/1910.07467) rescales each vector by its root mean square, without centring it:
-y = w * x / sqrt(mean(x^2) + eps). The statistic is taken in fp32 and the result is cast back before the weight is
-applied, so bf16 models normalise exactly like the reference implementation.
+y = w * x / sqrt(mean(x^2) + eps), the statistic in fp32 and cast back before the weight, as the reference does.
 
 RoPE (Su et al., https://arxiv.org/abs/2104.09864) encodes position by rotating query and key vectors. Channel pairs
 (i, i + D/2) of a head of size D rotate by the angle p * f_i at position p, with f_i = theta^(-2i/D). The dot product
@@ -23,9 +22,9 @@ wavelengths), leaves the high ones alone and blends the band in between. cos/sin
 packed row whose positions restart at 0 for every document gets the right angles.
 
 Attention uses grouped queries (GQA, https://arxiv.org/abs/2305.13245): H query heads share Hkv <= H key/value heads,
-each key/value head serving H / Hkv query heads, which shrinks the KV cache by that ratio. The head size D may differ
-from hidden / H. softmax(q k^T / sqrt(D)) v is computed with a causal mask. The MLP is SwiGLU (Shazeer,
-https://arxiv.org/abs/2002.05202): down(silu(gate(x)) * up(x)), hidden -> inter -> hidden.
+which shrinks the KV cache H / Hkv times. The head size D may differ from hidden / H. softmax(q k^T / sqrt(D)) v is
+computed with a causal mask. The MLP is SwiGLU (Shazeer, https://arxiv.org/abs/2002.05202): down(silu(gate(x)) * up(x)),
+hidden -> inter -> hidden.
 
 Qwen2/2.5, Qwen3 and Mistral are this Llama with a switch or two (LlamaConfig's last fields, read from config.json by
 support/formats/hf.py): biases on q/k/v (Qwen2) or on all four projections, an RMSNorm over each head of q and k
@@ -60,7 +59,7 @@ backward on its own, so the (T, i) tensors exist for one tile; offloading keeps 
 instead of the GPU's (support/kernels/long_context.py, both).
 
 Generation (support/evaluation/sampling.py) keeps a KV cache, a preallocated (layers, B, max_len, Hkv, D) key and value
-buffer: the prompt runs once, then each new token costs one single-position forward against the cached keys and values.
+buffer: the prompt runs once, then each new token costs a one-position forward against the cache.
 A batch of prompts is left-padded to one length; the cache's `pad` says how many, so positions start at each row's first
 real token and no query attends to padding.
 
@@ -98,13 +97,13 @@ class LlamaConfig:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
-    # The family switches (Qwen2/2.5, Qwen3 and Mistral are Llamas with these set; config.json says which):
+    # The family switches (Qwen2/2.5, Qwen3 and Mistral set them; config.json says which):
     model_type: str = "llama"  # llama | qwen2 | qwen3 | mistral
     qkv_bias: bool = False  # biases on q_proj/k_proj/v_proj (always in Qwen2; attention_bias elsewhere)
     o_bias: bool = False  # a bias on o_proj (attention_bias of Llama and Qwen3)
     qk_norm: bool = False  # RMSNorm over each head of q and k, before RoPE (Qwen3)
     sliding_window: int | None = None  # W: a query in a sliding layer sees its own key and the W - 1 before it
-    sliding_layers: list[int] | None = None  # the layers that slide (Mistral: all; Qwen: those >= max_window_layers)
+    sliding_layers: list[int] | None = None  # the sliding layers (Mistral: all; Qwen: from max_window_layers on)
 
     def window(self, layer):
         """Layer `layer`'s sliding window, or None for plain causal attention."""
@@ -153,7 +152,7 @@ def linear_cross_entropy(h, weight, labels, chunk, grad=False):
     grad_w = torch.zeros_like(weight, dtype=torch.float32) if grad and weight.requires_grad else None
     for i in range(0, labels.numel(), chunk):
         hc, yc = h[i : i + chunk], labels[i : i + chunk]  # (c, hidden), (c,)
-        logits = (hc @ weight.t()).float()  # (c, vocab) fp32: the only vocabulary-wide tensor, one chunk at a time
+        logits = (hc @ weight.t()).float()  # (c, vocab) fp32: the only vocabulary-wide tensor
         lse = logits.logsumexp(-1)  # (c,)
         loss += (lse - logits.gather(1, yc[:, None])[:, 0]).sum()
         if grad:
@@ -164,7 +163,7 @@ def linear_cross_entropy(h, weight, labels, chunk, grad=False):
             if grad_w is not None:
                 grad_w += (g.t() @ hc).float()  # (vocab, hidden)
             del g
-        del logits  # freed before the next chunk's are made: else two chunks' would be alive at once
+        del logits  # freed before the next chunk's: never two chunks' alive at once
     return loss, grad_h, grad_w
 
 
@@ -220,14 +219,14 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin  # cos/sin (B, T, 1, D)
-        if docs is not None and not torch.is_tensor(docs):  # packed rows: attention within each document, (N, H, D)
+        if docs is not None and not torch.is_tensor(docs):  # packed rows: attend within each document, (N, H, D)
             o = self.varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), docs, self.window)
             return self.o_proj(o.reshape(B, T, -1))
         start, pad = (0, None) if cache is None else (cache.length, cache.pad)
         if cache is not None:  # generation: store this step's keys/values, attend to everything so far
             k, v = cache.update(self.layer_idx, k, v)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
-        if docs is not None:  # a (B, T, T) mask of the keys each query sees (rl.py's answers sharing a prompt)
+        if docs is not None:  # a (B, T, T) mask of the keys each query sees (rl.py's shared prompts)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=docs[:, None], enable_gqa=True)
         else:
             o = causal_sdpa(q, k, v, self.window, start, pad)
@@ -252,7 +251,7 @@ class Block(nn.Module):
         self.self_attn = Attention(cfg, layer_idx, varlen)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
-        self.compiled = compiled  # the training forward through torch.compile (support/kernels/attention.py)
+        self.compiled = compiled  # the training forward through torch.compile
 
     def forward(self, x, cos, sin, docs=None, cache=None, mlp_tile=0):
         # Compiled where gradients are recorded; evaluation and generation stay eager. Either way inside the block's
@@ -263,7 +262,7 @@ class Block(nn.Module):
     def compute(self, x, cos, sin, docs, cache, mlp_tile):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, docs, cache)
         h = self.post_attention_layernorm(x)
-        return x + (tiled_mlp(self.mlp, h, mlp_tile) if mlp_tile else self.mlp(h))  # support/kernels/long_context.py
+        return x + (tiled_mlp(self.mlp, h, mlp_tile) if mlp_tile else self.mlp(h))  # tiles: long_context.py
 
 
 @dataclass(frozen=True)
@@ -271,9 +270,9 @@ class Options:
     """How the training forward runs, fixed when the model is built (train.py's settings of the same names)."""
 
     checkpointing: bool = False  # recompute each block in backward, keeping only its input
-    offload_checkpoints: bool = False  # ... and keep those inputs in CPU memory (support/kernels/long_context.py)
+    offload_checkpoints: bool = False  # ... and keep those inputs in CPU memory
     mlp_tile: int = 0  # each MLP over tiles of this many tokens of a row (0: the whole row)
-    loss_chunk: int = LOSS_CHUNK  # supervised tokens per lm_head + loss chunk (0: full-vocabulary logits at once)
+    loss_chunk: int = LOSS_CHUNK  # supervised tokens per lm_head + loss chunk (0: all logits at once)
     compile: bool = False  # each block's training forward through torch.compile
 
 
@@ -284,10 +283,10 @@ class Llama(nn.Module):
         super().__init__()
         self.config = config
         self.options = options = options or Options()
-        # Where attention runs as a loop over documents (CPU), the loss's chunks are padded to a few lengths as well
+        # Where attention loops over documents (CPU), the loss's chunks are padded to a few lengths as well
         # (support/kernels/attention.py: CPU kernels keep state for every shape they meet).
         self.cross_entropy = in_buckets(linear_cross_entropy) if varlen is sdpa_varlen else linear_cross_entropy
-        varlen = compilable(varlen) if options.compile else varlen  # the compiler sees the per-document loop as one op
+        varlen = compilable(varlen) if options.compile else varlen  # the per-document loop as one op
         embed = nn.Embedding(config.vocab_size, config.hidden_size)
         layers = nn.ModuleList(Block(config, i, varlen, options.compile) for i in range(config.num_hidden_layers))
         norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -307,7 +306,7 @@ class Llama(nn.Module):
         B, T = input_ids.shape
         if mask is not None and any((layer.self_attn.window or T) < T for layer in self.model.layers):
             raise ValueError(f"a mask of {T} tokens in a model with a shorter sliding window: not supported")
-        docs = mask if mask is not None or position_ids is None else doc_bounds(position_ids)  # shared by all layers
+        docs = mask if mask is not None or position_ids is None else doc_bounds(position_ids)  # for every layer
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         x, cos, sin = self.embed(input_ids, position_ids)
@@ -316,7 +315,7 @@ class Llama(nn.Module):
         checkpointing = opts.checkpointing and training
         with OffloadedSaves(x.device) if checkpointing and opts.offload_checkpoints else nullcontext():
             for layer in self.model.layers:
-                if checkpointing:  # keep the block's input x only (in CPU memory when offloaded), recompute in backward
+                if checkpointing:  # keep only the block's input x (offloaded: in CPU memory), recompute in backward
                     x = checkpoint(layer, x, cos, sin, docs, None, tile, use_reentrant=False)
                 else:
                     x = layer(x, cos, sin, docs, None, tile)

@@ -10,7 +10,7 @@ ones the model must generate after its prompt's tokens. A cut through what the t
 in a space, a response starting with spaces after a newline) makes the tokens at that cut differ from the joined
 text's.
 
-support/data/tokenizer.py cuts each example into its pieces (`segment`, one line naming the example it cannot render);
+support/data/tokenizer.py cuts each example into pieces (`segment`: one line names an example it cannot render);
 support/data/preview.py shows documents as the model sees them and warns about the usual data bugs.
 
 Packing
@@ -128,16 +128,16 @@ class PackedDataset:
     """Documents laid out in rows of context_length (packed, or one per row with pack=False); see the docstring."""
 
     def __init__(self, stream, context_length, pack=True, truncate=True, pad_to_max=False, seed=0, pad_id=0, docs=None):
-        """stream: {tokens, mask, offsets} (`tokenized`'s; its documents' "supervised" targets and cache "entry" used
-        where there: a memory-mapped mask is not read whole, rows packed before are read back); docs: which documents
-        of the stream to use, in order (default all)."""
+        """stream: {tokens, mask, offsets}, and where `tokenized` gives them the documents' "supervised" targets and
+        the cache "entry" (a memory-mapped mask is not read whole, packed rows are read back); docs: the documents to
+        use, in order (default all)."""
         C, tokens, mask, offsets = context_length, stream["tokens"], stream["mask"], stream["offsets"]
         docs = slice(None) if docs is None else docs
         starts = np.asarray(offsets[:-1])  # (docs,) where each document begins in the token stream
         supervised = stream.get("supervised")
         supervised = supervised_targets(mask, starts) if supervised is None else supervised
         starts, doc_lens, supervised = starts[docs], np.diff(offsets)[docs], np.array(supervised[docs])  # (docs,)
-        lens = np.minimum(doc_lens, C)  # what a row keeps of each: a longer document is truncated to C
+        lens = np.minimum(doc_lens, C)  # a longer document is truncated to C
         for i in np.flatnonzero(doc_lens > C):  # a truncated document keeps the targets of its first C tokens
             supervised[i] = int(mask[starts[i] + 1 : starts[i] + C].sum())
         keep = (doc_lens <= C) | (truncate & (supervised > 0))  # truncated, unless nothing supervised is left
@@ -151,7 +151,7 @@ class PackedDataset:
             truncated_tokens=int((doc_lens - lens)[cut].sum()),
             dropped_tokens=int(doc_lens[drop].sum()),
         )
-        self.tokens = tokens  # the whole stream (a memory map from the token cache): rows index into it
+        self.tokens = tokens  # the whole stream (a memory map): rows index into it
         self.mask = mask
         self.starts = starts[keep]
         self.lens = lens[keep]
@@ -162,7 +162,7 @@ class PackedDataset:
         self.pad_to_max = pad_to_max
         self.seed = seed
         self.pad_id = pad_id
-        packer = cached_packer(stream.get("entry"), pack_bfd)  # the token cache's rows of these lengths, or pack_bfd
+        packer = cached_packer(stream.get("entry"), pack_bfd)  # rows packed before (token cache), or pack_bfd
         self.rows = packer(self.lens, C) if pack else [[i] for i in range(len(self.lens))]  # document indices
         if not self.rows:
             raise ValueError(f"no examples left: all {len(doc_lens)} are longer than context_length {C}")

@@ -1,14 +1,14 @@
 """NF4 double-quantized linear layers: the frozen 4-bit base of QLoRA, in plain PyTorch.
 
 QLoRA (Dettmers et al. 2023, https://arxiv.org/abs/2305.14314) fine-tunes a large model on one GPU by keeping the frozen
-base weights in 4 bits and training small 16-bit LoRA adapters on top (lora.py). This file is the 4-bit part.
+base weights in 4 bits under small 16-bit LoRA adapters (lora.py). This file is the 4-bit part.
 
 NormalFloat4. Pretrained weights are close to normal around zero, so the 16 code values sit at quantiles of N(0, 1):
 8 on the positive side, 7 on the negative side and an exact zero, rescaled to [-1, 1] (the paper's Appendix E):
 
     NF4 = [-1, -.696, -.525, -.395, -.284, -.185, -.091, 0, .080, .161, .246, .338, .441, .563, .723, 1]
 
-Each code then covers an equal share of normal data, which the paper calls information-theoretically optimal.
+Each code then covers an equal share of normal data: information-theoretically optimal, the paper says.
 
 Blockwise absmax. The weight W (out, in) is flattened row-major into n = out * in values and cut into blocks of 64. Each
 block is divided by its absolute maximum (so it lies in [-1, 1]) and every value becomes the index of the nearest NF4
@@ -34,16 +34,15 @@ and B2 = ceil(B / 256) nested blocks:
     nested_absmax  float32 (B2,)                absolute maximum of each block of 256 centred absmax
     offset         float32 ()                   mean of the fp32 absmax
 
-Checkpoints in the Hugging Face "bnb-4bit" format hold exactly these buffers (support/formats/hf.py reads and writes
-them); `quantize_` takes such a pre-quantized weight as it is.
+Checkpoints in the Hugging Face "bnb-4bit" format hold exactly these buffers (support/formats/hf.py); `quantize_`
+takes such a pre-quantized weight as it is.
 
 Training. NF4Linear's forward dequantizes W into the compute dtype (bf16, fp16 or fp32) and multiplies; its backward
-dequantizes again and returns only the input gradient dL/dx = dL/dy W: the base is frozen, so nothing is stored but
-the 4-bit buffers.
+dequantizes again for the input gradient dL/dx = dL/dy W alone: the base is frozen, only the 4-bit buffers are kept.
 
 Where dequantization runs. `dequantize_nf4` below is the reference: a few PyTorch ops, fp32 math, one rounding. Each
 NF4Linear dequantizes with its `dequantize_op`, the reference unless the model's builder hands it an op with the same
-bits (support/kernels/nf4_ops.py: on CUDA a faster kernel; everywhere an op torch.compile treats as opaque).
+bits (support/kernels/nf4_ops.py: on CUDA a faster kernel; everywhere one torch.compile sees as opaque).
 
 Quantization error. quantize_ records on each layer it quantizes from 16-bit weights the relative error
 ||W - dequant(W)||_F / ||W||_F (`rel_error`; support/run/progress.py prints the mean and the worst layer). For Gaussian
@@ -63,7 +62,7 @@ from model import find_linears
 BLOCK = 64  # weights per absmax
 NESTED_BLOCK = 256  # absmax per nested absmax
 GRID = 65536  # evenly spaced points of [-1, 1] through which an absmax finds its 8-bit code
-# The 16 NF4 values as bitsandbytes stores them (fp32); tests check them against the normal-quantile construction.
+# The 16 NF4 values as bitsandbytes stores them (fp32); tests check them against the normal quantiles.
 # fmt: off
 NF4 = [
     -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
@@ -102,7 +101,7 @@ def dynamic_map():
 
 @functools.cache
 def code_tables(device):
-    """Constant code books and lookup tables on `device` (built on CPU so every device gets the same bits)."""
+    """Code books and lookup tables on `device` (built on CPU: every device gets the same bits)."""
     nf4, dyn = torch.tensor(NF4), dynamic_map()
     pairs = torch.stack([nf4.repeat_interleave(16), nf4.repeat(16)], 1)  # (256, 2): byte -> (high, low) value
     grid = 2.0 * torch.arange(GRID, dtype=torch.float32) / (GRID - 1) - 1  # (65536,) evenly spaced in [-1, 1]
@@ -129,14 +128,14 @@ def quantize_nf4(w):
     n = flat.numel()
     # 1. Blocks of 64 weights, each scaled by its absolute maximum into [-1, 1]: scaled (B, 64), absmax (B,).
     scaled, absmax = blockwise_absmax(flat, BLOCK)
-    # 2. The nearest NF4 value's index for each weight (the padding of an odd n is one zero more), two to a byte.
+    # 2. The nearest NF4 value's index for each weight (an odd n padded by one zero), two to a byte.
     codes = torch.bucketize(scaled.view(-1)[: n + n % 2], tables["nf4_mid"], out_int32=True).to(torch.uint8)
     packed = (codes[0::2] << 4 | codes[1::2]).view(-1, 1)  # element 2i in the high nibble
     # 3. Double quantization: the absmax, centred on their mean, in blocks of 256 scaled into [-1, 1]: (B2, 256).
     offset = absmax.mean()
     normed, nested_absmax = blockwise_absmax(absmax - offset, NESTED_BLOCK)
-    # 4. The nearest dynamic-map code of each, found as bitsandbytes does on CPU: round to the nearest of 65,536 evenly
-    #    spaced points of [-1, 1], whose nearest code is tabulated. A block of equal absmax (all zero) gets code 0.
+    # 4. The nearest dynamic-map code of each, as bitsandbytes finds it on CPU: the nearest of 65,536 evenly spaced
+    #    points of [-1, 1], whose code is tabulated. A block of equal absmax (all zero) gets code 0.
     point = ((normed + 1) * 0.5 * (GRID - 1) + 0.5).int()
     nested_codes = torch.where(nested_absmax[:, None] > 0, tables["grid_code"][point], 0)
     return NF4Weight(packed, nested_codes.view(-1)[: absmax.numel()], nested_absmax, offset)
@@ -172,9 +171,9 @@ def zeros_nf4(n, device=None):
 
 # ----------------------------------------------------------------------------- the linear
 class DequantizeLinear(torch.autograd.Function):
-    """y = x dequant(W)^T + b, W (out, in) dequantized from its 4-bit buffers by `dequantize` in forward, used and
-    dropped, and dequantized again in backward for dx = dy W: only the 4-bit buffers are saved, never W, and the frozen
-    buffers get no gradient. (The buffers and the op come in as arguments, so torch.compile traces both passes.)"""
+    """y = x dequant(W)^T + b: W (out, in) dequantized by `dequantize` in forward, used and dropped, and again in
+    backward for dx = dy W. Only the 4-bit buffers are saved, never W; they get no gradient. (Buffers and op come in as
+    arguments, so torch.compile traces both passes.)"""
 
     @staticmethod
     def forward(ctx, x, bias, dequantize, weight, absmax, nested_absmax, offset, shape):  # x (..., in), [out, in]
@@ -193,9 +192,9 @@ class DequantizeLinear(torch.autograd.Function):
 
 
 class NF4Linear(nn.Module):
-    """A frozen linear whose weight (out, in) lives in NF4 double-quantized buffers (see the file docstring).
-    rel_error: ||W - dequant(W)|| / ||W|| when this layer was quantized from a 16-bit W, else None. dequantize_op: what
-    dequantizes the weight, dequantize_nf4 unless the model's builder hands it an op (support/kernels/nf4_ops.py)."""
+    """A frozen linear whose weight (out, in) lives in NF4 double-quantized buffers (see above). rel_error:
+    ||W - dequant(W)|| / ||W|| when quantized from a 16-bit W, else None. dequantize_op: dequantize_nf4 unless the
+    model's builder hands it an op (support/kernels/nf4_ops.py)."""
 
     def __init__(self, in_features, out_features, bias=False, compute_dtype=torch.bfloat16, device=None):
         super().__init__()
@@ -210,7 +209,7 @@ class NF4Linear(nn.Module):
 
     @classmethod
     def from_nf4(cls, w, out_features, in_features, bias=None, compute_dtype=torch.bfloat16):
-        """A layer around an NF4Weight of a (out_features, in_features) weight, with an optional 16-bit bias."""
+        """A layer around the NF4Weight of an (out, in) weight, with an optional 16-bit bias."""
         layer = cls(in_features, out_features, bias is not None, compute_dtype, device="meta")
         layer.weight = w.packed
         layer.absmax = w.absmax
@@ -253,20 +252,18 @@ def quantize_(
 
     targets: as model.find_linears ("all-linear": every linear of the blocks; embeddings and lm_head stay 16-bit).
     weights: None quantizes the model's own weights; else a function name -> tensor ("<module>.weight", "<module>.bias")
-    that supplies them one by one, which is how a meta-device model gets its base straight from a checkpoint without
-    ever holding the 16-bit model. It may hand back an NF4Weight (a pre-quantized checkpoint), used as it is. A 16-bit
-    or fp32 weight is rounded to compute_dtype before it is quantized, as transformers + bitsandbytes do when they load
-    a checkpoint in that dtype, so the bytes equal theirs whatever the stored dtype. device: where the buffers go
-    (default: the linear's device, or CPU for a meta linear); on CUDA each weight is quantized on the GPU as it arrives.
-    dequantize_op: the op every new NF4Linear dequantizes with (support/kernels/nf4_ops.py chooses one for CUDA).
+    supplying them one by one, so a meta-device model gets its base from a checkpoint, never holding the 16-bit model.
+    An NF4Weight it hands back (a pre-quantized checkpoint) is used as it is. A 16-bit or fp32 weight is rounded to
+    compute_dtype before it is quantized, as transformers + bitsandbytes do when they load a checkpoint in that dtype,
+    so the bytes equal theirs. device: where the buffers go (default: the linear's, or CPU for a meta linear); on CUDA
+    each weight is quantized on the GPU as it arrives. dequantize_op: what every new NF4Linear dequantizes with.
     """
     for name, linear in find_linears(model, targets).items():
         dev = torch.device(device or ("cpu" if linear.weight.is_meta else linear.weight.device))
         w = linear.weight.detach() if weights is None else weights(f"{name}.weight")
         if isinstance(w, torch.Tensor) and w.is_meta:
             raise ValueError(f"{name}.weight is on the meta device: pass weights= to read it from a checkpoint")
-        # The weight is first rounded to the compute dtype, the 16-bit weight the run would hold (what transformers +
-        # bitsandbytes quantize too); the copy lives on `dev` only until the next weight replaces it.
+        # rounded to the compute dtype first (see above); the copy lives on `dev` until the next weight replaces it
         w = w.to(dev) if isinstance(w, NF4Weight) else w.to(dev, compute_dtype)
         q = w if isinstance(w, NF4Weight) else quantize_nf4(w)
         bias = linear.bias if weights is None or linear.bias is None else weights(f"{name}.bias")

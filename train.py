@@ -3,12 +3,12 @@
     python train.py                                  # the default: SmolLM2-135M on stdlib code, minutes on CPU
     python train.py configs/magicoder.py --lr=1e-4   # a config file plus --key=value overrides
     python train.py configs/tiny.py --resume         # continue step-exactly from out_dir/checkpoint.pt
-    python train.py configs/qwen.py --preview        # the first examples as the model will see them, then stop
+    python train.py configs/qwen.py --preview        # the first examples as the model sees them, then stop
     python train.py configs/magicoder.py --plan=L4   # what fits a 24 GB card for this model, then stop
     torchrun --nproc_per_node=2 train.py ...         # data parallel (nccl on CUDA, gloo on CPU)
 
 Read top to bottom, in the order a run happens:
-1. Config. Every setting is a field below, declared once: its default, what it allows, whether --resume must match.
+1. Config. Each setting is a field below, declared once: its default, what it allows, whether --resume must match.
 2. Data (pack.py). Examples are chat-formatted and tokenized with their loss masks, then packed best-fit-decreasing
    into rows of `context_length` tokens whose position_ids restart at every document.
 3. Model (model.py, quant.py, lora.py). The Llama is built on the meta device, its block linears quantized to NF4 one
@@ -16,14 +16,14 @@ Read top to bottom, in the order a run happens:
    parameters that require grad.
 4. Optimizer. AdamW over the adapters (fused on CUDA, foreach on CPU, or bitsandbytes' 8-bit), linear warmup then
    cosine decay.
-5. The step. One optimizer step sees `batch_tokens` tokens, split into micro-batches and, under torchrun, across
-   ranks. The loss is a sum over supervised tokens divided by the global number of supervised tokens in the step, so
-   accumulation and data parallelism give exactly the gradient of one big batch however the supervised tokens fall:
+5. The step. An optimizer step sees `batch_tokens` tokens, split into micro-batches and, under torchrun, across
+   ranks. The loss is summed over supervised tokens and divided by their global count in the step, so accumulation
+   and data parallelism give exactly the gradient of one big batch however the supervised tokens fall:
        grad = sum_over_micro_batches_and_ranks( d loss_sum_i ) / N_supervised_global
-   Precision: bf16 autocast over 16-bit base weights with fp32 LoRA parameters (the optimizer updates fp32 masters),
-   fp16 with a loss scaler on older GPUs, or plain fp32 (what "auto" picks on a CPU that emulates bf16).
+   Precision: bf16 autocast over 16-bit base weights with fp32 LoRA masters, fp16 with a loss scaler on older GPUs,
+   or plain fp32 (what "auto" picks on a CPU that emulates bf16).
 6. The loop, with its once-in-a-while blocks: evaluate (validation loss, adapter health), log, save a checkpoint; at
-   the end the PEFT-format adapter, a loss plot, a sample before and after, and on request a merged export and a GGUF.
+   the end the PEFT adapter, a loss plot, a sample before and after, on request a merged export and a GGUF.
 
 What a step does not need to be understood lives in support/, one question per file, called by one line each
 (docs/internals.md lists them); docs/ says what can go wrong and how the whole is proven correct.
@@ -75,14 +75,14 @@ class Config:
     data_format: str = setting("auto", ("auto", "magicoder", "alpaca", "pairs", "messages"), resume=True)
     val_data: str = setting("", resume=True)  # separate validation file; "" = hold out val_fraction of `data`
     val_fraction: float = setting(0.02, within(0, 1, "()"), resume=True)  # share held out when val_data is ""
-    max_examples: int = setting(0, at_least(0, " (0 = all)"), resume=True)  # use at most this many (0 = all)
+    max_examples: int = setting(0, at_least(0, " (0 = all)"), resume=True)  # at most this many (0 = all)
     template: str = setting("", TEMPLATE, resume=True)  # "" = the chat template; else "{instruction}...{response}"
     train_on_prompt: bool = setting(False, resume=True)  # also supervise prompt tokens
     context_length: int | str = setting(256, auto_or_at_least(16), resume=True)  # tokens per row, or "auto" (p95)
     truncate: bool = setting(True, resume=True)  # cut examples longer than context_length (False: drop them)
     skip_bad_rows: bool = setting(False, resume=True)  # skip (and count) malformed rows instead of stopping
     pack: bool = setting(True, resume=True)  # sample packing; False = one example per row, padded
-    pad_to_max: bool = setting(False)  # with pack=False: pad every row to context_length (the naive baseline)
+    pad_to_max: bool = setting(False)  # with pack=False: pad rows to context_length (the naive baseline)
     # --- QLoRA ---
     quantize: bool = setting(True, resume=True)  # NF4 double-quantized base weights (QLoRA); False = 16-bit (LoRA)
     lora_r: int = setting(16, integer_at_least(1), resume=True)  # adapter rank
@@ -97,7 +97,7 @@ class Config:
     lr: float = setting(1e-3, above(0), resume=True)  # peak learning rate
     min_lr_ratio: float = setting(0.1, within(0, 1, "[]"))  # cosine decays to lr * min_lr_ratio
     warmup_steps: int = setting(2, at_least(0))  # linear warmup steps
-    weight_decay: float = setting(0.0, at_least(0), resume=True)  # AdamW weight decay on adapter weights
+    weight_decay: float = setting(0.0, at_least(0), resume=True)  # AdamW weight decay
     beta1: float = setting(0.9, within(0, 1), resume=True)  # AdamW beta1
     beta2: float = setting(0.999, within(0, 1), resume=True)  # AdamW beta2
     optimizer: str = setting("adamw", ("adamw", "adamw8bit", "paged_adamw8bit"), resume=True)  # 8-bit: bitsandbytes
@@ -116,7 +116,7 @@ class Config:
     save_every: int = setting(12, at_least(0, " (0 = at the end only)"))  # a resumable checkpoint every N steps
     out_dir: str = setting("out")  # adapter, checkpoint, metrics.jsonl, loss.png
     resume: bool = setting(False)  # continue from out_dir/checkpoint.pt
-    preview: bool = setting(False)  # print the data report and the first examples as tokenized; no training
+    preview: bool = setting(False)  # print the data report and the first examples, tokenized; no training
     plan: str = setting("")  # print what fits a GPU ("H100", "24GB") with these settings; no training
     overwrite: bool = setting(False)  # replace the run in out_dir (else a chosen out_dir holding one is refused)
     eval_samples: int = setting(1, at_least(0, " (0 = none)"))  # held-out prompts answered at every evaluation
@@ -124,14 +124,14 @@ class Config:
     eval_task: str = setting("", TASK)  # "humaneval" or a problems JSONL: greedy pass@1 at evaluations
     eval_task_at: str = setting("evals", ("evals", "ends"))  # at every evaluation, or only the first and the last
     eval_task_problems: int = setting(0, at_least(0, " (0 = all)"))  # only the first N problems of eval_task
-    eval_task_unconfined: bool = setting(False)  # run eval_task's code under the Python guards alone (no Landlock)
-    log: str = setting("", ("", "tensorboard", "wandb"))  # also send the metrics to TensorBoard or W&B
+    eval_task_unconfined: bool = setting(False)  # eval_task's code under the Python guards alone (no Landlock)
+    log: str = setting("", ("", "tensorboard", "wandb"))  # also log to TensorBoard or W&B
     export_merged: bool = setting(False)  # also write the merged model (run's dtype) to out_dir/merged
     export_gguf: str = setting("", GGUF_TYPES)  # also write out_dir/model-<type>.gguf + an Ollama Modelfile
     cache_dir: str = setting("data/cache")  # tokenized-data cache
     device: str = setting("auto", ("auto", "cpu", "cuda"))
     parallel: str = setting("ddp", ("ddp", "fsdp"))  # under torchrun: replicate the model, or shard it (FSDP2)
-    cpu_offload: bool = setting(False)  # with fsdp: keep the sharded parameters in CPU memory between uses
+    cpu_offload: bool = setting(False)  # with fsdp: sharded parameters in CPU memory between uses
     rank_timeout: float = setting(30.0, above(0))  # minutes a rank waits in one collective for a stuck one
 
     def adapters(self) -> dict:
@@ -143,9 +143,9 @@ class Config:
 
 # ----------------------------------------------------------------------------- data
 def build_data(cfg: Config, tok, files, max_positions: int, place: ranks.Placement):
-    """Examples -> (training, validation) packed datasets, plus the first eval_samples held-out examples that render:
-    the prompts every evaluation answers."""
-    train_data, val_data = examples.sources(cfg, files)  # val_data None: validation held out of train_data
+    """Examples -> (training, validation) packed datasets, and the first eval_samples held-out examples that render:
+    the prompts evaluations answer."""
+    train_data, val_data = examples.sources(cfg, files)  # val_data None: held out of train_data
     tokenize = dict(template=cfg.template or None, train_on_prompt=cfg.train_on_prompt, cache_dir=cfg.cache_dir,
                     fmt=cfg.data_format, skip_bad_rows=cfg.skip_bad_rows)  # fmt: skip
     train_stream = pack.tokenized(train_data, tok, **tokenize)
@@ -155,7 +155,7 @@ def build_data(cfg: Config, tok, files, max_positions: int, place: ranks.Placeme
                   max_context=max_positions)  # fmt: skip
     trainset = pack.build_dataset(train_stream, tok, cfg.context_length, kept=train_kept, **common)
     valset = pack.build_dataset(val_stream or train_stream, tok, trainset.context_length, kept=val_kept, **common)
-    if place.main:  # the packing report (with --preview the first examples, and the checks)
+    if place.main:  # the packing report (--preview: also the first examples, checked)
         preview.report(cfg, trainset, train_data, tok)
     held_out = examples.selected(val_data or train_data, valset.kept, cfg.data_format, cfg.skip_bad_rows)  # read again
     rendered = (ex for ex in held_out if renders(ex, tok, cfg.template or None))
@@ -188,12 +188,12 @@ def load_model(model_dir: str, dtype=None, device="cpu", quantize=False, add_lor
     for prefix, part in [*((f"model.layers.{i}.", block) for i, block in enumerate(model.model.layers)), ("", model)]:
         # 2. Its linears become NF4: each 16-bit weight read, rounded to `dtype` and quantized, one at a time.
         quant.quantize_(model, of_part(nf4, prefix), dtype, device, weights, kernels.dequantize)
-        # 3. Everything else of it (its norms; at the end the embeddings and lm_head) read in `dtype`.
+        # 3. The rest of it (norms; at the end embeddings and lm_head), read in `dtype`.
         hf.load_weights_(model, ckpt, dtype, device, within=prefix)
         # 4. LoRA's A and B beside its chosen linears.
         if adapters:
             lora.add_lora_(model, of_part(adapted, prefix), **lora_kw)
-        ranks.shard_part(part, shard)  # sharded: from here on this rank keeps only its shard of the part
+        ranks.shard_part(part, shard)  # sharded: this rank keeps only its shard of the part
     if adapters:
         print(progress.adapters_line(model, adapters["r"], len(adapted)) + ranks.sharded_over(shard))
     if adapter:
@@ -207,8 +207,7 @@ def of_part(names, prefix):
 
 
 def build_model(cfg: Config, place: ranks.Placement, model_dir: str, mlp_tile: int):
-    """The run's QLoRA (or LoRA) model: its adapters in fp32, sharded when parallel=fsdp, built with the run's
-    checkpointing, MLP tiles, loss and compile."""
+    """The run's QLoRA (or LoRA) model: fp32 adapters, sharded when parallel=fsdp, with the run's Options."""
     torch.manual_seed(cfg.seed)  # the same adapter init on every rank
     options = Options(cfg.activation_checkpointing, cfg.offload_checkpoints, mlp_tile,
                       LOSS_CHUNK if cfg.chunked_loss else 0, cfg.compile)  # fmt: skip
@@ -219,7 +218,7 @@ def build_model(cfg: Config, place: ranks.Placement, model_dir: str, mlp_tile: i
 
 # ----------------------------------------------------------------------------- optimizer
 def make_optimizer(cfg: Config, params, device):
-    """AdamW: fused on CUDA, foreach on CPU; or bitsandbytes' 8-bit AdamW (paged: its state can spill to the host)."""
+    """AdamW: fused on CUDA, foreach on CPU; or bitsandbytes' 8-bit AdamW (paged: its state may spill to the host)."""
     kw = dict(lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), weight_decay=cfg.weight_decay)
     if cfg.optimizer == "adamw":
         return torch.optim.AdamW(params, **kw, fused=device.type == "cuda", foreach=device.type != "cuda" or None)
@@ -272,7 +271,7 @@ def train_step(model, opt, scaler, batch, micro_rows, step, cfg: Config, place: 
         # micro-batch is cheap, and it is the plain sum the global count asks for (DDP averages each bucket in backward
         # and needs no_sync to accumulate); the same sum on any number of ranks makes a resumed run equal.
         flat = torch.cat([p.grad.flatten() for p in params])
-        dist.all_reduce(flat)  # the sum over ranks: each rank already divided by the global count
+        dist.all_reduce(flat)  # summed over ranks: each already divided by the global count
         for p, g in zip(params, flat.split([p.numel() for p in params]), strict=True):
             p.grad.copy_(g.view_as(p))
     if place.world > 1:
@@ -316,14 +315,14 @@ class Run:
     valset: pack.PackedDataset
     tok: Tokenizer
     prompts: list  # the held-out examples every evaluation answers
-    problems: list  # eval_task's problems (support/evaluation/humaneval.py), [] without one
+    problems: list  # eval_task's problems, [] without one
     rows: int  # this rank's rows per optimizer step
     micro_rows: int  # rows per forward/backward
-    estimated: int  # bytes: the memory estimate the first steps are checked against
+    estimated: int  # bytes: the memory estimate, checked against the first steps
     peak_flops: float  # FLOP/s of this device: MFU's denominator
     tracker: object = None  # TensorBoard or W&B, on rank 0
     step: int = 0  # optimizer steps taken
-    last_saved: int | None = None  # the step of the last checkpoint written by this run
+    last_saved: int | None = None  # the step of this run's last checkpoint
     history: list = field(default_factory=list)  # rank 0's records: step 0's, then one per step
 
 
@@ -350,11 +349,11 @@ def train(cfg: Config) -> list[dict]:
     opt = make_optimizer(cfg, [p for p in model.parameters() if p.requires_grad], place.device)
     scaler = torch.amp.GradScaler("cuda", enabled=place.dtype == torch.float16)
     micro_rows = micro_batch_rows(cfg, place, model, trainset, rows, forward_loss)
-    micro_rows = ranks.agreed_min(micro_rows, place.world, place.device)  # what each rank's memory allows: the least
+    micro_rows = ranks.agreed_min(micro_rows, place.world, place.device)  # the least any rank's memory allows
     estimated, peak_flops = progress.describe_step(cfg, place, model, trainset.context_length, rows, micro_rows)
     run = Run(model, opt, scaler, trainset, valset, tok, prompts, problems, rows, micro_rows, estimated, peak_flops)
     run.tracker = progress.open_tracker(cfg) if place.main else None
-    if cfg.resume:  # out_dir's checkpoint (adapters, optimizer, loss scale) and metrics
+    if cfg.resume:  # out_dir's checkpoint and metrics
         run.step, run.history = run_dir.resume(cfg, model, opt, scaler)
         run.last_saved = run.step
     else:
@@ -365,7 +364,7 @@ def train(cfg: Config) -> list[dict]:
         run_dir.write_outputs(cfg, model, tok, prompts, run.history, adapter, model_dir, run.tracker)
         progress.print_peak(place)
     history = run.history
-    del run, model, opt  # a sharded model holds the process group until it is freed (ranks.end_process_group)
+    del run, model, opt  # a sharded model holds the process group until freed
     ranks.end_process_group()
     return history
 
@@ -399,13 +398,13 @@ def loop(cfg: Config, place: ranks.Placement, run: Run):
     record = None  # the record of the step just taken
     bar = tqdm(total=cfg.max_steps, initial=run.step, disable=not place.main, dynamic_ncols=True)
     with bar, run_dir.stop_requests() as asked, run_dir.abrupt_ends(cfg, run):
-        stopping = functools.partial(run_dir.any_rank, asked, place.world, place.device)  # every rank agrees on it
+        stopping = functools.partial(run_dir.any_rank, asked, place.world, place.device)  # every rank agrees
         progress.reset_peak(place)
         while True:
             # ---------------------------------------------- once in a while, for the step just taken
             if run.step > first:  # no evaluation when stopping: torchrun kills its workers 30 s after Ctrl-C
                 due = cfg.eval_every and (run.step % cfg.eval_every == 0 or run.step == cfg.max_steps)
-                if due and not stopping() and (place.main or ranks.is_sharded(run.model)):  # sharded: all compute
+                if due and not stopping() and (place.main or ranks.is_sharded(run.model)):  # sharded: all ranks
                     record |= evaluation_record(cfg, place, run)
                     progress.adapter_report(run.model, record, bar, place.main)
                 if place.main:
@@ -413,21 +412,21 @@ def loop(cfg: Config, place: ranks.Placement, run: Run):
                 if cfg.save_every and run.step % cfg.save_every == 0:
                     run.last_saved = run_dir.save(cfg, run.model, run.opt, run.scaler, run.step, run.history,
                                                      place.main)  # fmt: skip
-            if run.step >= cfg.max_steps or stopping():  # a run resumed with a lower max_steps is done
+            if run.step >= cfg.max_steps or stopping():  # resumed with a lower max_steps: done
                 break
             # ---------------------------------------------- one optimizer step
             record = optimizer_step(cfg, place, run)
-    if run.last_saved != run.step:  # before the merged export changes the model; never twice at a step
+    if run.last_saved != run.step:  # before the merged export changes the model
         run_dir.save(cfg, run.model, run.opt, run.scaler, run.step, run.history, place.main)
-    if run.step < cfg.max_steps:  # Ctrl-C: stopped between two steps, so the checkpoint is exactly that step
+    if run.step < cfg.max_steps:  # Ctrl-C: stopped between two steps, the checkpoint exactly that step
         if place.main:
             print(f"interrupted: checkpoint at step {run.step} written; continue with --resume --out_dir={cfg.out_dir}")
         raise SystemExit(130)
 
 
 def optimizer_step(cfg: Config, place: ranks.Placement, run: Run) -> dict:
-    """Step run.step on its rows of the global batch, at the schedule's learning rate; its record (on rank 0 also
-    appended to run.history, before any evaluation a second Ctrl-C may break into)."""
+    """Step run.step at the schedule's learning rate; its record (on rank 0 also in run.history, before any evaluation
+    a second Ctrl-C may break into)."""
     start, step = time.perf_counter(), run.step
     batch = run.trainset.step_batch(step, run.rows, place.rank, place.world)
     lr = learning_rate(cfg, step)
@@ -446,7 +445,7 @@ def optimizer_step(cfg: Config, place: ranks.Placement, run: Run) -> dict:
 
 def main(argv=None):
     """The command: a config file and --key=value flags. A user's mistake, or another rank's, ends every rank in one
-    line (support/run/ranks.py)."""
+    line."""
     ranks.one_line_errors(lambda: train(load_config(Config, sys.argv[1:] if argv is None else argv)))
 
 
