@@ -119,7 +119,7 @@ class Config:
     preview: bool = setting(False)  # print the data report and the first examples, tokenized; no training
     plan: str = setting("")  # print what fits a GPU ("H100", "24GB") with these settings; no training
     overwrite: bool = setting(False)  # replace the run in out_dir (else a chosen out_dir holding one is refused)
-    eval_samples: int = setting(1, at_least(0, " (0 = none)"))  # held-out prompts answered at every evaluation
+    eval_samples: int = setting(1, at_least(0, " (0 = none)"))  # held-out prompts answered at evaluations
     sample_tokens: int = setting(96, at_least(1))  # max new tokens of each answer
     eval_task: str = setting("", TASK)  # "humaneval" or a problems JSONL: greedy pass@1 at evaluations
     eval_task_at: str = setting("evals", ("evals", "ends"))  # at every evaluation, or only the first and the last
