@@ -49,8 +49,8 @@ from support.kernels.dropout import KeyedDropout, dropout_rows, row_keys
 
 class LoRALinear(nn.Linear):
     """A frozen nn.Linear with an adapter: y = x W^T + b + scale * B(A(dropout(x))). It holds the base layer's own
-    weight and bias (no copy: they keep their names, `q_proj.weight`, and stay frozen) beside the adapter's
-    lora_A (r, in) and lora_B (out, r), fresh: A Kaiming-uniform, B zero."""
+    weight and bias (no copy: they keep their names and stay frozen) beside a fresh lora_A (r, in) and lora_B
+    (out, r): A Kaiming-uniform, B zero."""
 
     def __init__(self, base, r, alpha, dropout=0.0, use_rslora=False, lora_dtype=None, dropout_op=None):
         super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
@@ -71,7 +71,7 @@ class LoRALinear(nn.Linear):
 
 class LoRANF4Linear(quant.NF4Linear):
     """The same adapter over a frozen quant.NF4Linear (QLoRA): y = x dequant(W)^T + b + scale * B(A(dropout(x))). It
-    holds the base layer's four NF4 buffers and bias under their names, its quantization error and its kernel."""
+    holds the base's NF4 buffers and bias under their names, its quantization error and its kernel."""
 
     def __init__(self, base, r, alpha, dropout=0.0, use_rslora=False, lora_dtype=None, dropout_op=None):
         super().__init__(base.in_features, base.out_features, base.bias is not None, base.compute_dtype, device="meta")
@@ -102,8 +102,8 @@ def start_adapter_(layer):
 
 
 def adapted(layer, x, out):
-    """The base's output `out` (..., out) plus the adapter's scale * B(A(dropout(x))), computed in x's dtype (fp32
-    masters under bf16 autocast), unless adapters_off holds."""
+    """The base's output `out` (..., out) plus scale * B(A(dropout(x))) in x's dtype (fp32 masters under bf16
+    autocast), unless adapters_off holds."""
     if not layer.enabled:
         return out
     a, b = layer.lora_A.weight.to(x.dtype), layer.lora_B.weight.to(x.dtype)  # (r, in), (out, r)
@@ -116,8 +116,8 @@ def delta_weight(layer):
 
 
 def with_lora(base, r, alpha, dropout=0.0, use_rslora=False, lora_dtype=None, dropout_op=None):
-    """`base` (nn.Linear, or quant.NF4Linear) with a fresh adapter of rank r: the LoRA linear of its kind, the adapter
-    in lora_dtype (default: the base's floating dtype), its dropout applied by `dropout_op` (default the reference)."""
+    """`base` (nn.Linear or quant.NF4Linear) with a fresh rank-r adapter: the LoRA linear of its kind, the adapter in
+    lora_dtype (default: the base's floating dtype), its dropout applied by `dropout_op` (default: the reference)."""
     kind = LoRANF4Linear if isinstance(base, quant.NF4Linear) else LoRALinear
     return kind(base, r, alpha, dropout, use_rslora, lora_dtype, dropout_op)
 
@@ -133,8 +133,8 @@ def over(base, layer):
 
 @contextmanager
 def adapters_off(model):
-    """Within the block every adapter of `model` is skipped and the model computes as its frozen base: with LoRA the
-    reference policy of rl.py is the same model, no second copy held."""
+    """Within the block every adapter of `model` is skipped and the model computes as its frozen base: rl.py's
+    reference policy is the same model, no second copy held."""
     layers = lora_modules(model).values()
     for m in layers:
         m.enabled = False
@@ -174,9 +174,8 @@ def count_parameters(model):
 
 def add_lora_(model, targets, r, alpha, dropout, use_rslora=False, lora_dtype=None, dropout_op=None):
     """Wrap the `targets` linears (as model.find_linears picks them: "all-linear", or module names) with LoRA and
-    freeze everything but the adapters (a model built part by part gets its adapters in several calls); returns
-    (trainable, total) parameter counts. dropout_op: what applies the dropout (on CUDA
-    the model's builder passes support/kernels/dropout_cuda.py's kernel; default the reference)."""
+    freeze all but the adapters (a model built part by part gets them in several calls); returns (trainable, total)
+    parameter counts. dropout_op: what applies the dropout (on CUDA support/kernels/dropout_cuda.py's kernel)."""
     try:
         chosen = find_linears(model, targets, (nn.Linear, quant.NF4Linear))
     except ValueError as e:
@@ -195,7 +194,7 @@ def add_lora_(model, targets, r, alpha, dropout, use_rslora=False, lora_dtype=No
 def rebase_(model, original=None):
     """Give every NF4 linear a 16-bit base, adapters kept: its original weight when `original` (an hf.Checkpoint or a
     mapping name -> tensor) holds `<module>.weight`, else its dequantized copy. Returns {module: "dense" |
-    "original" | "dequantized"}, the weights each LoRA or NF4 linear now computes with."""
+    "original" | "dequantized"}, the weights each LoRA or NF4 linear now uses."""
     sources = {}
     layers = {n: m for n, m in model.named_modules() if isinstance(m, (*LORA, quant.NF4Linear))}  # before any swap
     for name, m in layers.items():
@@ -213,7 +212,7 @@ def rebase_(model, original=None):
             sources[name] = "dequantized"
         device = next(iter(m.state_dict().values())).device
         dense = frozen_linear(w.to(device, m.compute_dtype), m.bias)
-        if isinstance(m, LORA):  # the same adapter, scale and dropout, now over the 16-bit weight
+        if isinstance(m, LORA):  # the same adapter, now over the 16-bit weight
             dense = over(dense, m)
         model.set_submodule(name, dense.train(m.training))  # in eval mode, dropout stays off
     return sources

@@ -33,19 +33,19 @@ before RoPE (Qwen3), a sliding window of W keys in some or all layers (Mistral, 
 Packed rows
 -----------
 Fine-tuning packs several documents into one row (pack.py). A document starts wherever position_ids == 0 and at every
-row start; tokens attend causally within their own document only. The bounds are found once per forward as
-cumulative sequence lengths over the flattened (B*T) tokens (`doc_bounds`), and every layer hands them to one
-attention call, chosen once when the model is built: FlashAttention's varlen kernel on a GPU, one causal attention per
-document on CPU (support/kernels/attention.py).
+row start; tokens attend causally within their document only. The bounds are found once per forward, as cumulative
+sequence lengths over the flattened (B*T) tokens (`doc_bounds`), and every layer hands them to one attention call chosen
+when the model is built: FlashAttention's varlen kernel on a GPU, one causal attention per document on CPU
+(support/kernels/attention.py).
 
 Loss
 ----
-With labels (already shifted: labels[b, t] is the target of position t, -100 where unsupervised) the model returns
-the fp32 summed cross-entropy and the number of supervised tokens. Only supervised hidden states reach the lm_head,
-in chunks of LOSS_CHUNK tokens, and the lm_head and the loss are fused: while a chunk's (chunk, vocab) fp32 logits
-exist, the forward pass also turns them into the gradient of the loss for the hidden states,
-dL/dh = (softmax(h W^T) - onehot(y)) W, so the logits are dropped at once and the backward pass only scales that
-gradient. Full-vocabulary logits never exist for the whole batch, and no lm_head matmul is recomputed.
+With labels (already shifted: labels[b, t] is the target of position t, -100 where unsupervised) the model returns the
+fp32 summed cross-entropy and the number of supervised tokens. Only supervised hidden states reach the lm_head, in
+chunks of LOSS_CHUNK tokens, with the lm_head and the loss fused: while a chunk's (chunk, vocab) fp32 logits exist, the
+forward also turns them into the loss's gradient for the hidden states, dL/dh = (softmax(h W^T) - onehot(y)) W, so the
+logits are dropped at once and the backward only scales that gradient. Full-vocabulary logits never exist for the whole
+batch, and no lm_head matmul is recomputed.
 
 Memory for long sequences
 -------------------------
@@ -59,9 +59,9 @@ backward on its own, so the (T, i) tensors exist for one tile; offloading keeps 
 instead of the GPU's (support/kernels/long_context.py, both).
 
 Generation (support/evaluation/sampling.py) keeps a KV cache, a preallocated (layers, B, max_len, Hkv, D) key and value
-buffer: the prompt runs once, then each new token costs a one-position forward against the cache.
-A batch of prompts is left-padded to one length; the cache's `pad` says how many, so positions start at each row's first
-real token and no query attends to padding.
+buffer: the prompt runs once, then each new token costs a one-position forward against the cache. A batch of prompts is
+left-padded to one length; the cache's `pad` says how many, so positions start at each row's first real token and no
+query attends to padding.
 
 Shapes: B batch rows, T tokens per row, N = B*T flattened tokens, H / Hkv query / key-value heads, D head size.
 """
@@ -99,11 +99,11 @@ class LlamaConfig:
     eos_token_id: int | list[int] | None = None
     # The family switches (Qwen2/2.5, Qwen3 and Mistral set them; config.json says which):
     model_type: str = "llama"  # llama | qwen2 | qwen3 | mistral
-    qkv_bias: bool = False  # biases on q_proj/k_proj/v_proj (always in Qwen2; attention_bias elsewhere)
+    qkv_bias: bool = False  # biases on q/k/v_proj (always in Qwen2; attention_bias elsewhere)
     o_bias: bool = False  # a bias on o_proj (attention_bias of Llama and Qwen3)
     qk_norm: bool = False  # RMSNorm over each head of q and k, before RoPE (Qwen3)
-    sliding_window: int | None = None  # W: a query in a sliding layer sees its own key and the W - 1 before it
-    sliding_layers: list[int] | None = None  # the sliding layers (Mistral: all; Qwen: from max_window_layers on)
+    sliding_window: int | None = None  # W: a sliding layer's query sees its key and the W - 1 before
+    sliding_layers: list[int] | None = None  # sliding layers (Mistral: all; Qwen: from max_window_layers)
 
     def window(self, layer):
         """Layer `layer`'s sliding window, or None for plain causal attention."""
@@ -121,7 +121,7 @@ def rope_inv_freq(cfg, device=None):
         old_len, factor = s["original_max_position_embeddings"], s["factor"]
         low, high = s["low_freq_factor"], s["high_freq_factor"]
         wavelen = 2 * math.pi / inv_freq
-        # smooth = 0 at wavelength old_len / low (fully scaled), 1 at old_len / high (untouched)
+        # smooth: 0 at wavelength old_len / low (scaled), 1 at old_len / high (untouched)
         smooth = ((old_len / wavelen - low) / (high - low)).clamp(0, 1)
         inv_freq = (1 - smooth) * inv_freq / factor + smooth * inv_freq
     return inv_freq
@@ -134,10 +134,10 @@ def rotate_half(x):
 
 def doc_bounds(position_ids):
     """(B, T) position ids -> Docs. A document starts where position_ids == 0 and at every row start. One host sync
-    per forward (the CPU copy), shared by every layer."""
+    per forward (the CPU copy), for every layer."""
     B, T = position_ids.shape
     starts = position_ids == 0
-    starts[:, 0] = True  # a row that opens mid-document still starts a new attention span
+    starts[:, 0] = True  # a row opening mid-document starts a new span
     idx = starts.flatten().nonzero().flatten()
     cu_seqlens = torch.cat([idx, idx.new_tensor([B * T])]).to(torch.int32)
     bounds = cu_seqlens.cpu()
@@ -169,11 +169,11 @@ def linear_cross_entropy(h, weight, labels, chunk, grad=False):
 
 class LinearCrossEntropy(torch.autograd.Function):
     """The lm_head and the loss fused: forward computes the loss and its gradients chunk by chunk, backward only
-    scales them. Versus checkpointing each chunk this saves one (n, hidden) x (hidden, vocab) matmul per step and
-    still never keeps (n, vocab) logits."""
+    scales them. Against checkpointing each chunk this saves an (n, hidden) x (hidden, vocab) matmul a step, and
+    never keeps (n, vocab) logits either."""
 
     @staticmethod
-    def forward(ctx, h, weight, labels, chunk, cross_entropy):  # cross_entropy: linear_cross_entropy, or its kernel
+    def forward(ctx, h, weight, labels, chunk, cross_entropy):  # linear_cross_entropy or its CPU wrap
         loss, ctx.grad_h, ctx.grad_w = cross_entropy(h, weight, labels, chunk, grad=True)
         ctx.weight_dtype = weight.dtype
         return loss
@@ -207,7 +207,7 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * d, bias=cfg.qkv_bias)
         self.v_proj = nn.Linear(cfg.hidden_size, cfg.num_key_value_heads * d, bias=cfg.qkv_bias)
         self.o_proj = nn.Linear(cfg.num_attention_heads * d, cfg.hidden_size, bias=cfg.o_bias)
-        if cfg.qk_norm:  # one (D,) weight shared by every head, as Qwen3 has it
+        if cfg.qk_norm:  # one (D,) weight for every head, as Qwen3 has it
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
@@ -219,14 +219,14 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin  # cos/sin (B, T, 1, D)
-        if docs is not None and not torch.is_tensor(docs):  # packed rows: attend within each document, (N, H, D)
+        if docs is not None and not torch.is_tensor(docs):  # packed rows: within each document, (N, H, D)
             o = self.varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), docs, self.window)
             return self.o_proj(o.reshape(B, T, -1))
         start, pad = (0, None) if cache is None else (cache.length, cache.pad)
-        if cache is not None:  # generation: store this step's keys/values, attend to everything so far
+        if cache is not None:  # generation: cache this step's keys/values, attend to all
             k, v = cache.update(self.layer_idx, k, v)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
-        if docs is not None:  # a (B, T, T) mask of the keys each query sees (rl.py's shared prompts)
+        if docs is not None:  # (B, T, T): the keys each query sees (rl.py's shared prompts)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=docs[:, None], enable_gqa=True)
         else:
             o = causal_sdpa(q, k, v, self.window, start, pad)
@@ -254,8 +254,8 @@ class Block(nn.Module):
         self.compiled = compiled  # the training forward through torch.compile
 
     def forward(self, x, cos, sin, docs=None, cache=None, mlp_tile=0):
-        # Compiled where gradients are recorded; evaluation and generation stay eager. Either way inside the block's
-        # call, so hooks on the block (FSDP gathering its weights) run around the graph.
+        # Compiled where gradients are recorded (evaluation and generation stay eager), inside the block's call:
+        # hooks on the block (FSDP gathering its weights) run around the graph.
         compute = compiled(Block.compute) if self.compiled and torch.is_grad_enabled() else Block.compute
         return compute(self, x, cos, sin, docs, cache, mlp_tile)
 
@@ -267,11 +267,11 @@ class Block(nn.Module):
 
 @dataclass(frozen=True)
 class Options:
-    """How the training forward runs, fixed when the model is built (train.py's settings of the same names)."""
+    """How the training forward runs, fixed at build time (train.py's settings of these names)."""
 
     checkpointing: bool = False  # recompute each block in backward, keeping only its input
     offload_checkpoints: bool = False  # ... and keep those inputs in CPU memory
-    mlp_tile: int = 0  # each MLP over tiles of this many tokens of a row (0: the whole row)
+    mlp_tile: int = 0  # each MLP over tiles of this many tokens of a row (0: whole rows)
     loss_chunk: int = LOSS_CHUNK  # supervised tokens per lm_head + loss chunk (0: all logits at once)
     compile: bool = False  # each block's training forward through torch.compile
 
@@ -283,7 +283,7 @@ class Llama(nn.Module):
         super().__init__()
         self.config = config
         self.options = options = options or Options()
-        # Where attention loops over documents (CPU), the loss's chunks are padded to a few lengths as well
+        # Where attention loops over documents (CPU), the loss's chunks are padded to a few lengths too
         # (support/kernels/attention.py: CPU kernels keep state for every shape they meet).
         self.cross_entropy = in_buckets(linear_cross_entropy) if varlen is sdpa_varlen else linear_cross_entropy
         varlen = compilable(varlen) if options.compile else varlen  # the per-document loop as one op
@@ -296,13 +296,13 @@ class Llama(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def forward(self, input_ids, position_ids=None, labels=None, only=None, mask=None):
-        """input_ids (B, T) -> logits (B, T, vocab), or (loss_sum, n_tokens) when labels (B, T) are given, or the
-        logits (n, vocab) at `only` (n,), indices into the B*T positions (rl.py's answer tokens: no (B, T, vocab)).
+        """input_ids (B, T) -> logits (B, T, vocab), or (loss_sum, n_tokens) given labels (B, T), or the logits
+        (n, vocab) at `only` (n,), indices into the B*T positions (rl.py's answer tokens: no (B, T, vocab)).
 
-        position_ids (B, T) marks packed documents (each starts at 0); without them each row is one document. A mask
-        (B, T, T), True where query t may see key s, replaces the documents (rl.py: answers that share one prompt;
-        no sliding window then). In training (with gradients) the options apply: checkpointing (offloaded), MLP
-        tiles, the compiled blocks."""
+        position_ids (B, T) marks packed documents (each starts at 0); without them a row is one document. A mask
+        (B, T, T), True where query t may see key s, replaces the documents (rl.py: answers sharing a prompt; no
+        sliding window then). In training (with gradients) the options apply: checkpointing (offloaded), MLP tiles,
+        compiled blocks."""
         B, T = input_ids.shape
         if mask is not None and any((layer.self_attn.window or T) < T for layer in self.model.layers):
             raise ValueError(f"a mask of {T} tokens in a model with a shorter sliding window: not supported")
@@ -315,7 +315,7 @@ class Llama(nn.Module):
         checkpointing = opts.checkpointing and training
         with OffloadedSaves(x.device) if checkpointing and opts.offload_checkpoints else nullcontext():
             for layer in self.model.layers:
-                if checkpointing:  # keep only the block's input x (offloaded: in CPU memory), recompute in backward
+                if checkpointing:  # keep only the block's input (offloaded: in CPU memory)
                     x = checkpoint(layer, x, cos, sin, docs, None, tile, use_reentrant=False)
                 else:
                     x = layer(x, cos, sin, docs, None, tile)
@@ -330,9 +330,9 @@ class Llama(nn.Module):
         return x, angles.cos().to(x.dtype), angles.sin().to(x.dtype)
 
     def decode(self, input_ids, cache):
-        """Generation: input_ids (B, T) continue the cache.length tokens the KV cache holds (a prompt, then one new
-        token at a time); the logits (B, 1, vocab) of the last position only, all that picks the next token (the head
-        over a prompt's other positions would cost T times as much)."""
+        """Generation: input_ids (B, T) continue the cache.length tokens the KV cache holds (a prompt, then a token at
+        a time); the logits (B, 1, vocab) of the last position only, all that picks the next token (the head over the
+        prompt's other positions would cost T times as much)."""
         B, T = input_ids.shape
         position_ids = torch.arange(cache.length, cache.length + T, device=input_ids.device).expand(B, T)
         if cache.pad is not None:  # a left-padded row's first real token is position 0
@@ -352,7 +352,7 @@ class Llama(nn.Module):
                 f"lm_head is a {type(self.lm_head).__name__}: the chunked loss needs a plain nn.Linear head "
                 "(train an adapted or quantized lm_head with chunked_loss=False)"
             )
-        if not chunk:  # naive: (B*T, vocab) fp32 logits, all kept for backward
+        if not chunk:  # naive: (B*T, vocab) fp32 logits, kept for backward
             logits = self.lm_head(h).float().flatten(0, 1)
             return F.cross_entropy(logits, labels.flatten(), ignore_index=-100, reduction="sum"), int(keep.sum())
         h, labels = h.flatten(0, 1)[keep], labels.flatten()[keep]  # (n, hidden): only supervised tokens
@@ -367,7 +367,7 @@ def find_linears(model, targets="all-linear", types=(nn.Linear,)):
 
     "all-linear": every one inside the blocks (model.layers.*), never lm_head, as PEFT's "all-linear". Otherwise a
     list of names, each matching a module's full name or a "."-suffix of it ("q_proj", "layers.0.mlp.up_proj"); a
-    name that matches nothing is an error, so a typo never silently leaves a layer out.
+    name that matches nothing is an error: a typo never silently leaves a layer out.
     """
     found = {n: m for n, m in model.named_modules() if isinstance(m, types)}
     if targets == "all-linear":

@@ -10,7 +10,6 @@ ones the model must generate after its prompt's tokens. A cut through what the t
 in a space, a response starting with spaces after a newline) makes the tokens at that cut differ from the joined
 text's.
 
-support/data/tokenizer.py cuts each example into pieces (`segment`: one line names an example it cannot render);
 support/data/preview.py shows documents as the model sees them and warns about the usual data bugs.
 
 Packing
@@ -40,7 +39,7 @@ up to 64 and capped by the model's maximum; longer examples are truncated (or dr
 are counted in the report.
 
 Tokenizing happens once per dataset, a chunk of examples at a time (tokenize_chunk), streamed from the files to disk
-by support/data/token_cache.py, which keeps the arrays there and maps them back.
+and mapped back by support/data/token_cache.py.
 """
 
 import bisect
@@ -53,7 +52,7 @@ from support.data.tokenizer import segment
 
 
 def document(segmented, piece_ids, tokenizer, train_on_prompt=False):
-    """One example's document from its pieces: (token ids, mask) as lists, mask True where a token is supervised.
+    """One example's document from its pieces: (token ids, mask) lists, mask True where supervised.
 
     segmented: tokenizer.segments' (pieces [(text, supervised)], prepend BOS?, append EOS after each response?);
     piece_ids: the token ids of each piece's text, tokenized on its own."""
@@ -65,15 +64,15 @@ def document(segmented, piece_ids, tokenizer, train_on_prompt=False):
     for (_, supervised), piece in zip(pieces, piece_ids, strict=True):
         ids += piece
         mask += [supervised or train_on_prompt] * len(piece)
-        if supervised and add_eos:  # the model learns to stop: the EOS after a response is supervised too
+        if supervised and add_eos:  # the EOS after a response is supervised: the model learns to stop
             ids.append(tokenizer.eos_id)
             mask.append(True)
     return ids, mask
 
 
 def supervised_targets(mask, starts):
-    """Each document's supervised targets (int64 (docs,)): its supervised tokens but the first, which has no
-    predecessor in it and is nobody's target. np.add.reduceat sums mask[starts[i]:starts[i + 1]] in one pass."""
+    """Each document's supervised targets (int64 (docs,)): its supervised tokens but the first, nobody's target (no
+    predecessor in it). np.add.reduceat sums mask[starts[i]:starts[i + 1]] in one pass."""
     return np.add.reduceat(mask, starts, dtype=np.int64) - mask[starts] if len(starts) else np.zeros(0, np.int64)
 
 
@@ -81,12 +80,12 @@ def tokenize_chunk(examples, tokenizer, template=None, train_on_prompt=False, fi
     """A list of examples (numbered from `first`) as arrays: their documents (see `document`) end to end, tokens
     uint32 (n,) and mask uint8 (n,) 1 where a token is supervised; per document its length, its example's index and
     its supervised targets, int64 (docs,); "skipped": the "label: why" of each example the template rejects.
-    support/data/token_cache.py runs it over a dataset a chunk at a time, on every core, straight to disk."""
+    support/data/token_cache.py runs it a chunk at a time, on every core, straight to disk."""
     if tokenizer.eos_id is None:
         raise ValueError(f"{tokenizer.path}: the tokenizer has no eos token, which ends every response")
     segmented, skipped = segment(examples, tokenizer, template, first, skip_bad_rows)
     encoded = tokenizer.encode_batch([text for *_, seg in segmented for text, _ in seg[0]])  # every piece, one call
-    ids, mask, lengths, start = [], [], [], 0  # start: the first piece of the next document in `encoded`
+    ids, mask, lengths, start = [], [], [], 0  # start: the next document's first piece
     for *_, seg in segmented:  # seg: (pieces [(text, supervised)], add BOS?, add EOS?)
         doc, doc_mask = document(seg, encoded[start : start + len(seg[0])], tokenizer, train_on_prompt)
         start += len(seg[0])
@@ -125,7 +124,7 @@ def pack_bfd(lengths, capacity):
 
 
 class PackedDataset:
-    """Documents laid out in rows of context_length (packed, or one per row with pack=False); see the docstring."""
+    """Documents in rows of context_length (packed, or one per row with pack=False); see above."""
 
     def __init__(self, stream, context_length, pack=True, truncate=True, pad_to_max=False, seed=0, pad_id=0, docs=None):
         """stream: {tokens, mask, offsets}, and where `tokenized` gives them the documents' "supervised" targets and
@@ -133,12 +132,12 @@ class PackedDataset:
         use, in order (default all)."""
         C, tokens, mask, offsets = context_length, stream["tokens"], stream["mask"], stream["offsets"]
         docs = slice(None) if docs is None else docs
-        starts = np.asarray(offsets[:-1])  # (docs,) where each document begins in the token stream
+        starts = np.asarray(offsets[:-1])  # (docs,) where each document begins
         supervised = stream.get("supervised")
         supervised = supervised_targets(mask, starts) if supervised is None else supervised
         starts, doc_lens, supervised = starts[docs], np.diff(offsets)[docs], np.array(supervised[docs])  # (docs,)
         lens = np.minimum(doc_lens, C)  # a longer document is truncated to C
-        for i in np.flatnonzero(doc_lens > C):  # a truncated document keeps the targets of its first C tokens
+        for i in np.flatnonzero(doc_lens > C):  # a truncated document keeps its first C tokens' targets
             supervised[i] = int(mask[starts[i] + 1 : starts[i] + C].sum())
         keep = (doc_lens <= C) | (truncate & (supervised > 0))  # truncated, unless nothing supervised is left
         cut = (doc_lens > C) & keep
@@ -162,7 +161,7 @@ class PackedDataset:
         self.pad_to_max = pad_to_max
         self.seed = seed
         self.pad_id = pad_id
-        packer = cached_packer(stream.get("entry"), pack_bfd)  # rows packed before (token cache), or pack_bfd
+        packer = cached_packer(stream.get("entry"), pack_bfd)  # packed before (token cache), or pack_bfd
         self.rows = packer(self.lens, C) if pack else [[i] for i in range(len(self.lens))]  # document indices
         if not self.rows:
             raise ValueError(f"no examples left: all {len(doc_lens)} are longer than context_length {C}")
@@ -194,7 +193,7 @@ class PackedDataset:
             width = max(int(self.lens[r[0]]) for r in rows)
         inp = np.full((len(rows), width), self.pad_id, dtype=np.int64)
         sup = np.zeros(inp.shape, dtype=bool)  # (rows, width) supervised tokens
-        pos = np.zeros_like(inp)  # (rows, width) position ids, restarting at every document
+        pos = np.zeros_like(inp)  # (rows, width) positions, restarting at every document
         ar = np.arange(width)
         for b, docs in enumerate(rows):
             t = 0
@@ -203,9 +202,9 @@ class PackedDataset:
                 inp[b, t : t + n], sup[b, t : t + n] = self.tokens[s : s + n], self.mask[s : s + n]
                 pos[b, t : t + n] = ar[:n]
                 t += n
-            pos[b, t:] = ar[: width - t]  # the padding run is a pseudo-document of its own
+            pos[b, t:] = ar[: width - t]  # the padding: a pseudo-document of its own
         labels = np.full_like(inp, -100)
-        # shifted: the target at t is input t+1 if that token is supervised and does not start a new document
+        # shifted: the target at t is input t+1 if supervised and not a new document's start
         labels[:, :-1] = np.where(sup[:, 1:] & (pos[:, 1:] != 0), inp[:, 1:], -100)
         return {k: torch.from_numpy(v) for k, v in (("input_ids", inp), ("labels", labels), ("position_ids", pos))}
 

@@ -10,17 +10,17 @@ NormalFloat4. Pretrained weights are close to normal around zero, so the 16 code
 
 Each code then covers an equal share of normal data: information-theoretically optimal, the paper says.
 
-Blockwise absmax. The weight W (out, in) is flattened row-major into n = out * in values and cut into blocks of 64. Each
-block is divided by its absolute maximum (so it lies in [-1, 1]) and every value becomes the index of the nearest NF4
-value: a bucketize against the 15 midpoints. Dequantization is W[i] = NF4[code[i]] * absmax[i // 64], computed in fp32
-and rounded once to the compute dtype. Two codes share a byte, element 2i in the high nibble of byte i.
+Blockwise absmax. W (out, in) is flattened row-major into n = out * in values, cut into blocks of 64. Each block is
+divided by its absolute maximum (into [-1, 1]) and each value becomes the index of the nearest NF4 value, a bucketize
+against the 15 midpoints. Dequantization is W[i] = NF4[code[i]] * absmax[i // 64] in fp32, rounded once to the compute
+dtype. Two codes share a byte, element 2i in the high nibble of byte i.
 
 Double quantization. One fp32 absmax per 64 weights would cost 32 / 64 = 0.5 bits per weight, so the absmax are
 quantized too: subtract their mean (`offset`), cut them into blocks of 256, and store each as an 8-bit index into the
 signed dynamic map of bitsandbytes (256 values with a decimal exponent, dense near zero) scaled by the block's fp32
-absolute maximum (`nested_absmax`). The code is found as bitsandbytes finds it on CPU: the normalised value is rounded
-to one of 65536 evenly spaced points of [-1, 1], and a table built once maps each point to its nearest code (its CUDA
-kernel searches the exact nearest code, so rare absmax bytes differ by one step; both load the same way).
+absolute maximum (`nested_absmax`). The code is found as bitsandbytes' CPU path finds it: the normalised value is
+rounded to one of 65536 evenly spaced points of [-1, 1], and a table maps each point to its nearest code (bitsandbytes'
+CUDA kernel searches the exact nearest, so rare absmax bytes differ by a step; both load alike).
 
 Memory, per weight: 4 bits of code + 8 / 64 bits of absmax + 32 / (64 * 256) bits of nested absmax = 4.127 bits, plus a
 4-byte offset per tensor and a partial last block: 3.9x less than 16-bit weights. The 6.5B linear weights of a 7B
@@ -44,9 +44,9 @@ Where dequantization runs. `dequantize_nf4` below is the reference: a few PyTorc
 NF4Linear dequantizes with its `dequantize_op`, the reference unless the model's builder hands it an op with the same
 bits (support/kernels/nf4_ops.py: on CUDA a faster kernel; everywhere one torch.compile sees as opaque).
 
-Quantization error. quantize_ records on each layer it quantizes from 16-bit weights the relative error
-||W - dequant(W)||_F / ||W||_F (`rel_error`; support/run/progress.py prints the mean and the worst layer). For Gaussian
-weights NF4 with blocks of 64 loses about 9% of the norm; real checkpoints come close to that (tests/test_quant.py).
+Quantization error. quantize_ records each layer's relative error ||W - dequant(W)||_F / ||W||_F (`rel_error`;
+support/run/progress.py prints the mean and the worst). For Gaussian weights NF4 with blocks of 64 loses about 9% of the
+norm; real checkpoints come close (tests/test_quant.py).
 """
 
 import functools
@@ -61,7 +61,7 @@ from model import find_linears
 
 BLOCK = 64  # weights per absmax
 NESTED_BLOCK = 256  # absmax per nested absmax
-GRID = 65536  # evenly spaced points of [-1, 1] through which an absmax finds its 8-bit code
+GRID = 65536  # evenly spaced points of [-1, 1] giving an absmax its 8-bit code
 # The 16 NF4 values as bitsandbytes stores them (fp32); tests check them against the normal quantiles.
 # fmt: off
 NF4 = [
@@ -73,7 +73,7 @@ NF4 = [
 # fmt: on
 
 
-BUFFERS = ("weight", "absmax", "nested_absmax", "offset")  # NF4Linear's names for an NF4Weight's four tensors
+BUFFERS = ("weight", "absmax", "nested_absmax", "offset")  # NF4Linear's buffers, an NF4Weight's fields
 
 
 class NF4Weight(NamedTuple):
@@ -90,30 +90,29 @@ class NF4Weight(NamedTuple):
 
 def dynamic_map():
     """The signed 8-bit dynamic map (256 sorted floats in [-0.993, 1]): 0, 1, and for e = 0..6 the 2**e midpoints of
-    an even split of [0.1, 1] times 10**(e - 6), with both signs. Steps are fine near 0, where centred absmax sit."""
+    an even split of [0.1, 1] times 10**(e - 6), both signs: fine steps near 0, where centred absmax sit."""
     values = [0.0, 1.0]
     for e in range(7):
         edges = torch.linspace(0.1, 1, 2**e + 1)
-        mantissas = (edges[:-1] + edges[1:]) / 2 * 10.0 ** (e - 6)  # fp32 products, as bitsandbytes rounds them
+        mantissas = (edges[:-1] + edges[1:]) / 2 * 10.0 ** (e - 6)  # fp32, as bitsandbytes rounds
         values += mantissas.tolist() + (-mantissas).tolist()
     return torch.tensor(sorted(values))
 
 
 @functools.cache
 def code_tables(device):
-    """Code books and lookup tables on `device` (built on CPU: every device gets the same bits)."""
+    """Code books and lookup tables on `device` (built on CPU: same bits everywhere)."""
     nf4, dyn = torch.tensor(NF4), dynamic_map()
-    pairs = torch.stack([nf4.repeat_interleave(16), nf4.repeat(16)], 1)  # (256, 2): byte -> (high, low) value
-    grid = 2.0 * torch.arange(GRID, dtype=torch.float32) / (GRID - 1) - 1  # (65536,) evenly spaced in [-1, 1]
-    grid_code = torch.searchsorted((dyn[:-1] + dyn[1:]) / 2, grid).to(torch.uint8)  # nearest dynamic code
+    pairs = torch.stack([nf4.repeat_interleave(16), nf4.repeat(16)], 1)  # (256, 2): byte -> (high, low)
+    grid = 2.0 * torch.arange(GRID, dtype=torch.float32) / (GRID - 1) - 1  # (65536,) in [-1, 1]
+    grid_code = torch.searchsorted((dyn[:-1] + dyn[1:]) / 2, grid).to(torch.uint8)  # nearest code
     tables = dict(nf4=nf4, nf4_mid=(nf4[:-1] + nf4[1:]) / 2, pairs=pairs, dyn=dyn, grid_code=grid_code)
     return {k: v.to(device) for k, v in tables.items()}
 
 
 def blockwise_absmax(x, block):
-    """x (n,) fp32 cut into blocks of `block` values -> (each block divided by its absolute maximum, in [-1, 1]
-    (nb, block); the absolute maxima (nb,)). The last block is zero-padded, which leaves its maximum unchanged; an
-    all-zero block stays zero."""
+    """x (n,) fp32 cut into blocks of `block` values -> (each block over its absolute maximum, in [-1, 1]
+    (nb, block); the maxima (nb,)). The last block is zero-padded (its maximum unchanged); an all-zero block stays 0."""
     blocks = F.pad(x, (0, -x.numel() % block)).view(-1, block)
     absmax = blocks.abs().amax(dim=1)
     return (blocks * (1.0 / absmax.clamp(min=1e-38))[:, None]).clamp_(-1, 1), absmax
@@ -121,21 +120,19 @@ def blockwise_absmax(x, block):
 
 @torch.no_grad()
 def quantize_nf4(w):
-    """Any float tensor (n values) -> NF4Weight(packed uint8 ((n+1)//2, 1), absmax uint8 (B,), nested_absmax fp32
-    (B2,), offset fp32 ()), computed on w's device."""
+    """Any float tensor (n values) -> its NF4Weight (the layout above), computed on w's device."""
     tables = code_tables(w.device)
     flat = w.reshape(-1).float()
     n = flat.numel()
-    # 1. Blocks of 64 weights, each scaled by its absolute maximum into [-1, 1]: scaled (B, 64), absmax (B,).
+    # 1. Blocks of 64 weights scaled by their absolute maximum into [-1, 1]: scaled (B, 64), absmax (B,)
     scaled, absmax = blockwise_absmax(flat, BLOCK)
-    # 2. The nearest NF4 value's index for each weight (an odd n padded by one zero), two to a byte.
+    # 2. Each weight's nearest NF4 index (an odd n padded by a zero), two to a byte
     codes = torch.bucketize(scaled.view(-1)[: n + n % 2], tables["nf4_mid"], out_int32=True).to(torch.uint8)
     packed = (codes[0::2] << 4 | codes[1::2]).view(-1, 1)  # element 2i in the high nibble
-    # 3. Double quantization: the absmax, centred on their mean, in blocks of 256 scaled into [-1, 1]: (B2, 256).
+    # 3. Double quantization: the absmax minus their mean, in blocks of 256 scaled into [-1, 1]: (B2, 256)
     offset = absmax.mean()
     normed, nested_absmax = blockwise_absmax(absmax - offset, NESTED_BLOCK)
-    # 4. The nearest dynamic-map code of each, as bitsandbytes finds it on CPU: the nearest of 65,536 evenly spaced
-    #    points of [-1, 1], whose code is tabulated. A block of equal absmax (all zero) gets code 0.
+    # 4. Each one's dynamic-map code through the grid, as above; a block of equal absmax (all zero) gets code 0.
     point = ((normed + 1) * 0.5 * (GRID - 1) + 0.5).int()
     nested_codes = torch.where(nested_absmax[:, None] > 0, tables["grid_code"][point], 0)
     return NF4Weight(packed, nested_codes.view(-1)[: absmax.numel()], nested_absmax, offset)
@@ -153,13 +150,13 @@ def dequantize_nf4(weight, absmax, nested_absmax, offset, shape, dtype):
     scale = dequantize_absmax(absmax, nested_absmax, offset)  # (B,)
     n, nb = math.prod(shape), scale.numel()
     values = code_tables(weight.device)["pairs"].index_select(0, weight.view(-1).int()).view(-1)  # (2 * bytes,)
-    if values.numel() != nb * BLOCK:  # the last block is partial
+    if values.numel() != nb * BLOCK:  # a partial last block
         values = F.pad(values[:n], (0, nb * BLOCK - n))
     return values.view(nb, BLOCK).mul_(scale[:, None]).view(-1)[:n].to(dtype).view(shape)
 
 
 def zeros_nf4(n, device=None):
-    """An NF4Weight of n values, all its buffers zero: the shapes quantize_nf4 gives (to be filled)."""
+    """An all-zero NF4Weight of n values (quantize_nf4's shapes), to be filled."""
     nb = -(-n // BLOCK)
     return NF4Weight(
         torch.zeros((n + 1) // 2, 1, dtype=torch.uint8, device=device),
@@ -172,8 +169,8 @@ def zeros_nf4(n, device=None):
 # ----------------------------------------------------------------------------- the linear
 class DequantizeLinear(torch.autograd.Function):
     """y = x dequant(W)^T + b: W (out, in) dequantized by `dequantize` in forward, used and dropped, and again in
-    backward for dx = dy W. Only the 4-bit buffers are saved, never W; they get no gradient. (Buffers and op come in as
-    arguments, so torch.compile traces both passes.)"""
+    backward for dx = dy W. Only the 4-bit buffers are saved, never W; they get no gradient. (Buffers and op are
+    arguments: torch.compile traces both passes.)"""
 
     @staticmethod
     def forward(ctx, x, bias, dequantize, weight, absmax, nested_absmax, offset, shape):  # x (..., in), [out, in]
@@ -184,7 +181,7 @@ class DequantizeLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):  # grad (..., out)
         dx = db = None
-        if ctx.needs_input_grad[0]:  # dL/dx = dL/dy W, W as the forward had it
+        if ctx.needs_input_grad[0]:  # dL/dx = dL/dy W, the forward's W
             dx = grad @ ctx.dequantize(*ctx.saved_tensors, ctx.shape, ctx.dtype).to(grad.dtype)  # (..., in)
         if ctx.needs_input_grad[1]:
             db = grad.flatten(0, -2).sum(0)  # (out,)
@@ -192,9 +189,8 @@ class DequantizeLinear(torch.autograd.Function):
 
 
 class NF4Linear(nn.Module):
-    """A frozen linear whose weight (out, in) lives in NF4 double-quantized buffers (see above). rel_error:
-    ||W - dequant(W)|| / ||W|| when quantized from a 16-bit W, else None. dequantize_op: dequantize_nf4 unless the
-    model's builder hands it an op (support/kernels/nf4_ops.py)."""
+    """A frozen linear whose weight (out, in) lives in NF4 buffers (see above). rel_error: ||W - dequant(W)|| / ||W||
+    when quantized from a 16-bit W, else None. dequantize_op: dequantize_nf4, or the op the model's builder hands it."""
 
     def __init__(self, in_features, out_features, bias=False, compute_dtype=torch.bfloat16, device=None):
         super().__init__()
@@ -239,7 +235,7 @@ class NF4Linear(nn.Module):
 # ----------------------------------------------------------------------------- whole models
 @torch.no_grad()
 def relative_error(w, q):
-    """||W - dequant(q)||_F / ||W||_F of a weight W and its NF4Weight q, in fp32 (0 for an all-zero W)."""
+    """||W - dequant(q)||_F / ||W||_F of a weight W and its NF4Weight q, in fp32 (0 for W = 0)."""
     w = w.detach().float()
     err = torch.linalg.vector_norm(w - dequantize_nf4(*q, w.shape, torch.float32))
     return (err / torch.linalg.vector_norm(w).clamp(min=torch.finfo(torch.float32).tiny)).item()
@@ -250,7 +246,7 @@ def quantize_(
 ):
     """Swap the chosen nn.Linear modules of `model` for NF4Linear, one weight at a time; returns the model.
 
-    targets: as model.find_linears ("all-linear": every linear of the blocks; embeddings and lm_head stay 16-bit).
+    targets: as model.find_linears ("all-linear": the blocks' linears; embeddings and lm_head stay 16-bit).
     weights: None quantizes the model's own weights; else a function name -> tensor ("<module>.weight", "<module>.bias")
     supplying them one by one, so a meta-device model gets its base from a checkpoint, never holding the 16-bit model.
     An NF4Weight it hands back (a pre-quantized checkpoint) is used as it is. A 16-bit or fp32 weight is rounded to

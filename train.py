@@ -73,7 +73,7 @@ class Config:
     model: str = setting("", resume=True)  # HF model dir or Hub id; "" = SmolLM2-135M
     data: str = setting("", resume=True)  # JSONL, JSON or Parquet file, or Hub dataset id; "" = stdlib code
     data_format: str = setting("auto", ("auto", "magicoder", "alpaca", "pairs", "messages"), resume=True)
-    val_data: str = setting("", resume=True)  # separate validation file; "" = hold out val_fraction of `data`
+    val_data: str = setting("", resume=True)  # a validation file; "" = hold out val_fraction of `data`
     val_fraction: float = setting(0.02, within(0, 1, "()"), resume=True)  # share held out when val_data is ""
     max_examples: int = setting(0, at_least(0, " (0 = all)"), resume=True)  # at most this many (0 = all)
     template: str = setting("", TEMPLATE, resume=True)  # "" = the chat template; else "{instruction}...{response}"
@@ -92,7 +92,7 @@ class Config:
     use_rslora: bool = setting(False, resume=True)  # rank-stabilised scale alpha / sqrt(r)
     # --- optimisation ---
     max_steps: int = setting(24, at_least(1))  # optimizer steps
-    batch_tokens: int = setting(512, at_least(1), resume=True)  # tokens per optimizer step, all ranks together
+    batch_tokens: int = setting(512, at_least(1), resume=True)  # tokens per optimizer step, all ranks
     micro_batch_tokens: int | str = setting("auto", auto_or_at_least(1))  # per forward/backward; "auto" = what fits
     lr: float = setting(1e-3, above(0), resume=True)  # peak learning rate
     min_lr_ratio: float = setting(0.1, within(0, 1, "[]"))  # cosine decays to lr * min_lr_ratio
@@ -105,7 +105,7 @@ class Config:
     precision: str = setting("auto", ("auto", "bf16", "fp16", "fp32"))  # auto: bf16 (fp16 on old GPUs; CPU: faster)
     tf32: bool = setting(False)  # CUDA fp32 matmuls in TF32 (10-bit mantissa, faster); False: fp32 is fp32
     compile: bool = setting(False)  # torch.compile each block's training forward (slow to start; best on CUDA)
-    activation_checkpointing: bool = setting(False)  # recompute each block in backward to save memory
+    activation_checkpointing: bool = setting(False)  # recompute each block in backward: less memory
     offload_checkpoints: bool = setting(False)  # checkpointed block inputs in CPU memory (long rows)
     mlp_tile_tokens: int | str = setting("auto", auto_or_at_least(0))  # a row's tokens per MLP tile; auto: if needed
     chunked_loss: bool = setting(True)  # lm_head + cross-entropy in chunks; False = full-vocabulary fp32 logits
@@ -118,11 +118,11 @@ class Config:
     resume: bool = setting(False)  # continue from out_dir/checkpoint.pt
     preview: bool = setting(False)  # print the data report and the first examples, tokenized; no training
     plan: str = setting("")  # print what fits a GPU ("H100", "24GB") with these settings; no training
-    overwrite: bool = setting(False)  # replace the run in out_dir (else a chosen out_dir holding one is refused)
+    overwrite: bool = setting(False)  # replace a run in out_dir (else a chosen out_dir holding one is refused)
     eval_samples: int = setting(1, at_least(0, " (0 = none)"))  # held-out prompts answered at evaluations
     sample_tokens: int = setting(96, at_least(1))  # max new tokens of each answer
     eval_task: str = setting("", TASK)  # "humaneval" or a problems JSONL: greedy pass@1 at evaluations
-    eval_task_at: str = setting("evals", ("evals", "ends"))  # at every evaluation, or only the first and the last
+    eval_task_at: str = setting("evals", ("evals", "ends"))  # at every evaluation, or the first and last only
     eval_task_problems: int = setting(0, at_least(0, " (0 = all)"))  # only the first N problems of eval_task
     eval_task_unconfined: bool = setting(False)  # eval_task's code under the Python guards alone (no Landlock)
     log: str = setting("", ("", "tensorboard", "wandb"))  # also log to TensorBoard or W&B
