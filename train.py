@@ -145,7 +145,7 @@ class Config:
 def build_data(cfg: Config, tok, files, max_positions: int, place: ranks.Placement):
     """Examples -> (training, validation) packed datasets, and the first eval_samples held-out examples that render:
     the prompts evaluations answer."""
-    train_data, val_data = examples.sources(cfg, files)  # val_data None: held out of train_data
+    train_data, val_data = examples.sources(files)  # val_data None: held out of train_data
     tokenize = dict(template=cfg.template or None, train_on_prompt=cfg.train_on_prompt, cache_dir=cfg.cache_dir,
                     fmt=cfg.data_format, skip_bad_rows=cfg.skip_bad_rows)  # fmt: skip
     train_stream = pack.tokenized(train_data, tok, **tokenize)

@@ -271,7 +271,7 @@ def first(kept, limit):
     return kept
 
 
-def sources(cfg, files):
+def sources(files):
     """(training data, validation data): each the files to read one after the other (files: {"data": paths,
     "val_data": paths}) or, without data, the stdlib dataset's split as a list. Validation None: held out of the
     training data, whose one token stream serves both splits."""
