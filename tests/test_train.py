@@ -699,14 +699,14 @@ def qlora_step(model_dir, device, compute, adapters=None):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_bf16_step_equals_the_fp32_step(smollm2_dir, tmp_path, device):
+def test_bf16_step_equals_the_fp32_step(smollm2_vocab, tmp_path, device):
     """One bf16 QLoRA step (bf16 autocast over a bf16 base with NF4 blocks, fp32 adapters) against the same step in
     fp32 (TF32 off) on the same adapters and packed batch: the loss within 2e-3 nats and every LoRA gradient within
     5% (the norm of the difference over the norm; bf16 keeps 8 significant bits). On CPU: 1e-4 nats and 1.2%. The
     checkpoint is stored in bf16, so both runs quantize the same weights (quantize_ rounds to the compute dtype
     first, as transformers does): only the arithmetic differs."""
     torch.backends.cuda.matmul.fp32_precision = "ieee"  # conftest's autouse fixture restores it
-    model_dir = random_model_dir(tmp_path, smollm2_dir, dtype=torch.bfloat16, **TINY, head_dim=16)
+    model_dir = random_model_dir(tmp_path, smollm2_vocab, dtype=torch.bfloat16, **TINY, head_dim=16)
     loss32, grads32, adapters = qlora_step(model_dir, device, "fp32")
     loss16, grads16, _ = qlora_step(model_dir, device, "bf16", adapters)
     errors = {k: float((grads16[k] - g).norm() / g.norm()) for k, g in grads32.items()}
@@ -739,12 +739,12 @@ def test_adamw_equals_the_single_tensor_loop(device):
 
 
 @cuda
-def test_probe_fits_under_a_capped_memory_fraction(smollm2_dir, tmp_path):
+def test_probe_fits_under_a_capped_memory_fraction(smollm2_vocab, tmp_path):
     """The auto micro-batch probe on a GPU whose memory is capped (set_per_process_memory_fraction, which bounds what
     the allocator reserves) between what 2 rows of 2,048 tokens reserve and what 3 rows allocate: it picks 2, with
     the optimizer state held in reserve as the probe holds it, and 2 rows per micro-batch then train a step."""
     shape = dict(hidden_size=512, intermediate_size=1536, num_hidden_layers=4, num_attention_heads=8, head_dim=64)
-    model_dir = random_model_dir(tmp_path / "m", smollm2_dir, torch.bfloat16, "cuda", **shape, num_key_value_heads=2)
+    model_dir = random_model_dir(tmp_path / "m", smollm2_vocab, torch.bfloat16, "cuda", **shape, num_key_value_heads=2)
     cfg = train.Config(model=model_dir, device="cuda", context_length=2048, batch_tokens=16 * 2048)
     cfg.max_examples, cfg.cache_dir = 600, str(tmp_path / "cache")
     place = ranks.Placement(1, 1, torch.device("cuda"), torch.bfloat16)  # rank 1: builds quietly
@@ -785,7 +785,7 @@ def test_probe_fits_under_a_capped_memory_fraction(smollm2_dir, tmp_path):
 
 
 @cuda
-def test_cuda_end_to_end_on_a_1b_shape(smollm2_dir, tmp_path, monkeypatch):
+def test_cuda_end_to_end_on_a_1b_shape(smollm2_vocab, tmp_path, monkeypatch):
     """train.py end to end on the GPU: a random-initialised Llama of Llama-3.2-1B's shape (with SmolLM2's vocabulary
     and tokenizer) fine-tuned with QLoRA for 30 steps on the stdlib data, auto micro-batch and all. The validation
     loss falls. A run interrupted at step 12 and resumed is as close to the uninterrupted run as a second
@@ -800,7 +800,7 @@ def test_cuda_end_to_end_on_a_1b_shape(smollm2_dir, tmp_path, monkeypatch):
     import transformers
 
     shape = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32, head_dim=64)
-    base = random_model_dir(tmp_path / "base", smollm2_dir, torch.bfloat16, "cuda", **shape, num_key_value_heads=8)
+    base = random_model_dir(tmp_path / "base", smollm2_vocab, torch.bfloat16, "cuda", **shape, num_key_value_heads=8)
     common = [f"--model={base}", "--max_examples=3000", "--context_length=1024", "--batch_tokens=16384"]
     common += ["--max_steps=30", "--warmup_steps=3", "--eval_every=10", "--save_every=10", "--eval_samples=0"]
     common += [f"--cache_dir={tmp_path / 'cache'}"]
