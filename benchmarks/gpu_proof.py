@@ -14,13 +14,14 @@ The phases, in this order, each a child process with a time limit of its own:
               checkpoints, each from the length --plan predicts down until a step fits, peak beside the estimate
     ladder    bench.py gpu-ladder: a padded eager baseline, then one technique per rung
 
-Time: a phase may use its share of --budget (PHASES) plus whatever the phases before it left unused, never more than is
-left; a phase that would get less than its minimum is skipped with one line. A child gets a deadline GRACE of its time
-before its limit, after which it starts no new step and writes its results; at its limit it is killed, and what it wrote
-stays. The folder --out receives, each rewritten as a phase ends: <phase>.json (the child's own results; for tests the
-outcome of every test), proof.json (the phases' statuses and times, the machine), proof.md (every table, in markdown),
-log.txt (all output). Peers that need packages the machine lacks (bitsandbytes, liger-kernel) are installed from the
-wheels in --wheels (a git-ignored folder; none there: those peers are skipped, each with one line).
+Time: a phase may use its share of --budget (PHASES, scaled over those --phases names) plus whatever the phases before
+it left unused, never more than is left; a phase that would get less than its minimum is skipped with one line. A child
+gets a deadline GRACE of its time before its limit, after which it starts no new step and writes its results; at its
+limit it is killed, and what it wrote stays. The folder --out receives, each rewritten as a phase ends: <phase>.json
+(the child's own results; for tests the outcome of every test), proof.json (the phases' statuses and times, the
+machine), proof.md (every table, in markdown), log.txt (all output). Peers that need packages the machine lacks
+(bitsandbytes, liger-kernel) are installed from the wheels in --wheels (a git-ignored folder; none there: those peers
+are skipped, each with one line).
 """
 
 import json
@@ -130,6 +131,17 @@ def machine_facts():
     return facts
 
 
+def chosen_phases(names):
+    """PHASES restricted to the comma-separated `names`, their shares scaled to sum to 1: a later GPU given the phases
+    an earlier one cut spends all its budget on them."""
+    chosen = [p for p in PHASES if p[0] in names.split(",")]
+    unknown = set(names.split(",")) - {p[0] for p in PHASES}
+    if unknown or not chosen:
+        sys.exit(f"--phases={names}: expected a comma-separated subset of {','.join(p[0] for p in PHASES)}")
+    total = sum(share for _, share, _ in chosen)
+    return [(name, share / total, least) for name, share, least in chosen]
+
+
 def phase_limit(name, share, least, budget, end, carried):
     """(seconds phase `name` may take, or None to skip it) and the line that says so."""
     left = end - time.time()
@@ -141,6 +153,7 @@ def phase_limit(name, share, least, budget, end, carried):
 
 def bench_gpu_proof(args):
     """`python bench.py gpu-proof`: see the file docstring."""
+    phases = chosen_phases(args.phases)
     start = time.time()
     end = start + args.budget
     os.makedirs(args.out, exist_ok=True)
@@ -153,9 +166,7 @@ def bench_gpu_proof(args):
         if site:
             env["PYTHONPATH"] = os.pathsep.join(p for p in (site, env.get("PYTHONPATH")) if p)
         carried = 0.0
-        for name, share, least in PHASES:
-            if name not in args.phases.split(","):
-                continue
+        for name, share, least in phases:
             limit, line = phase_limit(name, share, least, args.budget, end, carried)
             print(f"\n== gpu-proof: {line}", flush=True)
             log.write(f"\n== gpu-proof: {line}\n")

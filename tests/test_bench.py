@@ -157,6 +157,7 @@ def gpu_proof_rehearsal(tmp_path, budget):
 
 
 PHASES = [p[0] for p in gpu_proof.PHASES]
+PHASES_SHARES = [p[:2] for p in gpu_proof.PHASES]
 
 
 def test_gpu_proof_rehearsal_on_cpu(tmp_path):
@@ -206,6 +207,18 @@ def test_a_phase_that_does_not_fit_the_budget_left_is_skipped():
     assert limit == pytest.approx(100, abs=1)
     limit, line = gpu_proof.phase_limit("ladder", 0.16, 30, 500, now + 25, carried=0)
     assert limit is None and line.startswith("ladder: skipped, 25 s of the budget left and it needs at least 30 s")
+
+
+def test_the_phases_chosen_share_the_whole_budget():
+    """chosen_phases: --phases=compiled,context gives those two the whole budget, in PHASES' proportions; a name that
+    is not a phase ends the command with one line naming the option and the phases."""
+    shares = dict(PHASES_SHARES)
+    chosen = gpu_proof.chosen_phases("context,compiled")
+    assert [name for name, _, _ in chosen] == ["compiled", "context"]
+    total = shares["compiled"] + shares["context"]
+    assert [share for _, share, _ in chosen] == pytest.approx([shares["compiled"] / total, shares["context"] / total])
+    with pytest.raises(SystemExit, match="--phases=tests,step,warp: expected a comma-separated subset of tests,"):
+        gpu_proof.chosen_phases("tests,step,warp")
 
 
 def test_a_phase_past_its_limit_is_killed_with_its_process_group(tmp_path):
