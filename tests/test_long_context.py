@@ -8,6 +8,7 @@ saved tensor once (RoPE's cos and sin, which every block takes, once for all) an
 so its memory is free once the forward has moved on.
 """
 
+import dataclasses
 import gc
 import weakref
 
@@ -26,11 +27,11 @@ CONFIG = LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=160, num_
 DOCS = [(2500, 1596), (1000, 3096)]  # two documents in each of two 4,096-token rows
 
 
-def qlora_model(**options):
+def qlora_model(config=CONFIG, **options):
     """A tiny fp32 QLoRA Llama with LoRA (dropout 0.1) on every block linear, B away from zero, built with these
     options (model.Options): the same weights whatever the options."""
     torch.manual_seed(0)
-    model = quant.quantize_(Llama(CONFIG, options=Options(**options)), compute_dtype=torch.float32)
+    model = quant.quantize_(Llama(config, options=Options(**options)), compute_dtype=torch.float32)
     lora.add_lora_(model, "all-linear", r=4, alpha=8, dropout=0.1, lora_dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -115,28 +116,34 @@ def test_a_gpu_run_keeps_what_is_in_cpu_memory_already():
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (pinned copies on a side stream)")
 def test_on_a_gpu_offloading_frees_the_block_inputs_and_keeps_the_gradients():
-    """On CUDA, in fp32 (TF32 off, as torch has it by default): the offloaded and tiled step's loss and gradients are
-    the checkpointed step's (within 1e-6 of the loss, 1e-5 of each gradient's largest entry: the tiles' matmuls are
-    of other shapes and their gradients summed in another order), and its peak GPU memory is lower by at least the
-    block inputs it moved."""
+    """On CUDA, in fp32 (TF32 off, as torch has it by default), 4 blocks: the offloaded and tiled step's loss and
+    gradients are the checkpointed step's (within 1e-6 of the loss, 1e-5 of each gradient's largest entry: the tiles'
+    matmuls are of other shapes and their gradients summed in another order), and its peak is lower by the block
+    inputs it keeps off the GPU there: the peak is the last block's recomputation (its attention, in this tiny model),
+    where the checkpointed step holds all 4 inputs and the offloaded one the recomputed block's only, so 3 inputs,
+    within 10% for what else the two steps hold (the MLP's tiles)."""
+    config = dataclasses.replace(CONFIG, num_hidden_layers=4)
     ids = torch.randint(0, 128, (2, 4096), device="cuda")
     pos = torch.stack([torch.cat([torch.arange(n) for n in row]) for row in DOCS]).cuda()
 
     def run(offload, tile):
-        model = qlora_model(checkpointing=True, offload_checkpoints=offload, mlp_tile=tile).cuda()
+        model = qlora_model(config, checkpointing=True, offload_checkpoints=offload, mlp_tile=tile).cuda()
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         with dropout_rows(model, row_keys(1337, 3, [0, 1])):
             loss, _ = model(ids, pos, labels=ids.roll(-1, 1))
+            torch.cuda.synchronize()
+            held = torch.cuda.memory_allocated()
             loss.backward()
         torch.cuda.synchronize()
         grads = [p.grad.clone() for p in model.parameters() if p.requires_grad]
-        return loss.item(), grads, torch.cuda.max_memory_allocated()
+        return loss.item(), grads, held, torch.cuda.max_memory_allocated()
 
-    want_loss, want, plain_peak = run(False, 0)
-    loss, grads, peak = run(True, 1000)
+    want_loss, want, plain_held, plain_peak = run(False, 0)
+    loss, grads, held, peak = run(True, 1000)
+    print(f"\nbetween forward and backward {plain_held:,} -> {held:,} bytes; peak {plain_peak:,} -> {peak:,}")
     assert loss == pytest.approx(want_loss, rel=1e-6)
     for got, ref in zip(grads, want, strict=True):
         assert (got - ref).abs().max() <= 1e-5 * ref.abs().max()
-    inputs = 2 * 4096 * CONFIG.hidden_size * 4 * CONFIG.num_hidden_layers  # every block's fp32 input
-    assert peak <= plain_peak - inputs, (peak, plain_peak, inputs)
+    one_input = 2 * 4096 * config.hidden_size * 4  # a block's fp32 input
+    assert plain_peak - peak >= 0.9 * (config.num_hidden_layers - 1) * one_input, (plain_peak, peak, one_input)

@@ -350,9 +350,10 @@ def test_compiled_training_step_has_no_breaks_and_no_recompiles(device, dtype):
     call, so hooks on a block (FSDP's gathering) run around them; no graph break in a block (NF4 dequantization and the
     per-document attention are opaque ops); the first step's graphs serve every later batch, whatever its document count
     and lengths; loss and LoRA gradients equal eager's, dropout masks included: within 1e-4 in fp32; in bf16, where
-    compiled kernels round differently, each no farther from the fp32 step than twice eager's distance plus 1e-4
-    (gradients: 1.5x at most on CPU; the loss differs by about 1e-4 either way); evaluation and generation never reach
-    the compiler."""
+    compiled kernels round differently, each no farther from the fp32 step than twice eager's distance plus 1e-4, the
+    loss plus 2^-10 (a quarter of bf16's relative step, 2^-8: the loss sums the cross-entropy of hidden states rounded
+    to bf16, and eager's loss may land closer to fp32's than the rounding promises); evaluation and generation never
+    reach the compiler."""
     torch._dynamo.reset()
     counters.clear()
     torch.backends.cuda.matmul.fp32_precision = "ieee"  # the fp32 reference; conftest's autouse fixture restores it
@@ -366,7 +367,7 @@ def test_compiled_training_step_has_no_breaks_and_no_recompiles(device, dtype):
     calls = []
     for block in compiled.model.layers:
         block.register_forward_pre_hook(lambda *_: calls.append(1))
-    graphs = None
+    graphs, distances = None, []  # bf16: per step, (compiled's, eager's) distance from fp32 of the loss and gradients
     for step, lens in enumerate(([5, 3, 8], [4, 4, 4, 4], [16], [2, 2, 2, 2, 2, 6], [7, 9, 11, 3])):
         pos = torch.cat([torch.arange(n) for n in lens])[None].to(device)
         ids, labels = torch.randint(0, 97, pos.shape, device=device), torch.randint(0, 97, pos.shape, device=device)
@@ -381,10 +382,14 @@ def test_compiled_training_step_has_no_breaks_and_no_recompiles(device, dtype):
         if dtype == torch.float32:
             assert all(torch.allclose(c, e, rtol=1e-4, atol=1e-6) for c, e in zip(results[1], results[0], strict=True))
         else:
-            for e, c, r in zip(*results, strict=True):
-                assert rel(c, r) <= 2 * rel(e, r) + 1e-4, (rel(c, r), rel(e, r))
+            distances.append([(rel(c, r), rel(e, r)) for e, c, r in zip(*results, strict=True)])
+            (loss_c, loss_e), *grads = distances[-1]
+            most = max(c / e for c, e in grads)
+            print(f"step {step}: loss {loss_c:.1e} (eager {loss_e:.1e}) from fp32; gradients {most:.2f}x eager's")
         graphs = graphs or counters["stats"]["unique_graphs"]
         assert counters["stats"]["unique_graphs"] == graphs  # no recompilation after the first step
+    for (loss_c, loss_e), *grads in distances:
+        assert loss_c <= 2 * loss_e + 2**-10 and all(c <= 2 * e + 1e-4 for c, e in grads), distances
     assert graphs <= 2 and not counters["graph_break"], dict(counters["graph_break"])  # x needs grad after layer 0
     assert len(calls) == 5 * len(compiled.model.layers)  # every compiled block ran inside its module's call
     frames = counters["frames"]["total"]
