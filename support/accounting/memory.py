@@ -44,10 +44,11 @@ does not see but the card's capacity must; support/accounting/plan.py takes it o
 The measurement
 ---------------
 train.py prints the estimate beside what the steps really took: on CUDA torch's allocator peak, reset after loading
-so that it counts the steps alone, which the estimate describes within 15% (docs/performance.md). On CPU it prints the
-process's peak resident set (VmHWM on Linux) with no such promise: the process itself (Python, torch, the tokenizer,
-the data), loading and glibc's heap (which keeps freed blocks for reuse, with holes between the saved tensors) are in
-it, and no shape formula derives them.
+so that it counts the steps alone, which the estimate describes within 15% (docs/performance.md), except offloaded
+checkpoints (outside it either way) and a tiled MLP over very long rows (which holds more than it counts). On CPU it
+prints the process's peak resident set (VmHWM on Linux) with no such promise: the process itself (Python, torch, the
+tokenizer, the data), loading and glibc's heap (which keeps freed blocks for reuse, with holes between the saved
+tensors) are in it, and no shape formula derives them.
 """
 
 import math
