@@ -49,9 +49,11 @@ def test_plan_follows_the_decision_tree():
     assert plan.budget_bytes("H100") == 81559 * 2**20 - 2**30  # nvidia-smi reports, less than it is sold as
     full = plan.plan(cfg, 0, 512, 8, torch.bfloat16, adapters(4, "all-linear", 0.05), chunked=False)[0]
     logits = 512 * cfg.vocab_size  # per row: the full-vocabulary loss keeps 4 bytes a logit, and 8 more pass through
-    assert all(
-        full[k] - table[k] == 12 * k[3] * logits - 8 * min(k[3] * 512, LOSS_CHUNK) * cfg.vocab_size for k in table
-    )
+    chunk = lambda k: 8 * min(k[3] * 512, LOSS_CHUNK) * cfg.vocab_size  # noqa: E731 (the chunked loss's transient)
+    # its logits kept, at least; at most also its transient over every token in place of one chunk's (the transient
+    # counts the loss or a block's backward, whichever is larger)
+    assert all(4 * k[3] * logits <= full[k] - table[k] <= 12 * k[3] * logits - chunk(k) for k in table)
+    assert any(full[k] - table[k] == 12 * k[3] * logits - chunk(k) for k in table)
     assert text.splitlines()[0].endswith(", chunked loss")
     text = plan.report(cfg, "L4", 512, 8, torch.bfloat16, adapters(4, "all-linear", 0.05), chunked=False)
     assert text.splitlines()[0].endswith(", full-vocabulary loss")

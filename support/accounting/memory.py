@@ -27,16 +27,20 @@ twice); attention keeps q, k, v, its output and a logsumexp per head (A(2q + 2kv
 materialise the (T, T) scores; on CPU and older GPUs each document's are kept zero-padded to attention.bucket of its
 length, which this count leaves out: 13% more of them on the default stdlib data, about 1% of all activations); the MLP
 keeps gate, silu(gate) and up (3Ai); the frozen base linears keep nothing (dL/dx needs only W, dequantized again in
-backward); each adapted linear keeps r numbers of its LoRA branch, and with dropout a dropped copy of its input plus a
-byte mask per element ((A + 1) times its input size), without dropout only down_proj's input (Ai), the others sharing
-tensors already kept. The full-vocabulary loss (chunked_loss=False) keeps all (tokens, V) fp32 logits, and its transient
-below spans every token, not one chunk: 12 bytes per logit in all. Activation checkpointing keeps only each block's
-input (Ah) and recomputes one block at a time in backward; offloaded, those inputs are in CPU memory (`offloaded_bytes`)
-and one comes back while its block is recomputed. A tiled MLP keeps the MLP's part (3Ai and its LoRA branches') for one
-tile of tokens only, never for the whole sequence (support/kernels/long_context.py). The loss works on c = min(tokens,
-1024) rows (zero-padded to attention.bucket(c)) of the vocabulary V at a time, at the end of forward when everything
-else is alive: its fp32 logits, and beside them the matmul's 16-bit output, logsumexp's scratch copy or the 16-bit
-gradient, 8 bytes per logit.
+backward); each adapted linear keeps r numbers of its LoRA branch, and with dropout a dropped copy of its input (A times
+its input size; the reference dropout, on CPU, also a byte mask per element, A + 1; the CUDA kernel recomputes its mask
+in backward), without dropout only down_proj's input (Ai), the others sharing tensors already kept. The full-vocabulary
+loss (chunked_loss=False) keeps all (tokens, V) fp32 logits, and its transient below spans every token, not one chunk:
+12 bytes per logit in all. Activation checkpointing keeps only each block's input (Ah) and recomputes one block at a
+time in backward; offloaded, those inputs are in CPU memory (`offloaded_bytes`) and one comes back while its block is
+recomputed. A tiled MLP keeps the MLP's part (3Ai and its LoRA branches') for one tile of tokens only, never for the
+whole sequence (support/kernels/long_context.py). The loss works on c = min(tokens, 1024) rows (zero-padded to
+attention.bucket(c)) of the vocabulary V at a time, at the end of forward when everything else is alive: its fp32
+logits, and beside them the matmul's 16-bit output, logsumexp's scratch copy or the 16-bit gradient, 8 bytes per logit.
+The blocks' backward comes after it, so the larger of the two counts, not their sum. A block's backward holds, besides
+what the block saved, the gradients in flight: the one arriving (Ah), an RMSNorm's fp32 gradient (4h), the attention's
+fp32 dq accumulator (4q, FlashAttention's) and the gradients of q, k, v and the attention's output (A(2q + 2kv)).
+docs/performance.md sets the whole estimate beside measured peaks.
 
 Beyond torch's own count: a GPU holds the CUDA context and kernels (about 1 GiB, which torch.cuda.max_memory_allocated
 does not see but the card's capacity must; support/accounting/plan.py takes it off the card).
@@ -44,11 +48,10 @@ does not see but the card's capacity must; support/accounting/plan.py takes it o
 The measurement
 ---------------
 train.py prints the estimate beside what the steps really took: on CUDA torch's allocator peak, reset after loading
-so that it counts the steps alone, which the estimate describes within 15% (docs/performance.md), except offloaded
-checkpoints (outside it either way) and a tiled MLP over very long rows (which holds more than it counts). On CPU it
-prints the process's peak resident set (VmHWM on Linux) with no such promise: the process itself (Python, torch, the
-tokenizer, the data), loading and glibc's heap (which keeps freed blocks for reuse, with holes between the saved
-tensors) are in it, and no shape formula derives them.
+so that it counts the steps alone, which the estimate describes within 15% (docs/performance.md). On CPU it prints the
+process's peak resident set (VmHWM on Linux) with no such promise: the process itself (Python, torch, the tokenizer,
+the data), loading and glibc's heap (which keeps freed blocks for reuse, with holes between the saved tensors) are in
+it, and no shape formula derives them.
 """
 
 import math
@@ -90,14 +93,15 @@ def model_sizes(config, targets) -> dict:
 
 
 def estimate(config, tokens, dtype, quantize, lora, opt_bytes, checkpointing, chunked=True, shards=0, offload=False,
-             sizes=None, tile_tokens=0, offload_checkpoints=False):  # fmt: skip
+             sizes=None, tile_tokens=0, offload_checkpoints=False, dropout_masks=False):  # fmt: skip
     """Bytes by part for a micro-batch of `tokens` tokens, on one rank: weights, adapters, gradients, optimizer,
     activations, transient, and when sharded what is gathered (see the file docstring). lora: the LoRA
     settings (train.Config.adapters: targets as model.find_linears, r, dropout); chunked=False is the full-vocabulary
     loss, whose (tokens, V) fp32 logits are kept for backward; shards: FSDP over that many ranks (0: not sharded),
     offload: its shards kept in CPU memory; sizes: model_sizes(config, lora targets), when the caller has it;
     tile_tokens: the tokens of one tile of a tiled MLP (every row's share; 0 or >= tokens: not tiled);
-    offload_checkpoints: the block inputs checkpointing keeps are in CPU memory (offloaded_bytes), not here."""
+    offload_checkpoints: the block inputs checkpointing keeps are in CPU memory (offloaded_bytes), not here;
+    dropout_masks: LoRA's dropout keeps a byte mask per element (the reference, on CPU; the CUDA kernel keeps none)."""
     lora_r = lora["r"]
     dropout = lora["dropout"]
     sizes = sizes or model_sizes(config, lora["targets"])
@@ -112,7 +116,8 @@ def estimate(config, tokens, dtype, quantize, lora, opt_bytes, checkpointing, ch
     q = heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
     first = sizes["first_block"]  # {kind: in_features} of the adapted linears of a block
-    lora_kept = {kind: a * lora_r + ((a + 1) * n_in if dropout > 0 else 0) for kind, n_in in first.items()}
+    dropped = (a + dropout_masks) if dropout > 0 else 0  # bytes a dropped input element keeps
+    lora_kept = {kind: a * lora_r + dropped * n_in for kind, n_in in first.items()}
     mlp = 3 * a * i + sum(v for kind, v in lora_kept.items() if kind in MLP_LINEARS)  # gate, silu(gate), up, LoRA's
     mlp += a * i if dropout == 0 and "down_proj" in first else 0  # silu(gate) * up, kept for down's LoRA
     rest = 2 * (4 * h + a * h) + a * (2 * q + 2 * kv) + 4 * heads  # the norms, attention
@@ -120,16 +125,17 @@ def estimate(config, tokens, dtype, quantize, lora, opt_bytes, checkpointing, ch
     tile = tile_tokens if 0 < tile_tokens < tokens else 0  # tiled MLP: its intermediates live for one tile at a time
     # the loss's fp32 logits beside the matmul's output, logsumexp's scratch or the gradient: 8 bytes a logit, of one
     # chunk, or of every token for the full-vocabulary loss (on top of the logits it keeps)
-    transient = (min(tokens, LOSS_CHUNK) if chunked else tokens) * config.vocab_size * 8
-    transient += max(linears) * a if quantize else 0  # W dequantized in backward
+    loss = (min(tokens, LOSS_CHUNK) if chunked else tokens) * config.vocab_size * 8
+    transient = max(linears) * a if quantize else 0  # W dequantized in backward
     layers = config.num_hidden_layers
-    live = tokens * rest + (tile or tokens) * mlp  # a block while it is differentiated (tiled: one tile's MLP)
+    grads = 4 * h + a * h + 4 * q + a * (2 * q + 2 * kv)  # in flight in a block's backward (file docstring)
     if checkpointing:  # kept: the block inputs (in CPU memory when offloaded); the block recomputed in backward
         kept = 0 if offload_checkpoints else tokens * a * h * layers
-        transient += live + (tokens * a * h if offload_checkpoints else 0)  # + its input, back from CPU memory
+        live = tokens * (rest + grads) + (tile or tokens) * mlp  # tiled: one tile's MLP
+        transient += max(loss, live + (tokens * a * h if offload_checkpoints else 0))  # + its input, back from CPU
     else:  # kept: what each block saves (tiled: not its MLP's intermediates, each tile recomputed in backward)
         kept = (tokens * rest + (0 if tile else tokens * mlp)) * layers
-        transient += tile * mlp
+        transient += max(loss, tokens * grads + tile * mlp)
     kept += 0 if chunked else tokens * config.vocab_size * 4  # the full loss keeps every fp32 logit
     parts = {
         "weights": weights,
@@ -175,6 +181,7 @@ def run_estimate(cfg, config, tokens, place, tile_tokens=0) -> dict:
         cfg.activation_checkpointing, chunked=cfg.chunked_loss,
         shards=place.world if cfg.parallel == "fsdp" else 0, offload=cfg.cpu_offload, tile_tokens=tile_tokens,
         offload_checkpoints=cfg.offload_checkpoints and place.device.type == "cuda",
+        dropout_masks=place.device.type != "cuda",
     )  # fmt: skip
 
 
