@@ -180,8 +180,10 @@ class LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):  # grad: d(outer loss)/d(our loss), a scalar
-        grad_w = None if ctx.grad_w is None else (ctx.grad_w * grad).to(ctx.weight_dtype)
-        return ctx.grad_h * grad.to(ctx.grad_h.dtype), grad_w, None, None, None
+        grad_h, grad_w = ctx.grad_h, ctx.grad_w
+        ctx.grad_h = ctx.grad_w = None  # freed once used, not kept through the blocks' backward
+        grad_w = None if grad_w is None else (grad_w * grad).to(ctx.weight_dtype)
+        return grad_h * grad.to(grad_h.dtype), grad_w, None, None, None
 
 
 class RMSNorm(nn.Module):

@@ -311,6 +311,25 @@ def test_the_chunked_loss_holds_one_chunk_of_logits_at_a_time():
     assert live.peak == 6 * chunk * vocab, live.peak / (chunk * vocab)
 
 
+def test_the_fused_loss_lets_go_of_its_gradient_once_backward_has_passed_it_on():
+    """LinearCrossEntropy makes the gradient for h (tokens x hidden) in forward; backward hands it on and drops it, so
+    it is not alive through the blocks' backward that follows (memory.py counts it only until then)."""
+    made = []
+
+    def cross_entropy(*args, **kwargs):  # linear_cross_entropy, keeping a weak reference to the gradient it makes
+        loss, grad_h, grad_w = M.linear_cross_entropy(*args, **kwargs)
+        made.append(weakref.ref(grad_h))
+        return loss, grad_h, grad_w
+
+    x, w, labels = torch.randn(8, 16, requires_grad=True), torch.randn(32, 16), torch.randint(0, 32, (8,))
+    h = x * 2  # h's producer, whose backward comes after the loss's
+    alive_then = []
+    h.register_hook(lambda grad: alive_then.append(made[0]() is not None))
+    M.LinearCrossEntropy.apply(h, w, labels, 4, cross_entropy).backward()
+    grad_h = M.linear_cross_entropy(h.detach(), w, labels, 4, grad=True)[1]
+    assert alive_then == [False] and torch.allclose(x.grad, 2 * grad_h)
+
+
 cuda = pytest.mark.skipif(
     not torch.cuda.is_available(), reason="needs a CUDA GPU (the CUDA attention and compile paths)"
 )
