@@ -28,30 +28,32 @@ materialise the (T, T) scores; on CPU and older GPUs each document's are kept ze
 length, which this count leaves out: 13% more of them on the default stdlib data, about 1% of all activations); the MLP
 keeps gate, silu(gate) and up (3Ai); the frozen base linears keep nothing (dL/dx needs only W, dequantized again in
 backward); each adapted linear keeps r numbers of its LoRA branch, and with dropout a dropped copy of its input (A times
-its input size; the reference dropout, on CPU, also a byte mask per element, A + 1; the CUDA kernel recomputes its mask
-in backward), without dropout only down_proj's input (Ai), the others sharing tensors already kept. The full-vocabulary
-loss (chunked_loss=False) keeps all (tokens, V) fp32 logits, and its transient below spans every token, not one chunk:
-12 bytes per logit in all. Activation checkpointing keeps only each block's input (Ah) and recomputes one block at a
-time in backward; offloaded, those inputs are in CPU memory (`offloaded_bytes`) and one comes back while its block is
+its input size; the reference dropout, on CPU, also a byte mask per element, A + 1; on CUDA the op keeps none, and its
+Triton kernel makes no temporaries: without Triton, the reference's, about 8 bytes per element, are not counted),
+without dropout only down_proj's input (Ai), the others sharing tensors already kept. The full-vocabulary loss
+(chunked_loss=False) keeps all (tokens, V) fp32 logits, and its transient below spans every token, not one chunk: 12
+bytes per logit in all. Activation checkpointing keeps only each block's input (Ah) and recomputes one block at a time
+in backward; offloaded, those inputs are in CPU memory (`offloaded_bytes`) and one comes back while its block is
 recomputed. A tiled MLP keeps the MLP's part (3Ai and its LoRA branches') for one tile of tokens only, never for the
 whole sequence (support/kernels/long_context.py). The loss works on c = min(tokens, 1024) rows (zero-padded to
 attention.bucket(c)) of the vocabulary V at a time, at the end of forward when everything else is alive: its fp32
 logits, and beside them the matmul's 16-bit output, logsumexp's scratch copy or the 16-bit gradient, 8 bytes per logit.
 The blocks' backward comes after it, so the larger of the two counts, not their sum. A block's backward holds, besides
 what the block saved, the gradients in flight: the one arriving (Ah), an RMSNorm's fp32 gradient (4h), the attention's
-fp32 dq accumulator (4q, FlashAttention's) and the gradients of q, k, v and the attention's output (A(2q + 2kv)).
-docs/performance.md sets the whole estimate beside measured peaks.
+fp32 dq accumulator (4q, FlashAttention's) and the gradients of q, k, v and the attention's output (A(2q + 2kv)): an
+account of attention's backward, which at the 8B shape also covers the untiled MLP's backward (about 2Ai of gradients);
+docs/performance.md sets the estimate beside the peaks measured at that shape.
 
 Beyond torch's own count: a GPU holds the CUDA context and kernels (about 1 GiB, which torch.cuda.max_memory_allocated
 does not see but the card's capacity must; support/accounting/plan.py takes it off the card).
 
 The measurement
 ---------------
-train.py prints the estimate beside what the steps really took: on CUDA torch's allocator peak, reset after loading
-so that it counts the steps alone, which the estimate describes within 15% (docs/performance.md). On CPU it prints the
-process's peak resident set (VmHWM on Linux) with no such promise: the process itself (Python, torch, the tokenizer,
-the data), loading and glibc's heap (which keeps freed blocks for reuse, with holes between the saved tensors) are in
-it, and no shape formula derives them.
+train.py prints the estimate beside what the steps really took: on CUDA torch's allocator peak, reset after loading so
+that it counts the steps alone, which the estimate describes within 15% at the shapes measured (docs/performance.md). On
+CPU it prints the process's peak resident set (VmHWM on Linux) with no such promise: the process itself (Python, torch,
+the tokenizer, the data), loading and glibc's heap (which keeps freed blocks for reuse, with holes between the saved
+tensors) are in it, and no shape formula derives them.
 """
 
 import math
@@ -101,7 +103,7 @@ def estimate(config, tokens, dtype, quantize, lora, opt_bytes, checkpointing, ch
     offload: its shards kept in CPU memory; sizes: model_sizes(config, lora targets), when the caller has it;
     tile_tokens: the tokens of one tile of a tiled MLP (every row's share; 0 or >= tokens: not tiled);
     offload_checkpoints: the block inputs checkpointing keeps are in CPU memory (offloaded_bytes), not here;
-    dropout_masks: LoRA's dropout keeps a byte mask per element (the reference, on CPU; the CUDA kernel keeps none)."""
+    dropout_masks: LoRA's dropout keeps a byte mask per element (the reference, on CPU; the CUDA op keeps none)."""
     lora_r = lora["r"]
     dropout = lora["dropout"]
     sizes = sizes or model_sizes(config, lora["targets"])
