@@ -39,10 +39,11 @@ whole sequence (support/kernels/long_context.py). The loss works on c = min(toke
 attention.bucket(c)) of the vocabulary V at a time, at the end of forward when everything else is alive: its fp32
 logits, and beside them the matmul's 16-bit output, logsumexp's scratch copy or the 16-bit gradient, 8 bytes per logit.
 The blocks' backward comes after it, so the larger of the two counts, not their sum. A block's backward holds, besides
-what the block saved, the gradients in flight: the one arriving (Ah), an RMSNorm's fp32 gradient (4h), the attention's
-fp32 dq accumulator (4q, FlashAttention's) and the gradients of q, k, v and the attention's output (A(2q + 2kv)): an
-account of attention's backward, which at the 8B shape also covers the untiled MLP's backward (about 2Ai of gradients);
-docs/performance.md sets the estimate beside the peaks measured at that shape.
+what the block saved, the gradients in flight, and it holds them in two phases. The MLP's backward holds the gradient
+arriving (Ah) and two (tokens, i) gradients at a time (2Ai; tiled: for one tile). Attention's backward comes after the
+MLP's saves are freed, and holds the gradient arriving (Ah), an RMSNorm's fp32 gradient (4h), FlashAttention's fp32 dq
+accumulator (4q) and the gradients of q, k, v and of the attention's output (A(2q + 2kv)). The larger phase counts.
+docs/performance.md sets the estimate beside peaks measured on a GPU at the 8B shape and on CPU with a wide MLP.
 
 Beyond torch's own count: a GPU holds the CUDA context and kernels (about 1 GiB, which torch.cuda.max_memory_allocated
 does not see but the card's capacity must; support/accounting/plan.py takes it off the card).
@@ -130,14 +131,17 @@ def estimate(config, tokens, dtype, quantize, lora, opt_bytes, checkpointing, ch
     loss = (min(tokens, LOSS_CHUNK) if chunked else tokens) * config.vocab_size * 8
     transient = max(linears) * a if quantize else 0  # W dequantized in backward
     layers = config.num_hidden_layers
-    grads = 4 * h + a * h + 4 * q + a * (2 * q + 2 * kv)  # in flight in a block's backward (file docstring)
+    # the gradients in flight in a block's backward (file docstring): its MLP's (tiled: one tile's), then attention's
+    grads_mlp = (tile or tokens) * 2 * a * i + tokens * a * h
+    grads_attention = tokens * (4 * h + a * h + 4 * q + a * (2 * q + 2 * kv))
     if checkpointing:  # kept: the block inputs (in CPU memory when offloaded); the block recomputed in backward
         kept = 0 if offload_checkpoints else tokens * a * h * layers
-        live = tokens * (rest + grads) + (tile or tokens) * mlp  # tiled: one tile's MLP
+        # the recomputed block: what it saved, and its backward's larger phase (the MLP's saves go before attention's)
+        live = tokens * rest + max((tile or tokens) * mlp + grads_mlp, grads_attention)
         transient += max(loss, live + (tokens * a * h if offload_checkpoints else 0))  # + its input, back from CPU
     else:  # kept: what each block saves (tiled: not its MLP's intermediates, each tile recomputed in backward)
         kept = (tokens * rest + (0 if tile else tokens * mlp)) * layers
-        transient += max(loss, tokens * grads + tile * mlp)
+        transient += max(loss, tile * mlp + grads_mlp, grads_attention)
     kept += 0 if chunked else tokens * config.vocab_size * 4  # the full loss keeps every fp32 logit
     parts = {
         "weights": weights,
