@@ -1,13 +1,9 @@
 """How do a config file and --key=value flags become a checked Config?
 
-train.Config declares each setting once, with `setting(default, allowed, resume=...)`: its default, what it allows
-(a Rule, or a tuple of choices) and whether a resumed run must match the checkpoint. Everything else is derived from
-those declarations: the range and choice checks (all mistakes at once, one line each), the settings --resume compares,
-the type checks of flags.
-
-A config file is plain Python assignments run in an isolated namespace (nothing leaks in or out); `--key=value` flags
-override it wherever they stand on the command line; an unknown key is an error that names the nearest valid one; a
-mistake inside a config file is one line naming its line.
+train.Config declares each setting once, with `setting(default, allowed, resume=...)`; the range and choice checks
+(all mistakes at once, one line each), the settings --resume compares and the type checks of flags are derived from
+those declarations. A config file is plain Python assignments run in an isolated namespace; `--key=value` flags
+override it wherever they stand on the command line.
 """
 
 import ast
@@ -82,8 +78,7 @@ def resume_keys(cls) -> list[str]:
 
 
 def load_config(cls, argv: list[str]):
-    """Config file(s), then --key=value overrides (wherever they stand) -> cls(...). Unknown keys fail with the
-    nearest valid key."""
+    """Config file(s), then --key=value overrides -> cls(...). An unknown key fails naming the nearest valid one."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     values: dict = {}
 
@@ -111,8 +106,7 @@ def load_config(cls, argv: list[str]):
 
 
 def run_config_file(path) -> dict:
-    """The names a config file assigns, run in an isolated namespace (nothing leaks in or out); a mistake in it is one
-    line naming the file and line."""
+    """The names a config file assigns, run in an isolated namespace; a mistake in it is one line naming its line."""
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: config file not found")
     namespace: dict = {}
@@ -144,8 +138,8 @@ def check_type(key, value, annotation, where):
 
 
 def check_config(cfg):
-    """Every field against what it allows, then the settings that cannot go together, all mistakes at once: a
-    ValueError with one line per mistake."""
+    """Every field against what it allows, then the settings that cannot go together: a ValueError with one line per
+    mistake."""
     errors = []
     for f in dataclasses.fields(cfg):
         value, allowed = getattr(cfg, f.name), f.metadata.get("allowed")

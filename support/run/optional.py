@@ -1,10 +1,8 @@
 """Is an optional package here, and does it work?
 
-flash-attn, bitsandbytes, tensorboard and wandb are optional: each speeds up or adds something, and the run goes on
-without it. Two cases must not be confused. Not installed: the feature is simply off (or, where it was asked for, one
-line says what to pip install). Installed but broken, typically a wheel built for another torch or CUDA, which fails
-at import with an ImportError or an OSError from its binary ("undefined symbol"): one line says so and what is used
-instead, and the run goes on, rather than failing at its first step.
+flash-attn, bitsandbytes, tensorboard and wandb are optional. Not installed: the feature is off (where it was asked
+for, one line says what to pip install). Installed but broken, typically a wheel built for another torch or CUDA: one
+line says so and what is used instead, and the run goes on.
 """
 
 import importlib

@@ -1,23 +1,9 @@
 """What does a run tell its user while it trains, and where else do its records go?
 
-Before the first step: how a step is split (ranks, micro-batches, rows), the memory estimate by part, and what MFU is
-measured against; the NF4 quantization error of every linear. Every step: a progress bar with loss, lr, tokens/s,
-supervised tokens/s, MFU and the time of the forward, backward and optimizer phases. After step 2: the measured peak
-memory beside the estimate. At every evaluation: each adapter's size relative to its layer (||scale B A|| / ||W||) and
-the share of B that has moved from zero, with a warning when none has: the adapters are not training.
-
-Phase times on a GPU come from CUDA events read once the step is done: the host runs ahead of the GPU, so a clock read
-on the host between a forward and a backward would count most of the backward as forward.
-
-Trackers: TensorBoard or Weights & Biases, beside metrics.jsonl. With `log = "tensorboard"` or `log = "wandb"` every
-record that goes into metrics.jsonl also goes to the tracker, as it is made (rank 0 only): every number in it, nested
-keys joined by "/" ("adapters/mean", "nf4_error/worst"), at the record's step, and the held-out answers of each
-evaluation as text. TensorBoard's event files go to out_dir/tensorboard/<start time> (`tensorboard --logdir out`), one
-run per launch, so that a resumed run (which repeats the steps after its checkpoint) or an overwritten one shows as a
-run of its own; its scalars are in double precision, to hold metrics.jsonl's values exactly. W&B runs offline unless an
-API key is set (WANDB_API_KEY, or `wandb login`), into out_dir/wandb and the project nanoqlora unless WANDB_DIR and
-WANDB_PROJECT say otherwise, with the Config as the run's config; `wandb sync` uploads an offline run later. Both
-packages are optional installs.
+Before the first step: how a step is split, the memory estimate by part and what MFU is measured against, and the NF4
+quantization error. Every step: a progress bar with loss, lr, rates, MFU and phase times; after step 2, the measured
+peak memory beside the estimate. At every evaluation: each adapter's size relative to its layer and the share of B
+that has moved from zero. With `log`, every record of metrics.jsonl also goes to TensorBoard or W&B (rank 0 only).
 """
 
 import dataclasses
@@ -38,8 +24,8 @@ from support.run import ranks
 
 
 class PhaseClock:
-    """Seconds spent in named phases of a step: CUDA events on a GPU (read after the step's last kernel, so timing
-    never makes the host wait mid-step), time.perf_counter on CPU. mark(phase) ends `phase` at this point."""
+    """Seconds spent in named phases of a step: CUDA events on a GPU, read after the step's last kernel (the host runs
+    ahead of the GPU), time.perf_counter on CPU. mark(phase) ends `phase` at this point."""
 
     def __init__(self, device):
         self.cuda = device.type == "cuda"
@@ -55,7 +41,6 @@ class PhaseClock:
             self.marks.append((phase, time.perf_counter()))
 
     def seconds(self) -> dict:
-        """{phase: seconds}, summed over its marks."""
         if self.cuda:
             self.marks[-1][1].synchronize()
         out = {}
@@ -65,9 +50,8 @@ class PhaseClock:
 
 
 def describe_step(cfg, place, model, context, rows, micro_rows) -> tuple[int, float]:
-    """Print how a step is split, the memory estimate by part (the tensors': on CPU the process holds more, see
-    support/accounting/memory.py) and what MFU is measured against; returns (estimated bytes, the peak FLOP/s MFU
-    divides by)."""
+    """Print how a step is split, the memory estimate by part and what MFU is measured against; returns (estimated
+    bytes, the peak FLOP/s MFU divides by)."""
     parts = memory.run_estimate(cfg, model.config, micro_rows * context, place, model.options.mlp_tile * micro_rows)
     peak, source = peak_flops(place.device, place.dtype)
     if ranks.is_sharded(model):  # every rank says what it holds: its shard
@@ -87,15 +71,13 @@ def describe_step(cfg, place, model, context, rows, micro_rows) -> tuple[int, fl
 
 
 def adapters_line(model, r, linears) -> str:
-    """One line: the rank, how many linears have adapters, and the trainable share of the parameters."""
     trainable, total = lora.count_parameters(model)
     return f"LoRA r={r} on {linears} linears: {trainable:,} trainable of {total:,} parameters ({trainable / total:.3%})"
 
 
 def nf4_error(model) -> dict | None:
-    """The NF4 quantization error quant.quantize_ recorded on each layer it quantized from 16-bit weights, printed in
-    one line: {"layers", "mean", "worst", "worst_layer"} of ||W - dequant(W)|| / ||W||; None when no layer has one (a
-    pre-quantized or 16-bit base)."""
+    """Print and return the NF4 quantization error ||W - dequant(W)|| / ||W|| quant.quantize_ recorded on the layers it
+    quantized: {"layers", "mean", "worst", "worst_layer"}, or None when there are none."""
     errors = {
         n: m.rel_error for n, m in model.named_modules() if isinstance(m, quant.NF4Linear) and m.rel_error is not None
     }
@@ -112,10 +94,8 @@ def nf4_error(model) -> dict | None:
 
 @torch.no_grad()
 def adapter_health(model):
-    """{module: (||scale * B A|| / ||W||, share of B's entries that moved from zero)}, Frobenius norms: how far each
-    adapter has moved its layer, and whether it is training at all (B starts at zero, so a B still all zero after
-    some steps means no gradient reaches it). ||B A||^2 = trace((B^T B)(A A^T)) is an (r, r) product, so no (out, in)
-    matrix is formed; ||W|| is computed once per module (W is frozen) and kept on it."""
+    """{module: (||scale * B A|| / ||W||, share of B's entries that moved from zero)}, Frobenius norms. ||B A||^2 =
+    trace((B^T B)(A A^T)), an (r, r) product: no (out, in) matrix is formed; ||W|| (frozen) is kept on the module."""
     health = {}
     for module, m in lora.lora_modules(model).items():
         if not hasattr(m, "base_norm"):
@@ -127,8 +107,8 @@ def adapter_health(model):
 
 
 def sharded_adapter_health(model) -> dict:
-    """adapter_health of a model sharded with FSDP2, block by block: each block gathered on every rank, then freed;
-    then the root's own adapters (an adapted lm_head), the root gathered the same way."""
+    """adapter_health of a model sharded with FSDP2, each block gathered on every rank in turn, then the root's own
+    adapters (an adapted lm_head)."""
     health = {}
     for i, block in enumerate(model.model.layers):
         block.unshard()
@@ -143,8 +123,8 @@ def sharded_adapter_health(model) -> dict:
 
 
 def adapter_report(model, record, bar, main=True):
-    """Adapter health into `record` and one line (a warning when no B has moved: the adapters are not training). Every
-    rank of a sharded model computes it (its blocks are gathered one by one); rank 0 writes."""
+    """Adapter health into `record` and one line, with a warning when no B has moved. Every rank of a sharded model
+    computes it; rank 0 writes."""
     health = sharded_adapter_health(model) if ranks.is_sharded(model) else adapter_health(model)
     updates = {n: u for n, (u, _) in health.items()}
     moved = sum(m for _, m in health.values()) / len(health)
@@ -164,8 +144,7 @@ def adapter_report(model, record, bar, main=True):
 
 
 def show_step(bar, record, place, estimated, max_steps, tracker=None):
-    """The progress bar's line for a step (and the record to the tracker); once, after step 2, the measured peak memory
-    beside the estimate."""
+    """The progress bar's line for a step, and the record to the tracker; after step 2, the measured peak memory."""
     if place.device.type == "cuda":
         record["peak_mem"] = memory.peak(place.device)
     bar.set_postfix_str(
@@ -184,7 +163,7 @@ def show_step(bar, record, place, estimated, max_steps, tracker=None):
 
 def with_rates(record, batch, seconds, place, config, peak_flops) -> dict:
     """A step's record with its rates: tokens/s (all ranks), supervised tokens/s (in place of the count), this rank's
-    model FLOPs (per document, support/accounting/flops.py) and MFU over this rank's device."""
+    model FLOPs and MFU over this rank's device."""
     flops = batch_flops(config, batch["position_ids"])
     rates = dict(tokens_per_s=batch["input_ids"].numel() * place.world / seconds, flops=flops)
     rates |= dict(supervised_per_s=record["supervised"] / seconds, mfu=flops / seconds / peak_flops)
@@ -192,7 +171,7 @@ def with_rates(record, batch, seconds, place, config, peak_flops) -> dict:
 
 
 def reset_peak(place):
-    """The measured peak starts here, with the steps (on CUDA; a CPU's is the process's)."""
+    """The measured peak starts here (on CUDA; a CPU's is the process's)."""
     memory.reset_peak(place.device)
 
 
@@ -201,7 +180,6 @@ def print_peak(place):
 
 
 def open_tracker(cfg):
-    """The tracker cfg.log asks for, None for "" (config.check_config has checked its package is installed)."""
     if not cfg.log:
         return None
     return TensorBoard(cfg) if cfg.log == "tensorboard" else WandB(cfg)
@@ -219,7 +197,6 @@ def numbers(record, prefix="") -> dict:
 
 
 def sample_text(sample) -> str:
-    """A held-out prompt and its answer as one text entry."""
     return f"prompt:\n{sample['prompt']}\n\nanswer:\n{sample['answer']}"
 
 

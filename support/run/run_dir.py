@@ -1,48 +1,9 @@
 """What does a run keep in its out_dir, from the claim before any work to what it leaves at the end?
 
 One folder per run, kept whole however the run ends: claimed before any work, checkpointed as it trains (and when it
-stops early), and holding the outputs at the end.
-
-The claim
----------
-Are the inputs there, and may this run write to out_dir? Checked before any work: the model's config.json and the data
-exist (Hub ids resolved by support/formats/hub.py), a GGUF export of something llama.cpp cannot read is refused now
-rather than after the training, and out_dir is writable and holds no other run. A run already there (a checkpoint, an
-adapter or metrics) is continued with --resume or replaced with --overwrite; a chosen out_dir holding one is refused,
-and the default one moves on to out-2, out-3, ... (saying so), so running the default twice keeps both runs.
-
-Checkpoints
------------
-What does a checkpoint hold, and when may a run resume from it? checkpoint.pt holds the adapter weights, the optimizer
-state, fp16's loss scale and the settings, every tensor whole and named by its parameter, so a run sharded over N ranks
-resumes on M ranks or on one process (torch's torch.distributed.checkpoint.state_dict gathers the optimizer state and
-lays every tensor out again as its parameter is). No RNG state, no schedule and no data position: dropout is a function
-of (seed, step, a row's place in the step's global batch), every step takes the rows pack.py gives it, and the learning
-rate is the schedule's at that step, so the step number is all a resumed run needs, on any number of ranks and any
-micro-batch. It is read with weights_only: tensors and plain values, never a pickle that would run code. A resumed run
-must share the settings declared with resume=True in train.Config: they shape the adapters, the optimizer (whose saved
-state carries lr, betas and weight decay: a new value would be silently ignored) or the data and its order. max_steps,
-warmup_steps and min_lr_ratio may change: the schedule is recomputed from them. metrics.jsonl is rewritten whole with
-each checkpoint, so the two always agree.
-
-Stopping early
---------------
-How does a run stop early without losing or corrupting anything? Ctrl-C (or SIGTERM) asks the loop to stop after the
-step under way, so the checkpoint it writes sits exactly between two steps (and the step's record is kept); a second
-Ctrl-C stops at once, writing nothing. Under torchrun every rank must leave the loop at the same step, or the others
-would wait in their next all-reduce forever: one scalar all-reduce per step agrees on it. torchrun kills its workers 30
-s after passing Ctrl-C on (--shutdown_timeout sets it from torch 2.13), so an evaluation due at the stop step is
-skipped. A NaN or inf loss or gradient is never applied: the run stops before the update, writes the metrics up to it
-and says which checkpoint is intact.
-
-What a finished run leaves
---------------------------
-What does a finished run leave behind? In out_dir: adapter/ (PEFT's format, which transformers + PEFT load), loss.png
-(training and validation loss over the steps), and on request merged/ (the adapters folded into the base, a plain
-Hugging Face model) and model-<type>.gguf with its Ollama Modelfile. The merge is checked before anything of it is
-written (support/evaluation/merge_check.py) and its report joins metrics.jsonl. On the terminal: the validation loss
-before and after, eval_task's pass@1 at the first and the last evaluation that scored it, and the first held-out
-prompt's answer at the first and the last evaluation beside the reference, each with its similarity to it."""
+stops early: Ctrl-C, SIGTERM or a NaN), and holding the outputs at the end (adapter/, loss.png, on request merged/ and
+a GGUF). A checkpoint holds every tensor whole, named by its parameter, so a run resumes on any number of ranks, and
+is read with weights_only: tensors and plain values, never a pickle that would run code."""
 
 import dataclasses
 import difflib
@@ -72,15 +33,11 @@ from support.formats import gguf_read, gguf_write, hf, hub, modelfile
 from support.formats.atomic import atomic_write
 from support.run import ranks
 from support.run.config import resume_keys
-from support.run.ranks import full
 
 
 def claim_inputs(cfg) -> tuple[str, dict]:
-    """Fail before any work when out_dir is not writable, holds another run, the model, data or checkpoint is missing,
-    or context_length is beyond the model's positions; returns the model directory (the embedded SmolLM2 when cfg.model
-    is "", converted on first use) and the data files {"data": [...], "val_data": [...]} (empty lists for "", the stdlib
-    dataset), Hub ids resolved into the Hugging Face cache. A preview writes nothing, so it claims no out_dir; a plan
-    reads no data."""
+    """Fail before any work when out_dir is not writable or holds another run, an input is missing, or context_length
+    is beyond the model's positions; returns (the model directory, data_files(cfg)). A preview claims no out_dir."""
     model_dir = hub.model_dir(cfg.model, only_config=bool(cfg.plan)) if cfg.model else gguf_read.smollm2_dir()
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise FileNotFoundError(f"model: {os.path.join(model_dir, 'config.json')} not found (not a model directory)")
@@ -99,16 +56,14 @@ def claim_inputs(cfg) -> tuple[str, dict]:
 
 
 def data_files(cfg) -> dict:
-    """{"data": [...], "val_data": [...]}: the files of each (a local path, or a Hub dataset's in the cache); none for
-    "" (the stdlib dataset) or for a plan, which reads no data."""
+    """{"data": [...], "val_data": [...]}: the files of each; none for "" (the stdlib dataset) or for a plan."""
     return {key: hub.data_files(getattr(cfg, key)) if getattr(cfg, key) and not cfg.plan else []
             for key in ("data", "val_data")}  # fmt: skip
 
 
 def claim_out_dir(cfg):
-    """Make sure this run may write to out_dir. A run already there (see run_files) is continued with --resume or
-    replaced with --overwrite; otherwise a chosen out_dir is refused, and the default one moves on to out-2, out-3,
-    ... (saying so), so running the default twice keeps both runs. cfg.out_dir is updated in place."""
+    """Make sure this run may write to out_dir. A run already there is continued with --resume or replaced with
+    --overwrite; otherwise a chosen out_dir is refused and the default one moves on to out-2, out-3, ... (in cfg)."""
     ckpt = os.path.join(cfg.out_dir, "checkpoint.pt")
     if cfg.resume and not os.path.isfile(ckpt):
         raise FileNotFoundError(f"{ckpt}: no checkpoint to resume from")
@@ -133,17 +88,15 @@ def claim_out_dir(cfg):
 
 
 def run_files(out_dir) -> list[str]:
-    """The files in out_dir that show a run was there: its checkpoint, its adapter, its metrics."""
     return [p for f in ("checkpoint.pt", "adapter", "metrics.jsonl") if os.path.exists(p := os.path.join(out_dir, f))]
 
 
 def save_checkpoint(path, model, opt, scaler, step, cfg, main=True):
-    """Adapter weights, optimizer and fp16's loss scale, every tensor whole and keyed by its parameter's name (a sharded
-    model's shards are gathered: every rank calls this, rank 0 writes). No RNG state and no schedule: dropout is a
-    function of (seed, step, row), and the learning rate of the step."""
+    """Adapter weights, optimizer and fp16's loss scale, every tensor whole and keyed by its parameter's name (every
+    rank calls this, gathering a sharded model; rank 0 writes)."""
     # The adapters alone are gathered here: get_model_state_dict would also gather a frozen tied embedding (its
     # ignore_frozen_params drops a shared parameter under its first name only) and return a replicated NF4 base whole.
-    lora_state = {n: full(p.detach()).clone() for n, p in model.named_parameters() if p.requires_grad}
+    lora_state = {n: ranks.full(p.detach()).clone() for n, p in model.named_parameters() if p.requires_grad}
     fresh = not opt.state  # no update applied yet (fp16's scaler skips steps whose gradients overflow)
     optimizer = get_optimizer_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if fresh:  # get_optimizer_state_dict made zero state by a step with lr 0, which AdamW would count: dropped again
@@ -151,10 +104,8 @@ def save_checkpoint(path, model, opt, scaler, step, cfg, main=True):
         optimizer["state"] = {}
     if not main:
         return
-    # fmt: off
     state = dict(step=step, lora=lora_state, optimizer=optimizer, scaler=scaler.state_dict(),
-                 config=dataclasses.asdict(cfg))
-    # fmt: on
+                 config=dataclasses.asdict(cfg))  # fmt: skip
 
     def write(tmp):
         with open(tmp, "wb") as f:  # a file object: torch's zip writer refuses the temp file's dotted name
@@ -164,8 +115,8 @@ def save_checkpoint(path, model, opt, scaler, step, cfg, main=True):
 
 
 def keyed_by_name(model, opt, saved) -> dict:
-    """Optimizer state as checkpoints hold it, {"state": {name: ...}, "param_groups": [{"params": [names]}]}, from one
-    written before names were used (torch's own state_dict, keyed by the position of the optimizer's parameters)."""
+    """Optimizer state keyed by parameter name, as checkpoints hold it, from one written before names were used
+    (keyed by the position of the optimizer's parameters)."""
     if not all(isinstance(i, int) for g in saved["param_groups"] for i in g["params"]):
         return saved
     names = {id(p): n for n, p in model.named_parameters()}
@@ -175,9 +126,8 @@ def keyed_by_name(model, opt, saved) -> dict:
 
 
 def load_checkpoint(path, model, opt, scaler, cfg) -> int:
-    """The step a checkpoint was written at, its adapters, optimizer and loss scale loaded into the run (on every
-    rank, each tensor laid out as its parameter is: this rank's shard under FSDP); a corrupted file, one from other
-    settings or one that holds more than tensors and plain values is a ValueError, loading nothing."""
+    """Load a checkpoint into the run (on every rank, this rank's shard under FSDP); returns its step. A corrupted
+    file, one from other settings or one that would run code is a ValueError, loading nothing."""
     state = read_checkpoint(path)
     for key in resume_keys(type(cfg)):
         if (saved := state["config"].get(key)) != getattr(cfg, key):
@@ -201,8 +151,8 @@ def load_checkpoint(path, model, opt, scaler, cfg) -> int:
 
 
 def read_checkpoint(path) -> dict:
-    """checkpoint.pt's contents, read as tensors and plain values only (weights_only): a checkpoint from elsewhere
-    that would run code when unpickled is refused, as is any file that cannot be read."""
+    """checkpoint.pt's contents, tensors and plain values only (weights_only): a pickle that would run code is
+    refused, as is any file that cannot be read."""
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
         state["step"], state["lora"]  # noqa: B018  (a checkpoint has both)
@@ -216,8 +166,7 @@ def read_checkpoint(path) -> dict:
 
 
 def save(cfg, model, opt, scaler, step, history, main=True) -> int:
-    """out_dir/checkpoint.pt and out_dir/metrics.jsonl, each written whole by rank 0 (every rank calls it: a sharded
-    model's tensors are gathered); returns the step saved."""
+    """out_dir/checkpoint.pt and metrics.jsonl, written by rank 0 (every rank calls it); returns the step saved."""
     save_checkpoint(os.path.join(cfg.out_dir, "checkpoint.pt"), model, opt, scaler, step, cfg, main)
     if main:
         save_metrics(cfg, history)
@@ -225,39 +174,31 @@ def save(cfg, model, opt, scaler, step, history, main=True) -> int:
 
 
 def save_metrics(cfg, history):
-    """out_dir/metrics.jsonl: one JSON record per line, step 0's first."""
     lines = "".join(json.dumps(h) + "\n" for h in history)
     atomic_write(os.path.join(cfg.out_dir, "metrics.jsonl"), lambda tmp: Path(tmp).write_text(lines))
 
 
 def resume(cfg, model, opt, scaler) -> tuple[int, list[dict]]:
-    """--resume: (the step of out_dir's checkpoint, loaded into the run as load_checkpoint loads it, and the metrics
-    up to that step)."""
+    """--resume: (the step of out_dir's checkpoint, loaded into the run, and the metrics up to that step)."""
     step = load_checkpoint(os.path.join(cfg.out_dir, "checkpoint.pt"), model, opt, scaler, cfg)
-    return step, read_metrics(os.path.join(cfg.out_dir, "metrics.jsonl"), step)
-
-
-def read_metrics(path, step) -> list[dict]:
-    """The metrics of a resumed run up to its checkpoint's step."""
-    history = []
+    path, history = os.path.join(cfg.out_dir, "metrics.jsonl"), []
     for i, line in enumerate(open(path) if os.path.exists(path) else [], 1):
         try:
             history.append(json.loads(line))
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{i}: invalid JSON ({e.msg}); fix or delete that line to resume") from None
-    return [h for h in history if h["step"] <= step]
+    return step, [h for h in history if h["step"] <= step]
 
 
 def last_checkpoint(cfg, step) -> str:
-    """What a run stopped early leaves: the checkpoint of `step` (None: none was written by this run)."""
-    return (
-        "no checkpoint was written yet" if step is None else f"the checkpoint of step {step} in {cfg.out_dir} is intact"
-    )
+    """Which checkpoint a run stopped early leaves intact (step None: none was written)."""
+    intact = f"the checkpoint of step {step} in {cfg.out_dir} is intact"
+    return "no checkpoint was written yet" if step is None else intact
 
 
 def write_outputs(cfg, model, tok, prompts, history, adapter, model_dir, tracker=None):
-    """The adapter (`adapter`: its tensors by parameter name, whole), the loss plot, the first held-out answer at the
-    first and at the last evaluation beside its reference and, on request, a merged export and a GGUF."""
+    """The adapter (`adapter`: its whole tensors by name), the loss plot, the first held-out answer before and after
+    beside its reference and, on request, a merged export and a GGUF."""
     adapter_dir = os.path.join(cfg.out_dir, "adapter")
     hf.save_adapter(model, adapter_dir, base_model_name_or_path=os.path.abspath(model_dir), weights=adapter)
     print(f"adapter written to {adapter_dir}")
@@ -306,7 +247,6 @@ def export(cfg, model, history, model_dir, prompt_ids, tracker=None):
 
 
 def plot_losses(history, path):
-    """Training and validation loss over the steps, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -325,10 +265,8 @@ def plot_losses(history, path):
 
 @contextmanager
 def stop_requests():
-    """Ctrl-C (SIGINT) or SIGTERM (a cluster's scheduler, or torchrun passing either on) while training asks the loop
-    to stop after the step under way, so that the checkpoint it writes sits exactly between two steps (and the step's
-    record is kept); a second one stops at once, saving nothing. Yields a list that is non-empty once a stop was asked
-    for. Outside the main thread signals cannot be caught: no-op."""
+    """Ctrl-C (SIGINT) or SIGTERM while training asks the loop to stop after the step under way; a second one stops at
+    once. Yields a list that is non-empty once a stop was asked for. Outside the main thread: no-op."""
     asked: list = []
 
     def on_signal(signum, frame):
@@ -349,8 +287,7 @@ def stop_requests():
 
 
 def any_rank(asked, world, device) -> bool:
-    """Whether any rank was asked to stop: all ranks must leave the loop at the same step, or the others would wait
-    in their next all-reduce forever."""
+    """Whether any rank was asked to stop: all ranks must leave the loop at the same step."""
     if world == 1:
         return bool(asked)
     flag = torch.tensor(float(bool(asked)), device=device)
@@ -359,8 +296,7 @@ def any_rank(asked, world, device) -> bool:
 
 
 def stop_not_finite(cfg, history, last_saved, main=True):
-    """A NaN or inf loss or gradient norm (the update was not applied): the metrics up to it are written for a look,
-    the last checkpoint is left as it is, and the run stops."""
+    """Stop on a NaN or inf loss or gradient norm (the update was not applied), writing the metrics up to it."""
     record, kept = history[-1], last_checkpoint(cfg, last_saved)
     if main:
         save_metrics(cfg, history)
@@ -371,16 +307,15 @@ def stop_not_finite(cfg, history, last_saved, main=True):
 
 
 def finite(record, scaler) -> bool:
-    """Whether a step's loss and gradient norm are finite; fp16's scaler expects inf gradients now and then (it skips
-    those steps and lowers its scale), so with it only the loss counts."""
+    """Whether a step's loss and gradient norm are finite; fp16's scaler skips steps with inf gradients itself, so
+    with it only the loss counts."""
     return math.isfinite(record["loss"]) and (math.isfinite(record["grad_norm"]) or scaler.is_enabled())
 
 
 @contextmanager
 def abrupt_ends(cfg, run):
-    """The loop's two abrupt ends, each in one line naming the checkpoint that is intact (run.last_saved): a second
-    Ctrl-C in the middle of a step, of which nothing is saved, and another rank lost, whose collective fails here
-    (support/run/ranks.py)."""
+    """The loop's two abrupt ends, a second Ctrl-C and another rank lost, each in one line naming the checkpoint that
+    is intact (run.last_saved)."""
     try:
         yield
     except KeyboardInterrupt:
