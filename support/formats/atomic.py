@@ -1,15 +1,8 @@
 """How is a file (or a directory) written whole?
 
-Every file the project writes, and the converted model directory, goes through atomic_write: the writer fills a
-fresh temporary file (or directory) in a private folder beside the target, the result is flushed to disk and then
-renamed over the old one (os.replace is atomic on POSIX), so a crash or a full disk leaves either the old file or the
-new one, never a part of either. The temporary file is created with the permissions of an ordinary open() (0666 minus
-the umask), so adapters and checkpoints stay readable to the other users and containers that serve them. The folder
-catches what the writer itself leaves beside its file (safetensors writes its own temp file beside its target), and
-its writer holds a lock in it (flock); a process killed mid-write leaves the folder, and a later write of the same
-target removes it once nobody holds its lock. A directory (its files flushed, one level deep: the converted model's
-layout) replaces an old one in two renames: the old one moves into the private folder first (a rename cannot overwrite
-a non-empty directory), so for a moment neither is there.
+atomic_write fills a temp file (or directory) in a private folder beside the target, flushes it and renames it over
+the target, so a crash or a full disk leaves the old file or the new one, never a part. It gets the mode an ordinary
+open() would give (0666 minus the umask); a directory replaces an old one in two renames (a moment with neither).
 """
 
 import contextlib
@@ -28,9 +21,8 @@ from safetensors.torch import save_file
 
 
 def atomic_write(path, write, directory=False):
-    """write(tmp) into a fresh temp file (directory=True: an empty directory) put in place as the file docstring says;
-    a failed write (a full disk, a folder that became read-only) raises one OSError line naming the file, the reason
-    and what was kept."""
+    """write(tmp) into a fresh temp file (directory=True: an empty directory), then put in place; a failed write
+    raises one OSError line naming the file, the reason and what was kept."""
     path = os.path.abspath(path)  # the folder is removed at the end even if the writer changed directory
     parent, name = os.path.split(path)
     kept = "the previous file is kept" if os.path.exists(path) else "nothing was written"
@@ -58,7 +50,8 @@ def atomic_write(path, write, directory=False):
         os.replace(tmp, path)
     except BaseException as e:
         if isinstance(e, OSError | RuntimeError | SafetensorError):  # RuntimeError: torch.save's zip writer
-            raise OSError(f"{path}: could not write it ({_why(e)}); {kept}") from None
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0][:160]
+            raise OSError(f"{path}: could not write it ({why}); {kept}") from None
         raise
     finally:
         shutil.rmtree(folder, ignore_errors=True)  # the folder may never have been created
@@ -67,10 +60,8 @@ def atomic_write(path, write, directory=False):
 
 
 def remove_dead_temps(parent, name, min_age=60):
-    """Remove the temp folders atomic_write left in `parent` for `name` whose writer is gone: nobody holds the folder's
-    lock (flock, which the kernel drops when its process dies, across containers too, and NFS shares across hosts) and
-    nothing in it changed for a minute (a writer that has made its folder but not yet locked it is never taken). Best
-    effort: a folder that cannot be removed (another user's) stays, and the write goes on."""
+    """Remove atomic_write's temp folders for `name` whose writer is gone: nobody holds its flock (the kernel drops it
+    when the process dies) and nothing in it changed for a minute, so a writer not yet locked is never taken."""
     pattern = re.compile(re.escape(f".{name}.") + r"[0-9a-f]{8}\.tmp")
     for entry in filter(pattern.fullmatch, os.listdir(parent)):
         folder = os.path.join(parent, entry)
@@ -83,11 +74,6 @@ def remove_dead_temps(parent, name, min_age=60):
                 shutil.rmtree(folder, ignore_errors=True)
             finally:
                 os.close(fd)
-
-
-def _why(e):
-    """The OS's words for a failed write, or the writer's own first line (safetensors wraps the OS error)."""
-    return e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0][:160]
 
 
 def write_json(path, obj):

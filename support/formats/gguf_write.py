@@ -1,34 +1,10 @@
-"""How does a merged Hugging Face model become a GGUF file in llama.cpp's own layout? The format, its Q8_0 blocks,
-llama.cpp's RoPE row order and the byte-level BPE tokenizer are explained where a GGUF is read,
-support/formats/gguf_read.py; the Ollama Modelfile written beside the file is support/formats/modelfile.py.
+"""How does a merged Hugging Face model become a GGUF file in llama.cpp's own layout? (The format is read back by
+gguf_read.py; the Ollama Modelfile beside the file is modelfile.py.)
 
-`export_gguf` (convert.py's to-gguf) writes a merged model: 16- or 32-bit safetensors, no LoRA or NF4 entries left.
-llama.cpp checks a file strictly, so the writer follows what its loader reads. `general.architecture` picks the compute
-graph: "llama" (Llama and Mistral), "qwen2" or "qwen3"; the hyper-parameters under that prefix size it
-(_write_hparams). Each key has a fixed type (u32 counts, f32 floats; a wrong one fails the load), which
-gguf.GGUFWriter's add_* methods get right. The tensor set must be exactly what the architecture consumes: an extra
-tensor (a tied lm_head copy, `rotary_emb.inv_freq`) fails the load too. Qwen2 adds q/k/v biases, Qwen3 per-head q/k
-RMSNorm weights; a sliding window has no key in these architectures and is dropped (llama.cpp attends over the whole
-context, as its own converter leaves it).
-
-"linear" RoPE scaling is two keys, the type and the factor. llama3 scaling has no keys: llama.cpp divides each
-rotation frequency by one entry of a `rope_freqs.weight` tensor (head_dim / 2 values), which we compute as the
-unscaled over the scaled frequencies of model.rope_inv_freq. Four numbers of config.json become a curve that does
-not give them back, so reading such a file is refused.
-
-Weights take the requested type, token embedding and output head included; 1-D tensors (norms, biases, rope_freqs) stay
-F32 as llama.cpp expects. F16 and BF16 round each weight to the nearest representable value (relative error at most
-2^-11 and 2^-8). Q8_0 computes per block d = max|x| / 127 in fp32, q = round(x / d) and stores d rounded to fp16,
-so |x - q * fp16(d)| <= d / 2 + 127 * |fp16(d) - d|: half a step, plus the scale's own rounding times the largest code.
-A row (the `in` dimension) must hold whole blocks, a multiple of 32. Tensors are read, converted and written one at a
-time (the GGUF header only needs their shapes), so only one is in memory at once.
-
-The tokenizer goes in as the reader expects it back: tokens by id, holes below vocab_size filled with unique `[PAD<id>]`
-strings typed UNUSED (llama.cpp wants one token per id, all distinct), token types, "a b" merges, the special ids,
-whether BOS is prepended, and the chat template. An unknown `tokenizer.ggml.pre` is a load error, so a name is written
-only when tokenizer.json's normalizer, pre-tokenizer steps and ignore_merges flag are exactly one of PRE_TOKENIZERS
-(support/formats/gguf_read.py), and anything else is refused. (Qwen's NFC normalization is not something llama.cpp does,
-so there the two differ on text that is not in NFC form.) A sentencepiece tokenizer.model is refused.
+llama.cpp's loader is strict: each key has a fixed type (gguf.GGUFWriter's add_* get it right) and the tensor set must
+be exactly what the architecture consumes. Weights take the requested type, 1-D tensors stay F32; a q8_0 row must hold
+whole 32-value blocks. Tensors are converted and written one at a time. A tokenizer is written only when it is exactly
+one of PRE_TOKENIZERS; anything else is refused before a byte is written.
 """
 
 import collections
@@ -60,7 +36,6 @@ FILE_TYPES = {"f32": ("F32", "ALL_F32"), "f16": ("F16", "MOSTLY_F16"), "bf16": (
 FILE_TYPES["q8_0"] = ("Q8_0", "MOSTLY_Q8_0")
 
 
-# ----------------------------------------------------------------------------- the model
 def _merged_model(model_dir):
     """(LlamaConfig, Checkpoint) of a merged model directory, or a one-line error that says what it is instead."""
     if not os.path.isdir(model_dir):
@@ -106,8 +81,7 @@ def _gguf_name(name):
 
 
 def _encode(ckpt, name, shape, n_head, ggml_type):
-    """Tensor `name` (its q/k rows permuted when n_head is given) as the numpy array GGUF stores for `ggml_type`,
-    converted a slab of rows at a time."""
+    """Tensor `name` (q/k rows permuted when n_head is given) as GGUF stores it for `ggml_type`, a slab at a time."""
     import gguf
 
     t = ckpt.get(name, shape)
@@ -120,8 +94,8 @@ def _encode(ckpt, name, shape, n_head, ggml_type):
 
 
 def _plan(cfg, ckpt, arch, file_type):
-    """Every tensor of the file in order, checked against the checkpoint before a byte is written: (GGUF name, shape,
-    gguf.GGMLQuantizationType name, a function that makes the bytes when their turn comes)."""
+    """Every tensor of the file in order, checked before a byte is written: (GGUF name, shape, ggml type name, a
+    function that makes the bytes when their turn comes)."""
     with torch.device("meta"):
         model = Llama(cfg)
     known = {n for n, _ in model.named_parameters(remove_duplicate=False)}  # a tied lm_head may be stored or not
@@ -147,7 +121,6 @@ def _plan(cfg, ckpt, arch, file_type):
     return plan
 
 
-# ----------------------------------------------------------------------------- the tokenizer
 class Vocab(NamedTuple):
     """The tokenizer as GGUF stores it."""
 
@@ -156,10 +129,9 @@ class Vocab(NamedTuple):
     merges: list  # "a b", best first
     pre: str  # tokenizer.ggml.pre
     ids: dict  # "bos" / "eos" / "unk" / "pad" -> id or None
-    add_bos: bool
     add_eos: bool
     specials: list  # special (CONTROL) token strings
-    tok: tokenizer.Tokenizer  # for the chat template
+    tok: tokenizer.Tokenizer  # for add_bos and the chat template
 
 
 def _pre_step(step):
@@ -240,10 +212,9 @@ def _vocab(model_dir, cfg):
     tok_cfg_file = os.path.join(model_dir, "tokenizer_config.json")
     add_eos = os.path.isfile(tok_cfg_file) and bool(atomic.read_json(tok_cfg_file).get("add_eos_token"))
     specials = [t for t, ty in zip(tokens, types, strict=True) if ty == CONTROL]
-    return Vocab(tokens, types, merges, pre, ids, tok.add_bos, add_eos, specials, tok)
+    return Vocab(tokens, types, merges, pre, ids, add_eos, specials, tok)
 
 
-# ----------------------------------------------------------------------------- the file
 def _write_hparams(w, cfg, file_type, name):
     import gguf
 
@@ -275,12 +246,10 @@ def _write_vocab(w, vocab):
     w.add_token_list(vocab.tokens)
     w.add_token_types(vocab.types)
     w.add_token_merges(vocab.merges)
-    adders = {"bos": w.add_bos_token_id, "eos": w.add_eos_token_id, "unk": w.add_unk_token_id}
-    adders["pad"] = w.add_pad_token_id
-    for key, add in adders.items():
+    for key in ("bos", "eos", "unk", "pad"):
         if vocab.ids[key] is not None:
-            add(vocab.ids[key])
-    w.add_add_bos_token(vocab.add_bos)  # always written: some pre-tokenizer names imply a default otherwise
+            getattr(w, f"add_{key}_token_id")(vocab.ids[key])
+    w.add_add_bos_token(vocab.tok.add_bos)  # always written: some pre-tokenizer names imply a default otherwise
     w.add_add_eos_token(vocab.add_eos)
     if vocab.tok.chat_template:
         w.add_chat_template(vocab.tok.chat_template)
@@ -317,8 +286,8 @@ def _check_rows(where, name, shape, ggml_type):
 
 
 def check_gguf_export(model_dir, file_type):
-    """The checks of export_gguf that need only config.json and the tokenizer (architecture, tokenizer, q8_0 row
-    lengths), so a training run can refuse an export llama.cpp could not read before it trains, not after."""
+    """The checks of export_gguf that need only config.json and the tokenizer, so a training run can refuse an export
+    llama.cpp could not read before it trains."""
     if file_type not in FILE_TYPES:
         raise ValueError(f"GGUF file type {file_type!r} is not one of {', '.join(FILE_TYPES)}")
     cfg, _ = hf.read_config(model_dir)
@@ -330,9 +299,8 @@ def check_gguf_export(model_dir, file_type):
 
 
 def export_gguf(model_dir, out_path, file_type="q8_0", modelfile=True):
-    """Write the merged Hugging Face model in `model_dir` as the GGUF file `out_path`, its weight matrices in
-    `file_type` (f32, f16, bf16 or q8_0), and with `modelfile` an Ollama Modelfile beside it (modelfile_path).
-    Every check runs before a byte is written; each file appears whole or not at all. Returns out_path."""
+    """Write the merged model in `model_dir` as the GGUF file `out_path`, its weight matrices in `file_type`, and with
+    `modelfile` an Ollama Modelfile beside it. Every check runs before a byte is written. Returns out_path."""
     if file_type not in FILE_TYPES:
         raise ValueError(f"GGUF file type {file_type!r} is not one of {', '.join(FILE_TYPES)}")
     cfg, ckpt = _merged_model(model_dir)

@@ -1,38 +1,9 @@
 """How are Hugging Face checkpoints and PEFT adapters read, and adapters and merged models written?
 
-A Hugging Face model directory
-------------------------------
-config.json holds the hyper-parameters and the family (model_type); read_config reads it into model.LlamaConfig and
-config_json writes it back. Qwen2/2.5, Qwen3 and Mistral are the Llama of model.py with the switches its docstring
-lists; from_hf and _windows read them as transformers does. Families that need more than switches (Gemma's scaled
-embeddings, Phi's fused projections, mixtures of experts) are refused with what they would need. RoPE comes in
-transformers 5's rope_parameters or the classic top-level rope_theta + rope_scaling; both are read, the classic form is
-written, as every transformers reads it. The stored dtype is under "dtype" (transformers 5) and "torch_dtype" (older
-readers): both are written, either read.
-
-The weights are safetensors files (https://huggingface.co/docs/safetensors): an 8-byte header length, a JSON header
-naming each tensor's dtype, shape and byte range, then the raw little-endian bytes, so one tensor can be read without
-touching the rest. Large models are sharded: model.safetensors.index.json maps each tensor name to its shard file.
-Tensor names are the module paths of model.Llama ("model.layers.0.self_attn.q_proj.weight"), so nothing is renamed.
-
-bnb-4bit
---------
-The format transformers + bitsandbytes use for pre-quantized checkpoints. A quantized linear `name` is stored as
-`name.weight` (the packed codes), `name.weight.absmax`, `name.weight.nested_absmax`, the code books
-`name.weight.quant_map` (16 floats) and `name.weight.nested_quant_map` (256 floats), and
-`name.weight.quant_state.bitsandbytes__nf4`: the UTF-8 bytes of a JSON object with quant_type, blocksize, dtype (the
-dtype dequantization produces), shape, nested_blocksize, nested_dtype and nested_offset. config.json carries a
-`quantization_config`. These are quant.NF4Weight's buffers (quant.py).
-
-PEFT adapters
--------------
-What transformers + PEFT load (and what vLLM's loader reads, though it has not run here): a directory with
-adapter_config.json (peft_type "LORA", task_type "CAUSAL_LM", r, lora_alpha, lora_dropout, use_rslora,
-target_modules, bias "none", ...) and adapter_model.safetensors holding `base_model.model.<module>.lora_A.weight`
-(r, in) and `base_model.model.<module>.lora_B.weight` (out, r), e.g. <module> = model.layers.0.self_attn.q_proj. PEFT
-itself may keep its adapter name in the key (`lora_A.default.weight`); both spellings load.
-
-Every file is written whole by support/formats/atomic.py.
+Tensor names are model.Llama's module paths, so nothing is renamed. config.json is read in transformers 5's and the
+classic form and written in the classic one, its dtype under both "dtype" and "torch_dtype". Pre-quantized weights
+are bnb-4bit (quant.NF4Weight's buffers); adapters are PEFT's `base_model.model.<module>.lora_A.weight` (r, in) and
+`lora_B.weight` (out, r), read with or without PEFT's adapter name. Every file is written by atomic.py.
 """
 
 import dataclasses
@@ -63,7 +34,6 @@ UNSUPPORTED = (
 NF4_STATE = ".quant_state.bitsandbytes__nf4"
 
 
-# ----------------------------------------------------------------------------- reading checkpoints
 class Checkpoint:
     """Lazy reader of model.safetensors or of shards listed in model.safetensors.index.json."""
 
@@ -116,12 +86,11 @@ class Checkpoint:
 
 
 def open_checkpoint(path, model):
-    """(the Checkpoint of `path`, checked to hold no tensor `model` lacks; weights(key), one block weight at a time for
-    quant.quantize_: a bnb-4bit entry as it is, or a 16-bit tensor to quantize). model: the Llama of path's
-    config.json, on the meta device."""
+    """(Checkpoint of `path`, checked to hold no tensor `model` (meta device) lacks; weights(key) for quant.quantize_:
+    a bnb-4bit entry as it is, or a 16-bit tensor to quantize)."""
     ckpt = Checkpoint(path)
     known = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    # bnb-4bit checkpoints carry per-weight extras, "<linear>.weight.absmax" etc.: read_nf4 reads them.
+    # bnb-4bit extras ("<linear>.weight.absmax", ...) belong to their weight
     owner = lambda n: n.split(".weight.")[0] + ".weight" if ".weight." in n else n  # noqa: E731
     extra = sorted(n for n in ckpt.keys() if owner(n) not in known and not n.endswith("rotary_emb.inv_freq"))
     if extra:
@@ -192,10 +161,9 @@ def is_prequantized(source):
     return any(k.endswith(".weight.absmax") for k in ckpt.keys())
 
 
-# ----------------------------------------------------------------------------- bnb-4bit
 def save_quantized(model, out_dir):
-    """Write model.safetensors (bnb-4bit entries for NF4Linear, other tensors as they are, tied copies once) and
-    config.json with a quantization_config."""
+    """Write model.safetensors (bnb-4bit entries for NF4Linear, tied copies once) and config.json with a
+    quantization_config."""
     os.makedirs(out_dir, exist_ok=True)
     nf4 = {n: m for n, m in model.named_modules() if isinstance(m, quant.NF4Linear)}
     tensors, seen = {}, set()
@@ -232,7 +200,6 @@ def save_quantized(model, out_dir):
     write_json(os.path.join(out_dir, "config.json"), config)
 
 
-# ----------------------------------------------------------------------------- PEFT adapters
 def save_adapter(model, out_dir, base_model_name_or_path=None, weights=None):
     """Write adapter_config.json + adapter_model.safetensors in PEFT's format. weights: {"<module>.lora_A.weight":
     tensor, ...} to write instead of the modules' own (a sharded model's, gathered whole)."""
@@ -283,9 +250,8 @@ def _read_adapter(adapter_dir):
 
 
 def adapter_settings(adapter_dir, model) -> dict:
-    """lora.add_lora_'s keywords (targets, r, alpha, dropout, use_rslora) for the PEFT adapter in `adapter_dir`, its
-    targets checked against `model`'s linears: the first mistake in one line naming the file. target_modules absent,
-    or a regex: the modules the tensors name."""
+    """lora.add_lora_'s keywords for the PEFT adapter in `adapter_dir`, its targets checked against `model`'s linears
+    (target_modules absent, or a regex: the modules the tensors name)."""
     cfg_path, _, cfg, state = _read_adapter(adapter_dir)
     targets = cfg.get("target_modules")
     if targets is None or (isinstance(targets, str) and targets != "all-linear"):
@@ -300,9 +266,8 @@ def adapter_settings(adapter_dir, model) -> dict:
 
 @torch.no_grad()
 def load_adapter_(model, adapter_dir):
-    """A PEFT-format adapter's tensors (ours or PEFT's own) into `model`'s LoRA modules, which must match the file's
-    r, scaling, modules and shapes (add them first: lora.add_lora_(model, **adapter_settings(...))); returns the
-    adapter_config as a dict."""
+    """A PEFT adapter's tensors into `model`'s LoRA modules, which must match its r, scaling, modules and shapes (add
+    them with lora.add_lora_(model, **adapter_settings(...))); returns the adapter_config dict."""
     cfg_path, path, cfg, state = _read_adapter(adapter_dir)
     r, alpha, use_rslora = cfg.get("r", 8), cfg.get("lora_alpha", 8), cfg.get("use_rslora", False)
     mods = lora.lora_modules(model)
@@ -329,14 +294,12 @@ def load_adapter_(model, adapter_dir):
     return cfg
 
 
-# ----------------------------------------------------------------------------- merged export
 def export_merged(model, out_dir, tokenizer_dir=None, shard_size=5 * 10**9):
     """Write a merged model as a HF-format directory: config.json, safetensors shards (+ index), tokenizer files."""
     leftover = [n for n, m in model.named_modules() if isinstance(m, (*lora.LORA, quant.NF4Linear))]
     if leftover:
         raise ValueError(f"export_merged: {leftover[0]} is still a LoRA/NF4 linear (call merge_lora_ first)")
-    # Still tied only if lm_head still is the embedding: a merged lm_head adapter unties the two, and then both go in
-    # the file and config.json says so (a loader that re-tied them would drop the adapter's update).
+    # a merged lm_head adapter unties lm_head from the embedding: then both are written, and config.json says so
     tied = model.config.tie_word_embeddings and model.lm_head.weight is model.model.embed_tokens.weight
     state = {k: v for k, v in model.state_dict().items() if not (k == "lm_head.weight" and tied)}
     shards, size = [{}], 0  # greedy: start a new shard when the next tensor would overflow the current one
@@ -365,11 +328,10 @@ def export_merged(model, out_dir, tokenizer_dir=None, shard_size=5 * 10**9):
             atomic_write(os.path.join(out_dir, f), lambda t, f=f: shutil.copyfile(os.path.join(tokenizer_dir, f), t))
 
 
-# ----------------------------------------------------------------------------- config.json
 REQUIRED_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 PLAIN_KEYS = ("rms_norm_eps", "max_position_embeddings", "tie_word_embeddings", "bos_token_id", "eos_token_id")
 ROPE_KEYS = {"default": (), "linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}
-# The families this Llama reads, by config.json model_type, and the class name transformers gives each.
+# config.json model_type -> transformers' class name, for the families this Llama reads
 FAMILIES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 FAMILIES["mistral"] = "MistralForCausalLM"
 # Near relatives that need more than a switch: what each would add.
@@ -416,8 +378,7 @@ def from_hf(d, path="config.json") -> LlamaConfig:
 
 
 def to_hf(config: LlamaConfig) -> dict:
-    """A config.json dict in the classic form (the file docstring), as the family's own config class spells it:
-    Hugging Face keys only, whatever else a fork stores."""
+    """A config.json dict in the classic form, as the family's own config class spells it (Hugging Face keys only)."""
     keys = [*REQUIRED_KEYS, "num_key_value_heads", "head_dim", "rope_theta", *PLAIN_KEYS]
     kind, layers = config.model_type, config.num_hidden_layers
     d = {"architectures": [FAMILIES[kind]], "model_type": kind, "hidden_act": "silu"}
@@ -436,9 +397,8 @@ def to_hf(config: LlamaConfig) -> dict:
 
 
 def _rope(d, path, context):
-    """(rope_theta, rope_scaling or None) of a config.json dict. transformers 5 writes rope_parameters (with
-    rope_theta inside); published checkpoints carry a top-level rope_theta plus rope_scaling, whose kind is under
-    "rope_type" (or "type" in older files)."""
+    """(rope_theta, rope_scaling or None) of a config.json dict: transformers 5's rope_parameters (theta inside), or
+    the classic rope_theta + rope_scaling (its kind under "rope_type", or "type" in older files)."""
     key = "rope_parameters" if d.get("rope_parameters") else "rope_scaling"
     rope = dict(d.get(key) or {})
     theta = rope.pop("rope_theta", d.get("rope_theta", 10000.0))

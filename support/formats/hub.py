@@ -1,15 +1,8 @@
 """Where do the model and the data come from? A local path, or a Hugging Face Hub id.
 
-`model` and `data` take a local path or a Hub id: `model = "meta-llama/Llama-3.1-8B"`, `data =
-"ise-uiuc/Magicoder-OSS-Instruct-75K"` (a dataset repo: its training files, JSONL, JSON or Parquet), or a named file in
-a dataset repo, `data = "owner/name/path/in/repo.jsonl"`. An id is resolved through huggingface_hub, into its cache
-(under HF_HOME, ~/.cache/huggingface by default), fetching only what training reads: config.json, the tokenizer files
-and the weights of a model (model.safetensors.index.json first, then the shards it names, or else model.safetensors:
-other weight files a repo may carry, .bin copies or Mistral's consolidated.safetensors, are never fetched); the data
-files of a dataset. Large files show huggingface_hub's progress bars. HF_HUB_OFFLINE=1 resolves from the cache alone. A
-local path of the same name wins over the Hub, and the start-up output says which was used. A gated repo, a missing one,
-no network with nothing cached or only part of it (after --plan, which fetches config.json alone), or a model without
-safetensors weights is one line saying what to do.
+`model` takes a directory or "owner/name"; `data` a file, a dataset "owner/name" (its training files) or
+"owner/name/path/in/repo". An id goes through huggingface_hub's cache, fetching only what training reads; a local path
+of the same name wins. Each failure is one line saying what to do.
 """
 
 import fnmatch
@@ -54,8 +47,8 @@ def model_dir(spec, only_config=False) -> str:
 
 
 def weight_files(path) -> list[str]:
-    """The weight files of a snapshot that the file docstring names; an index without a weight_map names none
-    (hf.Checkpoint then says so)."""
+    """The shards the index names, else model.safetensors; none for an index without a weight_map (hf.Checkpoint
+    then says so)."""
     if not os.path.isfile(index := os.path.join(path, SHARD_INDEX)):
         return ["model.safetensors"]
     contents = read_json(index)
@@ -64,8 +57,8 @@ def weight_files(path) -> list[str]:
 
 
 def data_files(spec) -> list[str]:
-    """The local files of a dataset given as a path, a Hub dataset id (its training files: those whose path says
-    "train" when there are such, else all of its data files) or a Hub id and a file in it."""
+    """The local files of a dataset given as a path, a Hub dataset id (the files whose path says "train" if any, else
+    all its data files) or a Hub id and a file in it."""
     if os.path.exists(spec):
         if HUB_ID.fullmatch(spec):
             print(f"data: {spec} is a file here: using it, not the Hub dataset of that name")
@@ -86,46 +79,38 @@ def data_files(spec) -> list[str]:
 
 
 def looks_like_hub_id(spec) -> bool:
-    """owner/name[/path], whose owner is no folder here (checkpoints/X, a missing local path, is never sent to the
-    Hub)."""
+    """owner/name[/path], whose owner is no folder here (a missing checkpoints/X is never sent to the Hub)."""
     return bool(HUB_ID.fullmatch(spec)) and not os.path.exists(spec.split("/")[0])
 
 
 def download(key, repo, patterns) -> str:
     """snapshot_download of `repo` (a dataset repo when key is "data"), with each failure one line naming `key`."""
-    from huggingface_hub import snapshot_download
-    from huggingface_hub.errors import (
-        GatedRepoError,
-        HfHubHTTPError,
-        HFValidationError,
-        LocalEntryNotFoundError,
-        RepositoryNotFoundError,
-    )
+    from huggingface_hub import errors, snapshot_download
 
     kind = "dataset" if key == "data" else "model"
     try:
         return snapshot_download(repo, repo_type=kind, allow_patterns=patterns)
-    except GatedRepoError:
+    except errors.GatedRepoError:
         raise PermissionError(
             f"{key}: {repo} is gated: accept its licence on https://huggingface.co/{'datasets/' * (kind == 'dataset')}"
             f"{repo}, then log in with `hf auth login` (or set HF_TOKEN)"
         ) from None
-    except RepositoryNotFoundError:
+    except errors.RepositoryNotFoundError:
         raise FileNotFoundError(
             f"{key}: {repo} is not a {kind} on the Hugging Face Hub, or it is private: log in with `hf auth login`, "
             "or give a local path"
         ) from None
-    except LocalEntryNotFoundError as e:  # huggingface_hub's IncompleteSnapshotError names the partial snapshot
+    except errors.LocalEntryNotFoundError as e:  # huggingface_hub's IncompleteSnapshotError names the partial snapshot
         raise FileNotFoundError(not_cached(key, repo, getattr(e, "snapshot_path", None))) from None
-    except HfHubHTTPError as e:
+    except errors.HfHubHTTPError as e:
         raise OSError(f"{key}: {repo}: {str(e).strip().splitlines()[0]}") from None
-    except HFValidationError as e:  # a name the Hub cannot hold ("a/b--c")
+    except errors.HFValidationError as e:  # a name the Hub cannot hold ("a/b--c")
         raise ValueError(f"{key}: {repo} is neither a local path nor a valid Hub id ({e})") from None
 
 
 def not_cached(key, repo, snapshot=None) -> str:
-    """The line for a repo the Hub cannot be reached for and whose files the cache lacks: all of them, or (given the
-    snapshot folder the cache holds) some, as after --plan, which fetches a model's config.json alone."""
+    """The line for an unreachable repo whose files the cache lacks: all of them, or (given the snapshot folder) some,
+    as after --plan, which fetches config.json alone."""
     from huggingface_hub import constants
 
     offline = " (HF_HUB_OFFLINE is set)" if constants.is_offline_mode() else ""

@@ -1,19 +1,8 @@
-"""How does a GGUF get an Ollama Modelfile? support/formats/gguf_write.py writes one beside every GGUF it exports
-(OUT.gguf -> OUT.Modelfile): FROM the file, a TEMPLATE and SYSTEM derived from the chat template, and the stop tokens.
+"""How does a GGUF get an Ollama Modelfile? OUT.gguf -> OUT.Modelfile: FROM the file, a Go TEMPLATE and SYSTEM derived
+from the jinja chat template, and the stop tokens.
 
-Ollama reads the GGUF, but it formats conversations with a Go text/template, not the jinja chat template. We derive
-one by rendering the jinja template with marker messages: system, user, assistant, user, assistant in one render,
-the generation prompt from [system, user] with and without it, and [user, assistant] without a system message. The
-text between the markers gives each role's prefix and suffix; text that appears before the first user turn only when
-no system message is given is a default system prompt, which becomes `SYSTEM` (Ollama adds it as the first message
-exactly when a request has none). The pieces are then checked against fresh renders of other conversations with
-ordinary contents; if any differs (the template trims or rewrites contents, renders turns differently, raises on a
-system message), no TEMPLATE is written, the Modelfile says why, and Ollama falls back to the chat template stored
-in the GGUF. Literals go into the template as Go string actions ({{ "<|im_start|>user\\n" }}, every non-ASCII or
-control character escaped) because Ollama's parser drops unprintable characters and `{{-` trimming would eat the
-newlines that belong to the turns. A BOS that the template writes and the tokenizer also adds by itself is left out
-(llama.cpp adds it when it tokenizes the prompt). `PARAMETER stop` lines name the special tokens that end an assistant
-turn or open the next user turn, and the eos token.
+The template is derived by rendering the chat template around marker contents and checked against renders of ordinary
+conversations; where they differ, no TEMPLATE is written, the Modelfile says why, and Ollama uses the GGUF's template.
 """
 
 import copy
@@ -79,7 +68,7 @@ def _split(text, marks):
 
 
 def _derive(tok):
-    """ChatTurns from renders of marker conversations (see the file docstring)."""
+    """ChatTurns from the text between the markers of a few renders."""
     marks = [MARKS[k] for k in ("S", "U1", "A1", "U2", "A2")]
     S, U1, A1, _, _ = conv = _conversation(marks)
     g0, g1, g2, g3, g4, tail = _split(_render(tok, conv, False), marks)
@@ -135,7 +124,7 @@ def _check(tok, turns):
 
 def chat_turns(tok):
     """(ChatTurns, None) for a tokenizer.Tokenizer's chat template, or (None, why not). BOS is rendered as a marker
-    so that a BOS the tokenizer adds by itself can be left out of the prefix."""
+    so that a BOS the tokenizer adds by itself (as llama.cpp does) can be left out of the prefix."""
     if not tok.chat_template:
         return None, "the tokenizer has no chat template"
     bos = tok.special_tokens.get("bos_token")
@@ -153,7 +142,8 @@ def chat_turns(tok):
 
 
 def _go(s):
-    """A Go template action printing `s`, in pure ASCII (the file docstring says why)."""
+    """A Go template action printing `s`, in pure ASCII: Ollama's parser drops unprintable characters, and `{{-`
+    trimming would eat newlines that belong to the turns."""
     out = []
     for ch in s:
         if ch in GO_ESCAPES:
@@ -185,7 +175,7 @@ def go_template(turns):
 
 
 def _stops(vocab, turns):
-    """The stop tokens the file docstring names, in the order they appear, then eos."""
+    """The special tokens that end an assistant turn or open the next user turn, in order, then eos."""
     text = turns.suf["assistant"] + turns.pre["user"] if turns else ""
     found = [t for _, t in sorted((text.find(t), t) for t in vocab.specials if t in text)]
     eos = vocab.ids["eos"]
@@ -194,8 +184,7 @@ def _stops(vocab, turns):
 
 
 def write_modelfile(gguf_path, vocab):
-    """Write the Ollama Modelfile for `gguf_path` (modelfile_path); without a usable TEMPLATE, say why in one line.
-    Returns its path."""
+    """Write the Ollama Modelfile for `gguf_path`; without a usable TEMPLATE, say why in one line. Returns its path."""
     path = modelfile_path(gguf_path)
     turns, why = chat_turns(vocab.tok)
     name = os.path.basename(gguf_path)
