@@ -1,10 +1,8 @@
 """How much work is a token, and how fast can this machine do it: the two halves of MFU.
 
-MFU (model FLOPs utilisation, PaLM, https://arxiv.org/abs/2204.02311) is the model FLOPs a step needs over its time,
-divided by the machine's peak. The numerator counts only what the model must compute (flops_per_token); the
-denominator is a GPU's datasheet dense 16-bit tensor-core peak when its name is known (half of it for fp32 with TF32
-on), else a measured matmul rate in the dtype the run computes in (fp32 without TF32 runs on no tensor core), which on
-a CPU is the only honest peak there is.
+MFU (model FLOPs utilisation, PaLM, https://arxiv.org/abs/2204.02311) is the model FLOPs a step needs (`batch_flops`)
+over its time, divided by `peak_flops`: a known GPU's datasheet dense 16-bit peak (half for fp32 with TF32), else a
+matmul rate measured in the run's dtype, the only honest peak a CPU has.
 """
 
 import re
@@ -27,10 +25,8 @@ def flops_per_token(c, context):
 
 
 def batch_flops(c, position_ids) -> float:
-    """Model FLOPs of a training step over rows of packed documents, position_ids (B, T): every span model.doc_bounds
-    finds (a document, or a run of padding) costs its tokens x flops_per_token at its own length, so attention is
-    counted per document, as varlen attention computes it. The one count behind every MFU: train.py's and the
-    benchmarks'."""
+    """Model FLOPs of a training step over rows of packed documents, position_ids (B, T): each span model.doc_bounds
+    finds (a document, or a run of padding) at its own length, as varlen attention computes it."""
     spans = doc_bounds(position_ids).bounds.diff().tolist()
     return float(sum(n * flops_per_token(c, n) for n in spans))
 
@@ -47,9 +43,8 @@ PEAK_TFLOPS = {
 
 
 def matmul_rates(shape, dtypes, device, seconds=0.3) -> dict:
-    """{dtype: FLOP/s} of an (m, k) @ (k, n) matmul on `device`: after one warm-up call each (kernel selection), the
-    dtypes take turns (A, B, A, B, ...), each timed at least twice, until `seconds` have passed; the best call counts.
-    Turns keep a shared machine's drift out of the comparison; the best call is the rate the kernel can reach."""
+    """{dtype: FLOP/s} of an (m, k) @ (k, n) matmul on `device`, the best call of each: the dtypes take turns, each
+    at least twice, until `seconds` have passed, so that a shared machine's drift stays out of the comparison."""
     m, k, n = shape
     pairs = {dt: (torch.randn(m, k, device=device).to(dt), torch.randn(k, n, device=device).to(dt)) for dt in dtypes}
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None

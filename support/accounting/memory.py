@@ -1,60 +1,10 @@
 """How much memory does a LoRA or QLoRA run take, and what did it really use?
 
-(Which settings fit a named GPU, and how many rows go in a micro-batch, is support/accounting/plan.py; it reads the
-estimate here.)
-
-The breakdown
--------------
-Training memory is the frozen base, the adapters with their gradients and optimizer state, and the activations
-autograd keeps for backward:
-
-    weights      2 bytes per parameter in bf16/fp16; with QLoRA the block linears take NF4's 4.127 bits (4-bit codes,
-                 one 8-bit absmax per 64, one fp32 per 64 * 256, see quant.py) while embeddings, norms and lm_head
-                 stay 16-bit
-    adapters     LoRA's A and B, r * (in + out) numbers per adapted linear, kept as fp32 masters: 4 bytes each
-    gradients    of the adapters only, the base is frozen: 4 bytes each
-    optimizer    AdamW's two fp32 moments, 8 bytes per adapter parameter (2 with 8-bit AdamW)
-    activations  per token and block, what backward reads (below)
-    transient    the loss chunk, one dequantized weight, and the block that checkpointing recomputes
-
-Full fine-tuning of a 13B model needs 234 GB before activations (2 bytes of weights, 4 of gradients and 12 of Adam
-state per parameter); LoRA at r=16 keeps the 26 GB of bf16 weights and adds well under 1 GB; QLoRA shrinks the
-weights to about 7 GB. What is left to fight is activations.
-
-Activations, per token per block, in the compute dtype's A bytes (h hidden, i intermediate, q = H * D, kv = Hkv * D, r
-the LoRA rank), read off what our modules save: each RMSNorm keeps its fp32 input and its A-byte output (4h + Ah,
-twice); attention keeps q, k, v, its output and a logsumexp per head (A(2q + 2kv) + 4H; the varlen kernels never
-materialise the (T, T) scores; on CPU and older GPUs each document's are kept zero-padded to attention.bucket of its
-length, which this count leaves out: 13% more of them on the default stdlib data, about 1% of all activations); the MLP
-keeps gate, silu(gate) and up (3Ai); the frozen base linears keep nothing (dL/dx needs only W, dequantized again in
-backward); each adapted linear keeps r numbers of its LoRA branch, and with dropout a dropped copy of its input (A times
-its input size; the reference dropout, on CPU, also a byte mask per element, A + 1; on CUDA the op keeps none, and its
-Triton kernel makes no temporaries: without Triton, the reference's, about 8 bytes per element, are not counted),
-without dropout only down_proj's input (Ai), the others sharing tensors already kept. The full-vocabulary loss
-(chunked_loss=False) keeps all (tokens, V) fp32 logits, and its transient below spans every token, not one chunk: 12
-bytes per logit in all. Activation checkpointing keeps only each block's input (Ah) and recomputes one block at a time
-in backward; offloaded, those inputs are in CPU memory (`offloaded_bytes`) and one comes back while its block is
-recomputed. A tiled MLP keeps the MLP's part (3Ai and its LoRA branches') for one tile of tokens only, never for the
-whole sequence (support/kernels/long_context.py). The loss works on c = min(tokens, 1024) rows (zero-padded to
-attention.bucket(c)) of the vocabulary V at a time, at the end of forward when everything else is alive: its fp32
-logits, and beside them the matmul's 16-bit output, logsumexp's scratch copy or the 16-bit gradient, 8 bytes per logit.
-The blocks' backward comes after it, so the larger of the two counts, not their sum. A block's backward holds, besides
-what the block saved, the gradients in flight, and it holds them in two phases. The MLP's backward holds the gradient
-arriving (Ah) and two (tokens, i) gradients at a time (2Ai; tiled: for one tile). Attention's backward comes after the
-MLP's saves are freed, and holds the gradient arriving (Ah), an RMSNorm's fp32 gradient (4h), FlashAttention's fp32 dq
-accumulator (4q) and the gradients of q, k, v and of the attention's output (A(2q + 2kv)). The larger phase counts.
-docs/performance.md sets the estimate beside peaks measured on a GPU at the 8B shape and on CPU with a wide MLP.
-
-Beyond torch's own count: a GPU holds the CUDA context and kernels (about 1 GiB, which torch.cuda.max_memory_allocated
-does not see but the card's capacity must; support/accounting/plan.py takes it off the card).
-
-The measurement
----------------
-train.py prints the estimate beside what the steps really took: on CUDA torch's allocator peak, reset after loading so
-that it counts the steps alone, which the estimate describes within 15% at the shapes measured (docs/performance.md). On
-CPU it prints the process's peak resident set (VmHWM on Linux) with no such promise: the process itself (Python, torch,
-the tokenizer, the data), loading and glibc's heap (which keeps freed blocks for reuse, with holes between the saved
-tensors) are in it, and no shape formula derives them.
+`estimate` counts the bytes of one micro-batch on one rank by part (weights, adapters, gradients, optimizer,
+activations, transient; under FSDP what is gathered), from the model's shapes alone, reading off what each module saves
+for backward. `peak` measures: on CUDA the allocator's peak since `reset_peak`, which the estimate describes within 15%
+(docs/performance.md); on CPU the process's peak resident set, with no such promise. Neither counts the CUDA context
+(plan.py takes it off the card).
 """
 
 import math
@@ -77,10 +27,8 @@ def nf4_bytes(n):
 
 
 def model_sizes(config, targets) -> dict:
-    """What the estimate needs of a model's shapes, read from a Llama of `config` on the meta device (nothing is
-    allocated): its parameter count (a tied lm_head once), the numel of each block linear, the in + out features of
-    the LoRA `targets`, the in_features of those in the first block by kind, and the parameters outside the blocks.
-    Building the model is the slow part of an estimate (0.15 s for a 70B config), so a plan reads it once."""
+    """The shapes the estimate needs, read off a Llama of `config` on the meta device. Building it is the slow part of
+    an estimate (0.15 s for a 70B config), so a plan reads it once."""
     with torch.device("meta"):
         model = Llama(config)
     adapted = find_linears(model, targets, (nn.Linear,))
@@ -97,19 +45,16 @@ def model_sizes(config, targets) -> dict:
 
 def estimate(config, tokens, dtype, quantize, lora, opt_bytes, checkpointing, chunked=True, shards=0, offload=False,
              sizes=None, tile_tokens=0, offload_checkpoints=False, dropout_masks=False):  # fmt: skip
-    """Bytes by part for a micro-batch of `tokens` tokens, on one rank: weights, adapters, gradients, optimizer,
-    activations, transient, and when sharded what is gathered (see the file docstring). lora: the LoRA
-    settings (train.Config.adapters: targets as model.find_linears, r, dropout); chunked=False is the full-vocabulary
-    loss, whose (tokens, V) fp32 logits are kept for backward; shards: FSDP over that many ranks (0: not sharded),
-    offload: its shards kept in CPU memory; sizes: model_sizes(config, lora targets), when the caller has it;
-    tile_tokens: the tokens of one tile of a tiled MLP (every row's share; 0 or >= tokens: not tiled);
-    offload_checkpoints: the block inputs checkpointing keeps are in CPU memory (offloaded_bytes), not here;
-    dropout_masks: LoRA's dropout keeps a byte mask per element (the reference, on CPU; the CUDA op keeps none)."""
+    """Bytes by part for a micro-batch of `tokens` tokens, on one rank. lora: train.Config.adapters; chunked=False:
+    the full-vocabulary loss; shards: FSDP over that many ranks (0: not sharded), offload: its shards in CPU memory;
+    sizes: model_sizes(config, lora targets); tile_tokens: tokens of one tile of a tiled MLP (0 or >= tokens: not
+    tiled); offload_checkpoints: the checkpointed block inputs are in CPU memory (offloaded_bytes), not here;
+    dropout_masks: LoRA's dropout keeps a byte mask per element (the reference, on CPU)."""
     lora_r = lora["r"]
     dropout = lora["dropout"]
     sizes = sizes or model_sizes(config, lora["targets"])
     linears = sizes["block_linears"]  # the numel of each block linear
-    a = torch.finfo(dtype).bits // 8  # A of the file docstring: bytes of one value in the compute dtype
+    a = torch.finfo(dtype).bits // 8  # bytes of one value in the compute dtype
     quantized = sum(linears) if quantize else 0
     weights = a * (sizes["params"] - quantized) + (sum(nf4_bytes(n) for n in linears) if quantize else 0)
     lora_numbers = lora_r * sizes["adapted"]
@@ -126,12 +71,11 @@ def estimate(config, tokens, dtype, quantize, lora, opt_bytes, checkpointing, ch
     rest = 2 * (4 * h + a * h) + a * (2 * q + 2 * kv) + 4 * heads  # the norms, attention
     rest += sum(v for kind, v in lora_kept.items() if kind not in MLP_LINEARS)
     tile = tile_tokens if 0 < tile_tokens < tokens else 0  # tiled MLP: its intermediates live for one tile at a time
-    # the loss's fp32 logits beside the matmul's output, logsumexp's scratch or the gradient: 8 bytes a logit, of one
-    # chunk, or of every token for the full-vocabulary loss (on top of the logits it keeps)
+    # the loss: 8 bytes a logit (fp32, and the matmul's output or the gradient) of one chunk, or of every token
     loss = (min(tokens, LOSS_CHUNK) if chunked else tokens) * config.vocab_size * 8
     transient = max(linears) * a if quantize else 0  # W dequantized in backward
     layers = config.num_hidden_layers
-    # the gradients in flight in a block's backward (file docstring): its MLP's (tiled: one tile's), then attention's
+    # the gradients in flight in a block's backward: its MLP's (tiled: one tile's), then attention's
     grads_mlp = (tile or tokens) * 2 * a * i + tokens * a * h
     grads_attention = tokens * (4 * h + a * h + 4 * q + a * (2 * q + 2 * kv))
     if checkpointing:  # kept: the block inputs (in CPU memory when offloaded); the block recomputed in backward
@@ -179,9 +123,8 @@ def optimizer_bytes(optimizer) -> int:
 
 
 def run_estimate(cfg, config, tokens, place, tile_tokens=0) -> dict:
-    """estimate for a run's settings (a train.Config) in its dtype on its device: bytes by part for a micro-batch of
-    `tokens` tokens, on one rank; tile_tokens: as estimate (the model's mlp_tile times the micro-batch's rows).
-    Offloaded checkpoints leave a CPU run's memory as it is: they are copied within it."""
+    """estimate for a run's settings (a train.Config) in its dtype on its device. Offloaded checkpoints leave a CPU
+    run's memory as it is: they are copied within it."""
     return estimate(
         config, tokens, place.dtype, cfg.quantize, cfg.adapters(), optimizer_bytes(cfg.optimizer),
         cfg.activation_checkpointing, chunked=cfg.chunked_loss,
@@ -195,7 +138,6 @@ def fmt(n):
     return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
 
 
-# ----------------------------------------------------------------------------- the measurement
 def peak(device) -> int:
     """Peak bytes since reset_peak: torch's CUDA allocator peak, or on CPU the process's peak resident set
     (Linux's VmHWM; ru_maxrss elsewhere, which also counts what a parent held when it forked us)."""
@@ -218,7 +160,6 @@ def vm_hwm(pid="self") -> int:
 
 
 def reset_peak(device):
-    """Start the CUDA allocator's peak afresh, so that it measures the training steps, not loading; on CPU the peak is
-    the process's since it started."""
+    """Start the CUDA allocator's peak afresh, so that it measures the steps, not loading (on CPU: no-op)."""
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

@@ -1,21 +1,12 @@
 """What fits: which settings fit a named GPU (`--plan`), and how many rows go in this run's micro-batch?
 
-`plan` computes the classic decision tree for one model and one memory budget instead of drawing it: first make the
-parts that do not depend on the batch fit at one row (16-bit base with AdamW; else the NF4 base; else also 8-bit AdamW;
-activations at one row with checkpointing), then the activations (without checkpointing if one row fits, else with it),
-then grow the micro-batch while it fits. Packed varlen attention is assumed throughout: its activations grow with
-tokens, not with tokens squared. Each cell of the tree is support/accounting/memory.py's estimate; the budget is the
-card's memory less the CUDA context, which torch's allocator does not see.
-
-`micro_batch_rows` sizes the micro-batch once per run: on CUDA the largest number of rows whose forward and backward
-fit, probed on the longest rows while the optimizer state (allocated at the first step) is held in reserve; sharded
-(FSDP), the largest that support/accounting/memory.py's estimate fits, since a probe that ran out of memory on one rank
-only would leave the others waiting in a collective. On CPU memory comes first: CPU_MICRO_TOKENS tokens per micro-batch,
-fewer rows if the estimate says they would not fit. A micro_batch_tokens setting that is a number overrides all of it.
-
-Before that, `mlp_tile_tokens` decides whether the MLP runs in tiles (support/kernels/long_context.py): where the
-estimate says that one row of the context would not fit without them.
+`plan` walks the classic decision tree over memory.py's estimate (the base, the optimizer, checkpointing, then the
+micro-batch), within the card's memory less the CUDA context. `micro_batch_rows` probes on CUDA, uses the estimate under
+FSDP (a probe out of memory on one rank would leave the others waiting in a collective) and on CPU, and
+`mlp_tile_tokens` tiles the MLP where one row would not fit untiled.
 """
+
+import itertools
 
 import torch
 
@@ -71,20 +62,15 @@ def budget_bytes(spec):
 
 
 def plan(config, budget, context, max_rows, dtype, lora, chunked=True, shards=0, offload=False):
-    """(table rows, choice) of the decision tree for `config` in `budget` bytes per rank: every NF4/16-bit base,
-    optimizer, checkpointing and micro-batch size in powers of two up to max_rows, each with its estimate, and the
-    first that the tree reaches (fastest first: 16-bit before NF4 (sharded: NF4 first), AdamW before 8-bit (sharded:
-    AdamW only), no checkpointing before checkpointing, then the largest micro-batch); the choice is None when nothing
-    fits. shards, offload: as memory.estimate."""
+    """(table, choice): the estimate of every base, optimizer, checkpointing and micro-batch (powers of two up to
+    max_rows) for `config` in `budget` bytes per rank, and the first fit the tree reaches, fastest first (None: none
+    fits). shards, offload: as memory.estimate."""
     rows_options = [r for r in (1, 2, 4, 8, 16, 32, 64) if r <= max_rows] or [1]
     table = {}
     kw = dict(chunked=chunked, shards=shards, offload=offload, sizes=model_sizes(config, lora["targets"]))
-    for quantize in (False, True):
-        for opt_bytes in (8, 2):
-            for ckpt in (False, True):
-                for rows in rows_options:
-                    parts = estimate(config, rows * context, dtype, quantize, lora, opt_bytes, ckpt, **kw)
-                    table[quantize, opt_bytes, ckpt, rows] = sum(parts.values())
+    for quantize, opt_bytes, ckpt, rows in itertools.product((False, True), (8, 2), (False, True), rows_options):
+        parts = estimate(config, rows * context, dtype, quantize, lora, opt_bytes, ckpt, **kw)
+        table[quantize, opt_bytes, ckpt, rows] = sum(parts.values())
     fits = lambda key: table[key] <= budget  # noqa: E731
     # Sharded, the base travels every step (gathered from the other ranks, or from CPU memory when offloaded): NF4
     # moves a quarter of the bytes, so it goes first; AdamW only (bitsandbytes' 8-bit AdamW takes no sharded state).
@@ -98,16 +84,14 @@ def plan(config, budget, context, max_rows, dtype, lora, chunked=True, shards=0,
 
 
 def report(config, spec, context, max_rows, dtype, lora, chunked=True, base=(True, 8)):
-    """The plan as text: the longest single row for `base` (quantize, optimizer bytes), the table of estimates, then
-    the choice and the tree's reasons. On several GPUs the tree first tries replicating the model on each (DDP), then
-    sharding it (FSDP), then sharding and offloading to CPU."""
+    """The plan as text: the longest single row for `base` (quantize, optimizer bytes), the table, the choice. On
+    several GPUs it tries DDP, then FSDP, then FSDP with CPU offload."""
     gpus = gpu_count(spec)
     budget = budget_bytes(spec)
     loss = "chunked" if chunked else "full-vocabulary"
     lines = [
         f"memory plan for {spec} ({fmt(budget)}{' per GPU' * (gpus > 1)} after the CUDA context), rows of {context} "
-        f"tokens, LoRA "
-        f"r={lora['r']}, {loss} loss",
+        f"tokens, LoRA r={lora['r']}, {loss} loss",
         longest_row(config, budget, dtype, lora, chunked, *base),
     ]
     ways = [("", 0, False)] + ([("FSDP", gpus, False), ("FSDP, CPU offload", gpus, True)] if gpus > 1 else [])
@@ -123,25 +107,27 @@ def report(config, spec, context, max_rows, dtype, lora, chunked=True, base=(Tru
 
 
 def longest_tokens(config, budget, dtype, lora, chunked, quantize, opt_bytes, tiled, offloaded, sizes=None) -> int:
-    """The longest single row (in tokens, a multiple of 256) that one GPU of `budget` bytes trains by the estimate,
-    with checkpointing; `tiled`: with MLP tiles of hidden_size tokens too (as mlp_tile_tokens="auto" takes them);
-    `offloaded`: with the checkpoints in CPU memory too."""
+    """The longest single row (tokens, a multiple of 256) the estimate fits in `budget` with checkpointing; `tiled`:
+    with MLP tiles of hidden_size tokens too; `offloaded`: with the checkpoints in CPU memory too."""
     kw = dict(sizes=sizes or model_sizes(config, lora["targets"]), offload_checkpoints=offloaded)
     kw["tile_tokens"] = config.hidden_size if tiled else 0
 
     def fits(tokens):
         return sum(estimate(config, tokens, dtype, quantize, lora, opt_bytes, True, chunked, **kw).values()) <= budget
 
-    low, high = 0, 2**16  # in units of 256 tokens: up to 16M tokens
-    while low < high:  # the largest that fits (the estimate grows with tokens)
+    return 256 * largest(lambda n: fits(256 * n), 0, 2**16)  # up to 16M tokens
+
+
+def largest(fits, low, high) -> int:
+    """The largest n in low..high with fits(n), by bisection: fits(low) is taken as true, fits false from some n on."""
+    while low < high:
         mid = (low + high + 1) // 2
-        low, high = (mid, high) if fits(256 * mid) else (low, mid - 1)
-    return 256 * low
+        low, high = (mid, high) if fits(mid) else (low, mid - 1)
+    return low
 
 
 def longest_row(config, budget, dtype, lora, chunked, quantize, opt_bytes) -> str:
-    """longest_tokens with checkpointing, with a tiled MLP too, and with offloaded checkpoints too, as a line with the
-    CPU memory the offloaded checkpoints take."""
+    """longest_tokens plain, tiled and offloaded, as one line."""
     sizes = model_sizes(config, lora["targets"])
     plain, tiled, offloaded = (
         longest_tokens(config, budget, dtype, lora, chunked, quantize, opt_bytes, t, o, sizes)
@@ -158,13 +144,11 @@ def longest_row(config, budget, dtype, lora, chunked, quantize, opt_bytes) -> st
 def plan_table(table, budget) -> list[str]:
     rows = sorted({k[3] for k in table})
     lines = [f"{'base':7} {'optimizer':10} {'checkpointing':14}" + "".join(f"{f'{r} row(s)':>12}" for r in rows)]
-    for quantize in (False, True):
-        for opt_bytes in (8, 2):
-            for ckpt in (False, True):
-                cells = [table[quantize, opt_bytes, ckpt, r] for r in rows]
-                head = f"{'NF4' if quantize else '16-bit':7} {'AdamW' if opt_bytes == 8 else '8-bit':10} "
-                head += f"{'yes' if ckpt else 'no':14}"
-                lines.append(head + "".join(f"{fmt(v) + (' ' if v <= budget else '*'):>12}" for v in cells))
+    for quantize, opt_bytes, ckpt in itertools.product((False, True), (8, 2), (False, True)):
+        cells = [table[quantize, opt_bytes, ckpt, r] for r in rows]
+        head = f"{'NF4' if quantize else '16-bit':7} {'AdamW' if opt_bytes == 8 else '8-bit':10} "
+        head += f"{'yes' if ckpt else 'no':14}"
+        lines.append(head + "".join(f"{fmt(v) + (' ' if v <= budget else '*'):>12}" for v in cells))
     return lines + ["* does not fit"]
 
 
@@ -196,11 +180,8 @@ CPU_MICRO_TOKENS = 512  # tokens per micro-batch on CPU when micro_batch_tokens 
 
 
 def micro_batch_rows(cfg, place, model, trainset, rows_per_rank, forward_loss) -> int:
-    """Micro-batch size in rows. CUDA: the largest that fits, probed with forward+backward passes on the longest rows
-    while the optimizer state (allocated at the first step) is held in reserve; sharded (FSDP), the largest the
-    estimate fits in 90% of the GPU (a probe that ran out of memory on one rank only would leave the others waiting
-    in a collective). CPU: the smallest of at least CPU_MICRO_TOKENS that the memory estimate allows.
-    forward_loss(model, batch, place) -> (loss, tokens)."""
+    """Micro-batch size in rows: on CUDA the largest that fits (probed; under FSDP by the estimate), on CPU at most
+    CPU_MICRO_TOKENS tokens, fewer if the estimate says so. forward_loss(model, batch, place) -> (loss, tokens)."""
     context = trainset.context_length
     if isinstance(cfg.micro_batch_tokens, int):
         return max(1, min(rows_per_rank, cfg.micro_batch_tokens // context))
@@ -212,16 +193,12 @@ def micro_batch_rows(cfg, place, model, trainset, rows_per_rank, forward_loss) -
             run_estimate(cfg, model.config, rows * context, place, model.options.mlp_tile * rows), place
         )
 
-    if place.device.type == "cuda":
-        rows = rows_per_rank
-        while rows > 1 and not fits(rows):
-            rows -= 1
-        return rows
     # CPU: memory first. Several rows per micro-batch buy a little speed for a much larger resident set (the CPU
     # ladder measures both); set micro_batch_tokens to trade the other way.
-    rows = min(rows_per_rank, max(1, CPU_MICRO_TOKENS // context))
+    cuda = place.device.type == "cuda"
+    rows = rows_per_rank if cuda else min(rows_per_rank, max(1, CPU_MICRO_TOKENS // context))
     while rows > 1 and not fits(rows):
-        rows //= 2
+        rows = rows - 1 if cuda else rows // 2
     return rows
 
 
@@ -244,15 +221,10 @@ def mlp_tile_tokens(cfg, place, config, context) -> int:
     return tile if context > tile and not fits_in_memory(run_estimate(cfg, config, context, place), place) else 0
 
 
-def longest_rows(trainset) -> list[int]:
-    """The dataset's rows, the most tokens first: what a probe's worst case runs on."""
-    return sorted(range(len(trainset)), key=lambda r: -sum(trainset.lens[d] for d in trainset.rows[r]))
-
-
 def probe_cuda_rows(cfg, place, model, trainset, rows_per_rank, forward_loss) -> int:
-    """The largest micro-batch whose forward and backward on the longest rows fit, the optimizer state held in
-    reserve (see probe_micro_rows)."""
-    longest = longest_rows(trainset)
+    """The largest micro-batch whose forward and backward on the longest rows fit, with the optimizer state (allocated
+    at the first step) held in reserve."""
+    longest = sorted(range(len(trainset)), key=lambda r: -sum(trainset.lens[d] for d in trainset.rows[r]))
 
     def attempt(rows):
         try:
@@ -269,11 +241,8 @@ def probe_cuda_rows(cfg, place, model, trainset, rows_per_rank, forward_loss) ->
 
 
 def probe_micro_rows(attempt, max_rows, device) -> int:
-    """The largest rows in 1..max_rows for which attempt(rows) (a forward + backward) does not run out of memory:
-    max_rows first, then bisection (memory grows with rows, so 3 is found where halving would stop at 2). A failed
-    attempt's tensors die with its frame once the except block is left; only then is the cache emptied, so the next
-    attempt starts from a clean device. The peak statistics are reset at the end, so the peak the run reports is its
-    own, not a failed probe's."""
+    """The largest rows in 1..max_rows for which attempt(rows) does not run out of memory: max_rows, then bisection.
+    The peak statistics are reset at the end, so the peak the run reports is its own, not a failed probe's."""
 
     def fits(rows):
         try:
@@ -281,19 +250,11 @@ def probe_micro_rows(attempt, max_rows, device) -> int:
             ok = True
         except torch.OutOfMemoryError:
             ok = False
-        if device.type == "cuda":
+        if device.type == "cuda":  # after the except block, which freed the failed attempt's tensors
             torch.cuda.empty_cache()
         return ok
 
-    lo = 1  # the answer lies in lo..hi; one row must fit, or nothing can train
-    hi = max_rows
-    if not fits(hi):
-        hi -= 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if fits(mid):
-                lo = mid
-            else:
-                hi = mid - 1
+    # below max_rows, one row is taken to fit (nothing could train otherwise); one row that does not fit gives 0
+    rows = max_rows if fits(max_rows) else largest(fits, min(1, max_rows - 1), max_rows - 1)
     reset_peak(device)
-    return hi
+    return rows

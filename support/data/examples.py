@@ -1,24 +1,11 @@
-"""Training examples: instruction datasets read from files, and a real code dataset that ships with Python.
+"""How are instruction datasets read a row at a time, how is validation held out, and what is the stdlib dataset?
 
-An example is an {"instruction", "response"} pair or a chat {"messages": [{"role", "content"}, ...]} conversation
-ending with the assistant's turn (every assistant turn is trained on, see tokenizer.py). `read_examples` reads JSON
-lines, a JSON array or Parquet and recognises the common layouts by their keys: Magicoder (problem, solution), Alpaca
-(instruction, input, output), plain pairs (instruction, response) and chat messages. It yields one example at a time:
-JSON lines are read 16 MiB of whole lines at a time and Parquet 4,096 rows at a time, so a file of millions of rows
-never sits in memory (a JSON array is read whole). A malformed row stops the run with one line naming the file and line
-(or is skipped and counted with skip_bad_rows), the first one in the file; a JSON array is walked item by item so that
-its errors name a line too. Each example keeps its "file:line" as "source", so that what tokenizing it finds later (a
-chat template that rejects it, a warning of the preview) names the line as well.
-
-Validation is held out by index: the files are tokenized whole, once, and `split` gives each split an index mask over
-the n examples read (`held_out(n)`: a seeded random val_fraction of them), which pack.build_dataset takes.
-
-The stdlib dataset is the default: every documented function and method of this Python's standard library becomes a
-"complete this function" example, signature + docstring -> body, verbatim from the source. The body is answered in a
-```python block, as chat models answer: a bare body starts with indentation, which right after the chat header's
-newline would tokenize differently from the body alone. A few thousand examples of real code of every length from
-one line to hundreds, available offline on any machine. One function in 20, chosen by a hash of its qualified name
-(so the split never changes), is held out for validation.
+An example is an {"instruction", "response"} pair or a chat {"messages": [{"role", "content"}, ...]} ending with the
+assistant's turn, with its "source" ("file:line") for later messages. `read_examples` reads JSON lines or Parquet a
+block at a time (a JSON array whole) in the Magicoder, Alpaca, pairs or messages layout; a malformed row stops the run
+with one line naming file and line (skip_bad_rows: skipped and counted). Validation is held out by index over the
+examples read (`split`). The stdlib dataset, the default: each documented function of this Python's standard library
+as signature + docstring -> body, one in 20 (by a hash of its name) held out.
 """
 
 import ast
@@ -40,6 +27,7 @@ FORMATS = {
     "alpaca": ("instruction", "output"),
     "pairs": ("instruction", "response"),
 }
+STDLIB_SKIP = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "__pycache__"}
 
 
 def _rows(path):
@@ -227,28 +215,42 @@ def _functions(body, lines, prefix):
             continue
         if first.end_lineno >= rest[0].lineno or all(isinstance(s, ast.Pass | ast.Expr) for s in rest):
             continue  # the docstring shares a line with code, or the body is only `pass` / `...`
-        d = lines[node.lineno - 1][: node.col_offset]  # the def's indentation, removed from every line
-        if any(s.strip() and not s.startswith(d) for s in lines[node.lineno - 1 : node.end_lineno]):
-            continue  # a string literal runs out to the left margin: dedenting would change it
-        head, tail = lines[node.lineno - 1 : first.end_lineno], lines[first.end_lineno : node.end_lineno]
-        out.append((f"{prefix}.{node.name}", *("\n".join(s[len(d) :] for s in p).rstrip() for p in (head, tail))))
+        if parts := function_parts(node, lines):
+            out.append((f"{prefix}.{node.name}", *parts))
     return out
 
 
-@functools.lru_cache(maxsize=1)
-def _stdlib_functions():
-    root, out = Path(sysconfig.get_paths()["stdlib"]), []
+def function_parts(node, lines):
+    """(signature + docstring, the rest of the body) of a function whose body starts with its docstring, dedented;
+    None when a string literal runs out to the left margin (dedenting would change it)."""
+    indent = lines[node.lineno - 1][: node.col_offset]
+    if any(s.strip() and not s.startswith(indent) for s in lines[node.lineno - 1 : node.end_lineno]):
+        return None
+    cut = node.body[0].end_lineno
+    parts = lines[node.lineno - 1 : cut], lines[cut : node.end_lineno]
+    return tuple("\n".join(s[len(indent) :] for s in part).rstrip() for part in parts)
+
+
+def stdlib_files():
+    """(path relative to the standard library, its lines, its syntax tree) of each parseable .py file of this
+    Python's standard library, its tests and third-party packages left out."""
+    root = Path(sysconfig.get_paths()["stdlib"])
     for dirpath, dirs, files in os.walk(root):
-        dirs[:] = sorted(
-            d for d in dirs if d not in {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages"}
-        )
+        dirs[:] = sorted(d for d in dirs if d not in STDLIB_SKIP)
         for path in sorted(Path(dirpath, f) for f in files if f.endswith(".py")):
             try:
                 lines = path.read_text(encoding="utf-8").splitlines()
                 tree = ast.parse("\n".join(lines))
             except (SyntaxError, UnicodeDecodeError, ValueError):
                 continue  # a few stdlib files are deliberately invalid or not UTF-8
-            out += _functions(tree.body, lines, ".".join(path.relative_to(root).with_suffix("").parts))
+            yield path.relative_to(root), lines, tree
+
+
+@functools.lru_cache(maxsize=1)
+def _stdlib_functions():
+    out = []
+    for rel, lines, tree in stdlib_files():
+        out += _functions(tree.body, lines, ".".join(rel.with_suffix("").parts))
     return out
 
 
@@ -259,6 +261,8 @@ def stdlib_examples(split="train"):
     for name, head, body in _stdlib_functions():
         if (int(hashlib.sha1(name.encode()).hexdigest()[:8], 16) % 20 == 0) == (split == "val"):
             instruction = f"Complete this Python function from `{name.rsplit('.', 1)[0]}`.\n\n{head}"
+            # fenced, as chat models answer: a bare body's indentation right after the chat header would tokenize
+            # differently from the body alone
             out.append({"instruction": instruction, "response": f"```python\n{body}\n```", "name": name})
     return out
 

@@ -1,14 +1,8 @@
 """What will the model see? The packing report, the data preview and the checks for the usual data bugs.
 
-`packing_report` prints the length histogram of a dataset, the tokens kept, truncated and dropped, and how much of a
-batch is real tokens when packed, against padding to the longest of a batch or to context_length. `preview` (train.py
---preview, or `python -m support.data.preview DATA --tokenizer DIR --preview N`) prints the first N documents decoded,
-BOS and EOS visible, the supervised text marked, and one warning line for each example without a supervised token, with
-a double BOS, with a response not ended by EOS or holding one before its end (an answer quoting the end-of-turn text,
-which tokenizes as the token itself), or with tokens that merge across a cut between pieces (pack.py tokenizes a
-document's pieces one by one, so a cut through what the tokenizer would merge makes the tokens there differ from the
-joined text's); `check_examples` runs the same checks over a whole dataset. Messages name an example by its "file:line"
-(its stdlib function for the default data).
+`packing_report` gives a dataset's length histogram, tokens kept, truncated and dropped, and the packing efficiency.
+`preview` (train.py --preview, or `python -m support.data.preview DATA --tokenizer DIR --preview N`) decodes the first
+documents, BOS/EOS visible and the supervised text marked, then warns of each problem `check_examples` finds over all.
 """
 
 import argparse
@@ -77,8 +71,8 @@ def _merges(docs, tok):
 
 def _warnings(docs, tok, train_on_prompt):
     """One line per problem: no supervised token, a double BOS, a response not ended by EOS or holding EOS before its
-    end (the end-of-turn text inside an answer tokenizes as the token itself), tokens that merge across a cut between
-    pieces (the joined text tokenizes differently from its pieces tokenized one by one)."""
+    end (an answer quoting the end-of-turn text), tokens that merge across a cut between pieces (pack.py tokenizes a
+    document's pieces one by one)."""
     out, eos, merges = [], repr(tok.special_tokens.get("eos_token")), _merges(docs, tok)
     for j, (label, parts) in enumerate(docs):
         ids, mask = [t for p, _, _ in parts for t in p], [s or train_on_prompt for p, _, s in parts for _ in p]
@@ -127,14 +121,10 @@ def report(cfg, trainset, data, tok):
     """What train.py prints about its training data (a train.Config's): the packing report; with --preview also the
     first examples of `data` that trainset holds, as the model will see them, then the checks over every one."""
     print(packing_report(trainset))
-    if cfg.preview:  # the files read again, only as far as needed
-        train_examples = list(selected(data, trainset.kept, cfg.data_format, cfg.skip_bad_rows))
-        show(train_examples, tok, cfg.template or None, cfg.train_on_prompt, cfg.skip_bad_rows)
-
-
-def show(examples, tok, template=None, train_on_prompt=False, skip_bad_rows=False):
-    """train.py --preview: the first examples as the model will see them, then the checks over every one."""
-    seen = dict(template=template, train_on_prompt=train_on_prompt, skip_bad_rows=skip_bad_rows)
+    if not cfg.preview:
+        return
+    examples = list(selected(data, trainset.kept, cfg.data_format, cfg.skip_bad_rows))  # the files read again
+    seen = dict(template=cfg.template or None, train_on_prompt=cfg.train_on_prompt, skip_bad_rows=cfg.skip_bad_rows)
     print(preview(examples, tok, **seen))
     warnings = check_examples(examples, tok, **seen)
     print(f"{len(warnings)} warning(s) over all {len(examples)} training examples")

@@ -1,35 +1,20 @@
 """What does rl.py train on? Problems whose tests decide, by running, whether an answer is right.
 
-A problem has HumanEval's fields (support/evaluation/humaneval.py): `prompt` (a function's signature and docstring),
-`test` (defining check(candidate)), `entry_point` (the function's name) and a `task_id`; the program
-prompt + completion + test + check(entry_point) runs in the sandbox and the answer is right when it runs to the end.
-
-The offline set: the functions and methods of this Python's standard library whose docstrings carry doctests (about
-290 in CPython 3.11). The prompt is the function's own signature and docstring under a comment naming it; the test runs
-the docstring's doctests against the answer in the function's module: the answer's code is given the module's globals
-(its imports and helpers, as in its own file) and put where the original was (the module's attribute, or the class's
-for a method), and doctest's runner must report no failure. A function is kept when its own body passes that test in
-the sandbox (some doctests need files, a display or a fixed clock), a body that only raises does not (a doctest marked
-+SKIP passes anything), it has no decorator (a staticmethod or a property put back as a plain function would change)
-and its prompt and sample_tokens fit the context. CPython 3.11: 282 found, 158 kept, in about 15 s of sandboxed runs;
-the shortest canonical solution comes first, a rough order of difficulty.
-
-A user's file: JSON lines with those four fields and optionally `canonical_solution`. Each mistake is one line naming
-the file and line, before anything is written: a missing field, a canonical_solution that does not pass its own test,
-a prompt that leaves no room for an answer within context_length.
+A problem has HumanEval's fields (support/evaluation/humaneval.py): `prompt`, `test` (defining check(candidate)),
+`entry_point` and `task_id`; prompt + completion + test + check(entry_point) runs in the sandbox, and the answer is
+right when it runs to the end. The offline set is the standard library's doctested functions (docs/rl.md), each tested
+in its own module; a user's JSONL file is checked before anything is written, one line naming each mistake.
 """
 
 import ast
 import json
-import os
-import sysconfig
 from pathlib import Path
 
+from support.data import examples
 from support.evaluation import humaneval, sandbox
 
 CHECK_TIMEOUT = 30.0  # seconds for a canonical solution: a busy machine must not change which problems are kept
 STUB = "    raise NotImplementedError\n"  # an answer that answers nothing: a test it passes decides nothing
-SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "__pycache__"}
 TEST = """
 DOCSTRING = {doc!r}
 
@@ -55,12 +40,6 @@ def check(candidate):
 """
 
 
-def module_name(path: Path, root: Path) -> str:
-    """The import name of a standard library file: json/decoder.py -> json.decoder, json/__init__.py -> json."""
-    parts = path.relative_to(root).with_suffix("").parts
-    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
-
-
 def doctested(body, lines, module, classes=()) -> list[dict]:
     """The problems of the undecorated functions and methods among `body`'s statements (classes searched, nested
     functions not) whose docstrings hold a doctest (">>>"), each with its own body as canonical_solution."""
@@ -68,22 +47,15 @@ def doctested(body, lines, module, classes=()) -> list[dict]:
     for node in body:
         if isinstance(node, ast.ClassDef):
             out += doctested(node.body, lines, module, (*classes, node.name))
+        # decorated: a staticmethod or a property put back as a plain function would change
         if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) or node.decorator_list:
             continue
         doc = ast.get_docstring(node)
         if not doc or ">>>" not in doc or len(node.body) < 2 or node.body[0].end_lineno >= node.body[1].lineno:
             continue  # no doctest, no code besides the docstring, or code on the docstring's line
-        indent = lines[node.lineno - 1][: node.col_offset]  # the def's, taken off every line
-        source = lines[node.lineno - 1 : node.end_lineno]
-        if any(s.strip() and not s.startswith(indent) for s in source):
-            continue  # a string literal runs out to the left margin: dedenting would change it
-        head, tail = (
-            "\n".join(s[len(indent) :] for s in part).rstrip() + "\n"
-            for part in (
-                source[: node.body[0].end_lineno - node.lineno + 1],
-                source[node.body[0].end_lineno - node.lineno + 1 :],
-            )
-        )
+        if (parts := examples.function_parts(node, lines)) is None:
+            continue
+        head, tail = (part + "\n" for part in parts)
         qualname = ".".join((*classes, node.name))
         test = TEST.format(doc=doc, module=module, classes=list(classes), name=node.name, qualname=qualname)
         prompt = f"# {module}.{qualname}, from Python's standard library\n{head}"
@@ -94,16 +66,11 @@ def doctested(body, lines, module, classes=()) -> list[dict]:
 
 def stdlib_candidates() -> list[dict]:
     """Every doctested function and method of this Python's standard library, before its test is run."""
-    root, out = Path(sysconfig.get_paths()["stdlib"]), []
-    for dirpath, dirs, files in os.walk(root):
-        dirs[:] = sorted(d for d in dirs if d not in SKIP_DIRS)
-        for path in sorted(Path(dirpath, f) for f in files if f.endswith(".py") and f != "__main__.py"):
-            try:
-                lines = path.read_text(encoding="utf-8").splitlines()
-                tree = ast.parse("\n".join(lines))
-            except (SyntaxError, UnicodeDecodeError, ValueError):
-                continue  # a few stdlib files are deliberately invalid or not UTF-8
-            out += doctested(tree.body, lines, module_name(path, root))
+    out = []
+    for rel, lines, tree in examples.stdlib_files():
+        parts = rel.with_suffix("").parts  # json/decoder.py -> json.decoder, json/__init__.py -> json
+        if rel.name != "__main__.py":
+            out += doctested(tree.body, lines, ".".join(parts[:-1] if parts[-1] == "__init__" else parts))
     return out
 
 

@@ -1,22 +1,11 @@
 """How is a dataset tokenized once, without holding it in memory, and read back from disk after?
 
-A cache entry is a directory under `cache_dir` of five .npy files, read back as memory maps: the token stream (tokens
-uint32 (N,), mask uint8 (N,)), and per document its offsets (int64 (docs + 1,)), the index of the example it came from
-and its supervised targets (int64 (docs,)), with meta.json (the examples read, what was said about them). The key
-hashes the data (content for files under 64 MiB, else path + size + mtime), the tokenizer files, the template and the
-settings. Both splits of a file share one entry: it holds every example, and each split takes its documents by their
-example index (examples.split), so changing val_fraction or max_examples tokenizes nothing again.
-
-Building streams: the files are read a block of rows at a time, pack.tokenize_chunk turns each chunk of examples into
-arrays, and the arrays are appended to growing .npy files whose header gets its length at the end. Memory stays bounded
-by a few chunks per process and the per-document arrays; nothing but a cache hit reads the whole. On Linux, files of 32
-MiB and more are tokenized by one forked process per core, up to 8 (chat template, tokenizer and arrays are mostly
-Python, which one process runs on one core at a time), smaller data by a thread a chunk ahead of the writer, the
-tokenizer's batched call on every core. The entry is written as one directory by support/formats/atomic.py, so an
-interrupted run never leaves a half entry.
-
-Under torchrun one rank per machine (LOCAL_RANK 0) builds an entry while the machine's other ranks wait for it
-(local_first), then every rank maps the same files: the kernel keeps one copy of their pages for all of them.
+An entry is a directory under `cache_dir`, written whole (support/formats/atomic.py): tokens uint32 (N,), mask uint8
+(N,), and per document its offsets int64 (docs + 1,), its example's index and its supervised targets int64 (docs,), as
+.npy files read back as memory maps, and meta.json. The key hashes the data (content under 64 MiB, else path + size +
+mtime), the tokenizer files, the template and the settings. Both splits share an entry, each taking its documents by
+example index. Rows are read a block at a time and tokenized a chunk at a time, on Linux by forked workers for data of
+32 MiB and more (docs/internals.md). Under torchrun one rank per machine builds, the others wait (`local_first`).
 """
 
 import collections
@@ -68,8 +57,7 @@ def prefetch(items):
 
 def tokenized_chunks(rows, tokenize_chunk, tokenizer, settings, processes=1):
     """tokenize_chunk(chunk, tokenizer, first=..., **settings) of each chunk of CHUNK rows, in order, each with "read":
-    the rows read so far. processes > 1: that many forked worker processes, each with its copy of the tokenizer, a
-    few chunks ahead of the caller; else a thread one chunk ahead."""
+    the rows read so far; in `processes` forked workers, or with 1 in a thread one chunk ahead."""
     if processes > 1:
         yield from _in_workers(rows, (tokenize_chunk, tokenizer, settings), processes)
         return
@@ -82,9 +70,8 @@ def tokenized_chunks(rows, tokenize_chunk, tokenizer, settings, processes=1):
 
 def _in_workers(rows, work, processes):
     """tokenized_chunks in `processes` forked workers: at most 2 chunks per worker in flight, results in order."""
-    # Forked, as torch's DataLoader workers are: a worker starts at once with the parent's tokenizer (never pickled)
-    # and never touches torch or its threads. TOKENIZERS_PARALLELISM set (to its default, true) keeps the tokenizers
-    # library from warning in every worker that the parent used its threads; each worker then turns them off.
+    # Forked: a worker starts at once with the parent's tokenizer (never pickled). TOKENIZERS_PARALLELISM set (to its
+    # default) keeps the tokenizers library from warning in every worker that the parent used its threads.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
     pool = concurrent.futures.ProcessPoolExecutor(processes, multiprocessing.get_context("fork"), _worker_start, work)
     pending = collections.deque()  # (rows read once it is done, its future), oldest first
@@ -110,8 +97,7 @@ _worker = {}  # in a tokenizing worker: what _worker_start was given
 
 
 def _worker_start(tokenize_chunk, tokenizer, settings):
-    """A tokenizing worker: one thread (its siblings take the other cores); Ctrl-C and SIGTERM are its parent's to
-    handle, and it ends with its parent, however that ends."""
+    """A tokenizing worker: one thread; Ctrl-C and SIGTERM are its parent's to handle, and it ends with its parent."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     tokenizer.encode_threads = 1
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -192,11 +178,10 @@ def tokenize_cached(
     tokenize_chunk, data, tokenizer, cache_dir=None, template=None, train_on_prompt=False, fmt="auto",
     skip_bad_rows=False, processes=None,
 ):  # fmt: skip
-    """tokenize_chunk (pack.py's) over files (a path, or paths read one after the other, row by row) or a list of
-    examples, through the disk cache: {tokens, mask, offsets, example, supervised: memory maps, read: examples read,
-    entry: the entry's directory}. Without cache_dir the entry goes to a temporary directory, removed once mapped.
-    processes: how many tokenize (default: one per core, at most MAX_PROCESSES, for files of PROCESSES_FROM bytes and
-    more on Linux, where forking is safe; else 1)."""
+    """tokenize_chunk (pack.py's) over files (a path or paths) or a list of examples, through the disk cache:
+    {tokens, mask, offsets, example, supervised: memory maps, read: examples read, entry: the entry's directory}.
+    Without cache_dir the entry goes to a temporary directory, removed once mapped. processes: how many tokenize
+    (default: one per core up to MAX_PROCESSES for files of PROCESSES_FROM bytes and more on Linux; else 1)."""
     paths = [data] if isinstance(data, str | os.PathLike) else data if data and not isinstance(data[0], dict) else None
     said = []  # what reading the rows says (bad rows skipped), kept for cache hits
 
@@ -224,10 +209,9 @@ def tokenize_cached(
 
 
 def local_first(work):
-    """work() on each machine's first rank (LOCAL_RANK 0, as torchrun numbers them) while the machine's other ranks
-    wait, then on those, which find on disk what the first one wrote (the token cache) instead of doing it again.
-    Every rank calls it alike: the wait is a barrier of the process group, bounded by rank_timeout, and a first rank
-    that fails ends the others with its line (support/run/ranks.py: its connection closes, they read the store)."""
+    """work() on each machine's first rank (LOCAL_RANK 0) while its other ranks wait at a barrier, then on those,
+    which find on disk what the first one wrote. A first rank that fails ends the others with its line
+    (support/run/ranks.py)."""
     if not (dist.is_initialized() and dist.get_world_size() > 1):
         return work()
     first = int(os.environ.get("LOCAL_RANK", 0)) == 0
@@ -237,9 +221,8 @@ def local_first(work):
 
 
 def cached_packer(entry, packer):
-    """packer(lengths, capacity) -> rows (pack.pack_bfd) through the entry (a tokenize_cached result's "entry"; None:
-    packer itself): rows of the same lengths and capacity are read back from a file beside the arrays instead of
-    packed again (a million documents take seconds to pack, a cache hit a fraction of one)."""
+    """packer(lengths, capacity) -> rows (pack.pack_bfd), its rows for the same lengths and capacity read back from a
+    file in the entry (a tokenize_cached result's "entry"; None: packer itself) instead of packed again."""
     if entry is None:
         return packer
 

@@ -1,46 +1,11 @@
 """Tokenizers and chat templates: text to token ids, and conversations to the text a chat model expects.
 
-`Tokenizer(dir)` reads a Hugging Face tokenizer directory: tokenizer.json (the `tokenizers` library: BPE, byte-level
-BPE, WordPiece...) or tokenizer.model (`sentencepiece`), plus tokenizer_config.json for the special tokens and the chat
-template (or a chat_template.jinja file). Both libraries encode a list of texts in parallel native threads.
-
-The sentencepiece path cuts text at special-token strings and encodes each span on its own, so sentencepiece's dummy
-prefix applies per span, as in the original Llama/Mistral tokenizers and transformers' sentencepiece tokenizers with
-legacy=True. Ids that sentencepiece does not know (tokens added after its vocabulary, such as a pad token) come from
-tokenizer_config.json's added_tokens_decoder.
-
-A chat template is a Jinja program over a list of {"role", "content"} messages that renders the exact text a chat
-model was trained on, e.g. SmolLM2's ChatML "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n". It is
-rendered the way transformers renders it: a sandboxed environment with trim_blocks and lstrip_blocks, the
-loopcontrols extension, a `raise_exception` function, a `tojson` filter that does not escape HTML, and
-bos_token/eos_token/... and add_generation_prompt as variables.
-
-A training document is the whole conversation as the template renders it, cut into pieces by `segments`: every
-assistant turn is supervised, everything else (system and user turns, the template's headers) is prompt. The cuts
-come from rendering prefixes, so any template works. Assistant turn k starts where messages[:k] rendered with
-add_generation_prompt=True ends; that text must be a prefix of the whole render, else a one-line error names the
-turn (Mistral v0.3, for one, moves the system message to whichever user turn is last). The turn ends after the first
-eos token string that follows its content (an answer quoting "<|im_end|>" does not end there), before the next
-assistant turn starts. Where the template renders none there (a tokenizer whose eos is not the template's end of turn,
-such as a base Qwen's <|endoftext|> under ChatML) the turn ends where the next message starts (the end of
-messages[:k + 1] rendered alone), nothing is added, and pack.preview warns that the model will not learn to stop.
-With SmolLM2's ChatML:
-
-    <|im_start|>system\n...<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n  prompt
-    Hello!<|im_end|>                                                                            supervised
-    \n<|im_start|>user\nAnd?<|im_end|>\n<|im_start|>assistant\n                                   prompt
-    Bye.<|im_end|>                                                                              supervised
-    \n                                                                                          prompt
-
-The supervised text is what the template renders for the turn, not the raw content: Qwen3 gives its final turn an
-empty "<think>\n\n</think>\n\n" and the model is trained to write it, as it will at inference. Nothing is added to a
-chat template's text: BOS and end-of-turn tokens are the template's own, as in transformers' apply_chat_template.
-
-A plain format string with {instruction} and {response}, for base models without a chat template, renders one
-instance per assistant turn, whose instruction is the system and user contents since the previous assistant turn
-joined by a blank line (so a system message leads the first instruction). The format has no end-of-turn token: EOS is
-appended after every response, and BOS prepended where the tokenizer adds it to plain text. `render` gives what
-generation needs: (prompt text, final response text, prepend BOS?).
+`Tokenizer(dir)` reads a Hugging Face tokenizer directory: tokenizer.json (`tokenizers`) or tokenizer.model
+(`sentencepiece`, cut at special-token strings as transformers' legacy=True), with tokenizer_config.json's special
+tokens and chat template, rendered as transformers renders it. `segments` cuts an example's document into
+(text, supervised) pieces: every assistant turn, end-of-turn token included, is supervised, the rest is prompt; the cuts
+come from rendering prefixes of the conversation, so any template works. A plain format string with {instruction} and
+{response} renders one instance per assistant turn, with EOS after each response.
 """
 
 import json
@@ -60,7 +25,7 @@ def _token_str(v):
 
 
 def _compile_chat_template(source):
-    from jinja2.exceptions import TemplateError
+    """The template as transformers compiles it: sandboxed, trim_blocks and lstrip_blocks, loopcontrols."""
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message):
@@ -236,23 +201,18 @@ def render(ex, tok, template=None):
     return prompt, response.removesuffix(eos) if eos and not add_eos else response, bos
 
 
-def _label(ex, i):
-    """Where example i came from, for messages: its file and line, its stdlib function, or else its position."""
-    return ex.get("source") or ex.get("name") or f"example {i}"
-
-
 def segment(examples, tokenizer, template, first=0, skip_bad_rows=False):
-    """([(index, label, segmented)], skipped): tokenizer.segments of each example with its index (counting from
-    `first`) and label (file:line, stdlib function or position), and "label: why" of each example the template
-    rejects, which stops the run unless skip_bad_rows."""
+    """([(index, label, segmented)], skipped): `segments` of each example, numbered from `first`, and "label: why" of
+    each example the template rejects, which stops the run unless skip_bad_rows."""
     segmented, skipped = [], []
     for i, ex in enumerate(examples, first):
+        label = ex.get("source") or ex.get("name") or f"example {i}"  # file:line, stdlib function, or position
         try:
-            segmented.append((i, _label(ex, i), segments(ex, tokenizer, template)))
+            segmented.append((i, label, segments(ex, tokenizer, template)))
         except (ValueError, TemplateError) as e:
             if not skip_bad_rows:
-                raise ValueError(f"{_label(ex, i)}: {e}") from None
-            skipped.append(f"{_label(ex, i)}: {e}")
+                raise ValueError(f"{label}: {e}") from None
+            skipped.append(f"{label}: {e}")
     return segmented, skipped
 
 
