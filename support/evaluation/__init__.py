@@ -1,2 +1,1 @@
-"""How a model is judged: batched generation, the sandbox that runs model-written code (and the kernel confinement it
-applies), HumanEval pass@1, and the check of a merged export."""
+"""How a model is judged: generation, the sandbox for model-written code, HumanEval pass@1, the merge check."""

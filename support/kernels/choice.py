@@ -1,19 +1,8 @@
 """What does a model built on this machine compute with: which dtype, and which kernels?
 
-The dtype. precision "auto" means bf16 where the hardware runs it natively, because bf16 halves the memory of weights
-and activations and tensor cores (and AMX on Intel, AVX512-BF16 on AMD Zen 4/5) run it several times faster than fp32.
-On a GPU the answer is a property of the card: bf16 from compute capability 8.0 (Ampere) on, fp16 with a loss scaler
-before (T4, V100), where torch would emulate bf16. On a CPU it is what the CPU declares (Linux's /proc/cpuinfo flags):
-bf16 with AMX or AVX512-BF16 (or an Arm CPU's bf16 feature), fp32 with neither. Getting it wrong is ruinous: a CPU with
-AVX2 only emulates bf16 matmuls hundreds of times slower than fp32. Where the CPU declares nothing readable (macOS,
-Windows) the two are measured once, at the model's own MLP shape, and the faster wins; a measurement on a busy machine
-can mislead, which is why flags come first. An explicit bf16 is kept, with a warning where the CPU lacks it.
-
-The kernels. One call when a model is built (train.load_model) answers it for the three places a kernel is chosen,
-each by the file that knows its kernels: the packed-document attention (attention.py: flash-attn, torch's varlen
-kernel, or one SDPA call per document), NF4 dequantization (nf4_ops.py: bitsandbytes', a Triton kernel, or the
-reference, as an op) and LoRA dropout (dropout_cuda.py: one Triton kernel, or the reference). Both choices are made
-once, for the model's life.
+precision "auto" is bf16 where the hardware runs it natively: a GPU from compute capability 8.0 (before, fp16), a CPU
+that declares AMX, AVX512-BF16 or Arm's bf16 (where it declares nothing, the two are measured once); else fp32, since an
+emulating CPU runs bf16 matmuls hundreds of times slower. `kernels_for` makes a model's kernel choices once.
 """
 
 from typing import NamedTuple
@@ -44,8 +33,7 @@ BF16_FLAGS = {"amx_bf16", "avx512_bf16", "bf16"}  # x86's AMX and AVX512-BF16; A
 
 def pick_precision(precision, device, config, main=True) -> torch.dtype:
     """The compute dtype for `precision` ("auto", "bf16", "fp16" or "fp32") on `device`, for a model of `config`'s
-    shapes. Where a CPU must be measured, only `main` (rank 0) measures, and prints what it measured: another rank's
-    measurement would compete with it for the same cores, and agreed() gives every rank rank 0's choice."""
+    shapes. Only `main` (rank 0) measures a CPU (others would compete for its cores); agreed() shares its choice."""
     p = precision
     if device.type == "cuda" and p == "auto":
         p = "bf16" if torch.cuda.get_device_capability(device)[0] >= 8 else "fp16"
@@ -68,8 +56,7 @@ def pick_precision(precision, device, config, main=True) -> torch.dtype:
 
 
 def cpu_has_bf16(cpuinfo="/proc/cpuinfo") -> bool | None:
-    """Whether this CPU declares native bf16 matmuls (Linux's /proc/cpuinfo flags), or None where it declares nothing
-    readable."""
+    """Whether this CPU declares native bf16 matmuls (Linux's /proc/cpuinfo flags); None where nothing is readable."""
     try:
         with open(cpuinfo) as f:
             line = next((line for line in f if line.split(":")[0].strip() in ("flags", "Features")), None)
@@ -79,8 +66,7 @@ def cpu_has_bf16(cpuinfo="/proc/cpuinfo") -> bool | None:
 
 
 def measured_bf16(config, device) -> tuple[bool, str]:
-    """(whether bf16 matmuls are faster than fp32 here, the rates that say so), at the model's MLP shape for a
-    micro-batch's worth of rows (fp32 on a tie: it rounds less)."""
+    """(whether bf16 matmuls are faster than fp32 here at the model's MLP shape (fp32 on a tie), the rates)."""
     shape = (128, min(config.hidden_size, 2048), min(config.intermediate_size, 4096))
     rates = matmul_rates(shape, (torch.bfloat16, torch.float32), device)
     why = f"measured {fmt_flops(rates[torch.bfloat16])} in bf16, {fmt_flops(rates[torch.float32])} in fp32"
@@ -88,7 +74,6 @@ def measured_bf16(config, device) -> tuple[bool, str]:
 
 
 def name(dtype) -> str:
-    """The short name of a dtype: bf16, fp16 or fp32."""
     return next(k for k, v in PRECISIONS.items() if v == dtype)
 
 

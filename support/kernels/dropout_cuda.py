@@ -1,17 +1,8 @@
 """Which kernel applies LoRA's keyed dropout on a GPU?
 
-support/kernels/dropout.py's `keyed_dropout` is the reference: a hash of (row key, element index) decides each element,
-in a dozen PyTorch ops on int64 tensors. On a GPU those ops each read and write a tensor the size of the adapter's
-input: on a Llama-3.1-8B step of 8,192 tokens, 224 adapted linears spent about a quarter of the step in them. Here the
-same hash runs in one Triton kernel that reads x once and writes the dropped and scaled x once, as torch's own dropout
-kernel does; its mask and its output are bit-identical to the reference, which the tests prove on CPU through Triton's
-interpreter and on a GPU directly.
-
-The choice is made once, when a model is built on CUDA (`dropout_op_for`): the kernel when triton is installed and a
-trial on a small tensor builds and matches the reference there, else the reference. It reaches each LoRA linear's
-KeyedDropout as an op: `keyed_dropout_cuda` (torch.ops.nanoqlora.keyed_dropout_cuda), opaque to torch.compile, whose
-backward is the same op on the gradient (dropout is linear in x: dx = dy * mask / (1 - p)), so no mask is saved for
-backward. This file imports support/kernels/dropout.py; dropout.py imports nothing from here.
+The same hash as dropout.py's `keyed_dropout` in one Triton kernel, bit-identical to it, reading x once and writing
+once. `dropout_op_for` hands a model built on CUDA the op `keyed_dropout_cuda`, opaque to torch.compile, whose backward
+is the same op on the gradient (dropout is linear in x), so no mask is saved.
 """
 
 import contextlib
@@ -32,12 +23,9 @@ def _unsigned(c):  # an int64 constant of dropout.py as the uint64 the kernel co
 
 @functools.cache
 def _triton_kernel():
-    """The Triton kernel, built on first use (triton is imported only here). Program (b, r) writes elements
-    b * SIZE ... of row r: element e takes draw e % 4 of hash e // 4 of its row, as the reference cuts four 16-bit
-    draws from each hash. The hash is the reference's, on uint64 (whose products wrap and whose shifts are logical,
-    as the reference makes its int64 ones). Rounding: x * keep is exact, * scale in fp32 is rounded once at the store,
-    as PyTorch rounds x * keep * scale; bf16 is rounded on the bits (round to nearest even) because Triton's CPU
-    interpreter, which the tests run, truncates a float -> bf16 cast."""
+    """The Triton kernel, built on first use. Program (b, r) writes elements b * SIZE ... of row r: element e takes
+    draw e % 4 of hash e // 4 of its row, the reference's hash on uint64. x * keep is exact and * scale rounds once, as
+    PyTorch's; bf16 is rounded on the bits (to nearest even): Triton's CPU interpreter truncates the cast."""
     import triton
     import triton.language as tl
 
@@ -86,16 +74,15 @@ def keyed_dropout_triton(x, p, keys):
 
 
 def launch_grid(rows, row_numel):
-    """(programs along a row, rows), or None where CUDA cannot launch it: the blocks of a row go on the grid's first
-    axis, which may be 2**31 - 1 long, the rows on the second, which may be 65,535 (the 8,192-token input of a
-    Llama-3.1-8B down_proj is one row of 114,688 blocks)."""
+    """(programs along a row, rows), or None where CUDA cannot launch it: a row's blocks on the first axis (up to
+    2**31 - 1; an 8B down_proj's 8,192-token row is 114,688), the rows on the second (up to 65,535)."""
     blocks = -(-row_numel // TRITON_BLOCK)
     return (blocks, rows) if blocks < 2**31 and rows <= 65_535 else None
 
 
 @functools.cache
 def cuda_keyed_dropout():
-    """The CUDA implementation, chosen once as the file docstring says."""
+    """The CUDA implementation, chosen once per process."""
     if optional.installed("triton") and runs_like_reference(keyed_dropout_triton, "cuda"):
         return keyed_dropout_triton
     return keyed_dropout
@@ -127,8 +114,7 @@ CUDA_OP = torch.ops.nanoqlora.keyed_dropout_cuda.default  # as KeyedDropout hold
 
 
 def dropout_op_for(device):
-    """The op the KeyedDropouts of a model built on `device` apply: on CUDA keyed_dropout_cuda's, its kernel chosen
-    now (a kernel that fails its trial says so while the model is built), elsewhere the reference."""
+    """The op the KeyedDropouts of a model built on `device` apply; on CUDA its kernel is chosen (and tried) now."""
     if torch.device(device).type != "cuda":
         return keyed_dropout
     cuda_keyed_dropout()
@@ -136,9 +122,8 @@ def dropout_op_for(device):
 
 
 def runs_like_reference(impl, device):
-    """Whether impl drops a small bf16 input on `device` (3 rows of 7 x 11 elements: a row length not a multiple of
-    4, p = 0.3) to the reference's bits. A missing C compiler or a driver too old for the PTX prints one line and the
-    reference runs, instead of the first step failing."""
+    """Whether impl drops a small bf16 input on `device` (rows of 77 elements, not a multiple of 4) to the
+    reference's bits; if not, one line says so."""
     x = torch.randn(3, 7, 11, generator=torch.Generator().manual_seed(0)).bfloat16().to(device)
     keys = torch.tensor([1, -2, 3**39], dtype=torch.int64, device=device)
     try:

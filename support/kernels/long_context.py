@@ -1,31 +1,8 @@
 """How does a block train on one very long sequence without holding its activations?
 
-With activation checkpointing (model.py) a block keeps only its input between forward and backward, 2h bytes a token
-in bf16, and recomputes itself in backward. Two costs remain that grow with the sequence, and this file removes each:
-
-Tiled MLP. While one block is recomputed and differentiated, everything it saves is alive at once. The MLP saves the
-most: gate, silu(gate) and up, 3 x intermediate_size values a token (Llama-3-8B: 43,008 against a hidden size of 4,096),
-plus the LoRA branches' inputs. `tiled_mlp` runs the MLP over tiles of `tile` tokens of each row, each tile checkpointed
-on its own: the forward keeps only the tile's input (a view of the norm's output, which is kept anyway), and backward
-recomputes and differentiates one tile at a time, so the MLP's intermediates exist for one tile only. The MLP acts on
-each token alone, so the tiles' outputs are the MLP's output, and their gradients sum to its gradients (in another
-order: equal within rounding). LoRA's keyed dropout drops in a tile what it drops in the whole row
-(support/kernels/dropout.py's tile_of_rows). The price is one more forward of the MLP per step (about a sixth more
-compute with checkpointing).
-
-Offloaded checkpoints. The block inputs checkpointing keeps add up to 2h bytes x tokens x layers (an 8B model: 256 KiB
-a token, 32 GiB at 128K tokens). `OffloadedSaves` is a pair of saved-tensor hooks (torch.autograd.graph) around the
-checkpointed blocks: what autograd saves there, each checkpoint's inputs, is copied to CPU memory as it is saved and
-copied back when backward asks for it, so the GPU holds the inputs of none of the blocks (one block's, while it is
-recomputed). On CUDA the host copies are pinned and made on a side stream that waits for the compute stream, so the
-copy of block k's input overlaps block k's forward; record_stream tells the caching allocator that the GPU tensor is
-in use there until the copy ends, so it is not reused too early. RoPE's cos and sin go into every checkpoint and are
-copied once; what is in CPU memory already (the documents' bounds, which the per-document attention reads on the host)
-stays as it is. On CPU the same hooks run (a copy to a fresh tensor): nothing moves, and the tests prove the losses
-and gradients through them.
-
-Both are settings of train.py (mlp_tile_tokens, offload_checkpoints) and known to support/accounting/memory.py's
-estimate.
+Beyond activation checkpointing (docs/performance.md): `tiled_mlp` runs the MLP over tiles of tokens, each checkpointed
+on its own, so its (tokens, intermediate) tensors exist for one tile at a time, for one more MLP forward a step;
+`OffloadedSaves` keeps what autograd saves in the checkpointed blocks (their inputs) in CPU memory until backward.
 """
 
 import weakref

@@ -1,21 +1,8 @@
 """Which op dequantizes the NF4 weights of a model built on this device?
 
-quant.dequantize_nf4 is the reference: a few PyTorch ops, fp32 math, one rounding. The model's builder hands every
-NF4Linear an op instead (`dequantize_op_for`), a torch.library custom op with a "fake" that gives its output's shape,
-so that torch.compile sees one opaque operator: Dynamo does not trace into it (table lookups, optional imports, Triton
-launches stay out of the graph) and Inductor never fuses it into a form that would change its bits. Off CUDA the op
-runs the reference (`dequantize`, torch.ops.nanoqlora.dequantize_nf4). On CUDA the implementation is
-chosen once, when the first model is built there (`dequantize_op_for`): bitsandbytes' kernel when bitsandbytes imports
-with a CUDA build (`dequantize_bnb`), else a small Triton kernel when triton is installed and the kernel, tried once on
-a small tensor, builds and matches the reference there (`dequantize_triton`: one launch instead of a dozen PyTorch
-kernels and their fp32 temporaries), else the reference. The Triton kernel does the reference's fp32 operations in the
-reference's order and is launched with `enable_fp_fusion=False`, so the compiler never merges a multiply and an add
-into one FMA (one rounding instead of two): its output is bit-identical to the reference, which the tests prove on CPU
-through Triton's interpreter and on a GPU directly. Neither package is required; without them CUDA runs the reference.
-
-The choice reaches the model as the op `dequantize_cuda` (torch.ops.nanoqlora.dequantize_nf4_cuda). A layer holds an
-op as torch.ops has it (REFERENCE_OP, CUDA_OP), which copy.deepcopy copies as itself, so a model holding it can be
-copied. This file imports quant.py; quant.py imports nothing from here.
+quant.dequantize_nf4 is the reference. A model's builder hands every NF4Linear an op instead (`dequantize_op_for`), a
+custom op torch.compile sees as one opaque operator (docs/internals.md): off CUDA the reference (REFERENCE_OP); on CUDA
+`dequantize_cuda` (CUDA_OP): bitsandbytes' kernel, or a Triton kernel bit-identical to the reference, or the reference.
 """
 
 import contextlib
@@ -28,6 +15,10 @@ import quant
 from support.run import optional
 
 
+def _fake(weight, absmax, nested_absmax, offset, shape, dtype):  # what the compiler needs: the output's metadata
+    return weight.new_empty(shape, dtype=dtype)
+
+
 @torch.library.custom_op("nanoqlora::dequantize_nf4", mutates_args=())
 def dequantize(
     weight: Tensor, absmax: Tensor, nested_absmax: Tensor, offset: Tensor, shape: list[int], dtype: torch.dtype
@@ -36,12 +27,8 @@ def dequantize(
     return quant.dequantize_nf4(weight, absmax, nested_absmax, offset, shape, dtype)
 
 
-@dequantize.register_fake
-def _(weight, absmax, nested_absmax, offset, shape, dtype):  # what the compiler needs: the output's metadata
-    return weight.new_empty(shape, dtype=dtype)
-
-
-REFERENCE_OP = torch.ops.nanoqlora.dequantize_nf4.default
+dequantize.register_fake(_fake)
+REFERENCE_OP = torch.ops.nanoqlora.dequantize_nf4.default  # a layer holds it so: copy.deepcopy copies it as itself
 
 
 @functools.cache  # looked up by every dequantize of the bitsandbytes path
@@ -67,11 +54,9 @@ TRITON_OPTIONS = dict(enable_fp_fusion=False)
 
 @functools.cache
 def _triton_kernel():
-    """The Triton kernel, built on first use (triton is imported only here). One program writes TRITON_BLOCK values;
-    value i reads byte i // 2 (high nibble for even i), absmax code i // 64 and nested absmax i // (64 * 256). The
-    arithmetic is the reference's: fp32, (dyn * nested + offset) then NF4 * scale, rounded once at the store. The bf16
-    rounding is done on the bits (round to nearest even, as PyTorch and the GPU's own conversion do) because Triton's
-    CPU interpreter, which the tests run, truncates a float -> bf16 cast."""
+    """The Triton kernel, built on first use. One program writes TRITON_BLOCK values; value i reads byte i // 2 (high
+    nibble for even i), absmax code i // 64 and nested absmax i // (64 * 256), in the reference's fp32 order. bf16 is
+    rounded on the bits (to nearest even) because Triton's CPU interpreter, which the tests run, truncates the cast."""
     import triton
     import triton.language as tl
 
@@ -110,7 +95,7 @@ def dequantize_triton(weight, absmax, nested_absmax, offset, shape, dtype):
 
 @functools.cache
 def cuda_dequantize():
-    """The CUDA implementation, chosen once as the file docstring says (a CPU-only bitsandbytes is passed over)."""
+    """The CUDA implementation, chosen once per process (a CPU-only bitsandbytes is passed over)."""
     has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
     if _bnb_functional() is not None and has_kernel("bitsandbytes::dequantize_4bit", "CUDA"):
         return dequantize_bnb
@@ -127,17 +112,12 @@ def dequantize_cuda(
     return cuda_dequantize()(weight, absmax, nested_absmax, offset, shape, dtype)
 
 
-@dequantize_cuda.register_fake
-def _(weight, absmax, nested_absmax, offset, shape, dtype):
-    return weight.new_empty(shape, dtype=dtype)
-
-
+dequantize_cuda.register_fake(_fake)
 CUDA_OP = torch.ops.nanoqlora.dequantize_nf4_cuda.default
 
 
 def dequantize_op_for(device):
-    """The op the NF4 linears of a model built on `device` dequantize with: on CUDA dequantize_cuda's, its kernel
-    chosen now (a kernel that fails its trial says so while the model is built), elsewhere the reference's."""
+    """The op the NF4 linears of a model built on `device` use; on CUDA its kernel is chosen (and tried) now."""
     if torch.device(device).type != "cuda":
         return REFERENCE_OP
     cuda_dequantize()
@@ -145,10 +125,8 @@ def dequantize_op_for(device):
 
 
 def runs_like_reference(impl, device):
-    """Whether impl dequantizes a small NF4 tensor on `device` (300 values: four 64-value blocks and a partial one)
-    to the reference's bits, in bf16. Triton builds its launcher at the first launch with a C compiler and Python's
-    headers, which a machine can lack: one line then says so and the reference runs, instead of the first step
-    failing."""
+    """Whether impl dequantizes 300 values (four 64-value blocks and a partial one) on `device` to the reference's
+    bf16 bits; if not (Triton's launcher needs a C compiler and Python's headers), one line says so."""
     shape = [3, 100]
     q = quant.quantize_nf4(torch.randn(shape, generator=torch.Generator().manual_seed(0))).to(device)
     try:
