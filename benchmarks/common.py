@@ -1,15 +1,7 @@
 """What do the benchmarks share? Where they write, how they time, print and compare, and what machine they ran on.
 
-Interleaving
-------------
-A shared machine drifts: the same run can be tens of percent faster or slower an hour later, as neighbours come and
-go and clocks throttle. Running one system after the other puts that drift into their ratio. The training and GPU
-benchmarks therefore alternate the systems (A, B, A, B, ...) and report, for each pair, the median of the per-round
-ratios (median_ratio): each ratio compares two measurements taken moments apart, and the median ignores the odd round
-a neighbour spoiled.
-
-Both peers (transformers + PEFT) train on our batches, converted by hf_batch; tests/test_bench.py proves the
-conversion gives our loss.
+Systems run interleaved (A, B, A, B, ...) and each ratio is the median of the per-round ratios (median_ratio), so a
+shared machine's drift stays out of it. The peers (transformers + PEFT) train on our batches, converted by hf_batch.
 """
 
 import importlib.metadata
@@ -82,10 +74,9 @@ def machine() -> dict:
 
 
 def run_child(argv, log_path, with_workers=False):
-    """(exit code, peak RSS bytes, wall seconds) of `python argv...`, stdout and stderr to log_path. The peak is the
-    child's own VmHWM, read from /proc while it runs: ru_maxrss from wait4 would also count what this process held
-    when it forked the child (Linux carries the parent's high-water mark across fork and exec). with_workers: the sum
-    of the child's peak and the peaks of the processes it starts (an upper bound of what they held at once)."""
+    """(exit code, peak RSS bytes, wall seconds) of `python argv...`, output to log_path. The peak is the child's own
+    VmHWM, read from /proc while it runs (wait4's ru_maxrss would include this process's own high-water mark, which
+    Linux carries across fork and exec); with_workers: plus the peaks of the processes it starts (an upper bound)."""
     start = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
@@ -108,8 +99,7 @@ def run_child_ok(argv, log_path, what, with_workers=False):
 
 
 def run_two_ranks(argv, log_path, what, env=None):
-    """`torchrun --nproc_per_node=2 argv...` on a free port, output to log_path: {pid: peak RSS bytes} of the processes
-    it starts (child_failed when it fails)."""
+    """{pid: peak RSS bytes} of the processes `torchrun --nproc_per_node=2 argv...` starts; child_failed if it fails."""
     with socket.socket() as s:  # a free port for the rendezvous
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -123,8 +113,8 @@ def run_two_ranks(argv, log_path, what, env=None):
 
 
 def peaks_while_running(proc, descendants=False, itself=False) -> dict:
-    """{pid: peak RSS bytes (VmHWM, read from /proc)} of `proc`, or of every process it starts (torchrun's ranks; and
-    `proc` too if itself), polled until it exits."""
+    """{pid: peak RSS bytes (VmHWM)} of `proc`, or of every process it starts (and `proc` too if itself), polled until
+    it exits."""
     peaks = {}
     while proc.poll() is None:
         try:
@@ -147,9 +137,8 @@ def median_ratio(pairs):
 
 
 def hf_batch(batch):
-    """Our batch -> transformers' causal-LM inputs. Our labels are pre-shifted (labels[t] is the target of position
-    t); transformers shifts them itself, so they move one place right. One example per row: the padding is the
-    second run of positions starting at 0, and the attention mask is 0 there."""
+    """Our batch -> transformers' causal-LM inputs: our pre-shifted labels move one place right (transformers shifts
+    them itself); one example per row, so the padding is the second run of positions from 0 (attention mask 0)."""
     labels = torch.full_like(batch["labels"], -100)
     labels[:, 1:] = batch["labels"][:, :-1]
     mask = ((batch["position_ids"] == 0).cumsum(1) == 1).long()  # (rows, width)
@@ -169,9 +158,8 @@ def nf4_config(compute_dtype):
 
 
 def peft_lora(model, lr):
-    """PEFT LoRA (LORA on "all-linear", adapters in fp32: PEFT's autocast_adapter_dtype) on a transformers model, and
-    fused AdamW (the Trainer's default, adamw_torch_fused): (the PEFT model in training mode, its trainable parameters,
-    the optimizer)."""
+    """(PEFT model in training mode, its trainable parameters, fused AdamW as the Trainer's default): LORA on
+    "all-linear" of a transformers model, adapters in fp32 (PEFT's autocast_adapter_dtype)."""
     import peft
 
     model.config.use_cache = False

@@ -1,31 +1,10 @@
 """How fast does ours train on CPU against transformers + PEFT, and what does each optimization buy?
 
-`python bench.py train` (bench.py lists its options). Every configuration runs in a fresh child process, so its peak RSS
-(its VmHWM, read from /proc while it runs; the same measure for both systems) is its own. Ours is `python train.py
---key=value ...`; its per-step times come from metrics.jsonl. The peer is `python bench.py peer ...` (run_peer):
-transformers' LlamaForCausalLM from the same converted SmolLM2 directory, PEFT LoRA (r=16, alpha=32, dropout 0.05,
-target_modules="all-linear"), AdamW as transformers' Trainer picks it (fused), gradient clipping at 1.0 (both), and
-batches built by pack.py exactly as train.py builds them (tests/test_bench.py proves both the identity of the token
-tensors and that the peer's labels and attention mask give our loss). Precision is the same on both sides: fp32
-everywhere, or bf16 base weights + fp32 LoRA parameters under torch.autocast(bf16); the peer's QLoRA is bitsandbytes NF4
-with double quantization and bf16 compute.
-
-Two workloads, 4 x 512 tokens per optimizer step:
-- padded: long standard-library functions, each truncated to 512 tokens, every token supervised, one per row. Both
-  systems see the very same (4, 512) tensors: equal work, so tokens/s compares compute efficiency.
-- stdlib: the real variable-length stdlib dataset with each system's natural batching: packed rows for us, one example
-  per row padded to the longest of the 4 for the peer (its default SFT collator). Only supervised tokens/s is a fair
-  comparison there, as padding counts as tokens processed.
-
-Per run: N steps; the first `--warmup` are dropped. Step time is the median of the rest; token rates are the tokens of
-those steps over their total time, leaving out any step under half the median tokens/s (a hiccup of the shared machine;
-such steps are counted and named). MFU = the steps' model FLOPs (support.accounting.flops.batch_flops, train.py's count:
-4N per token for a frozen-base LoRA step plus causal attention per document, each row's documents at their own lengths)
-over their time / support.accounting.flops.matmul_peak of the precision in use (support/accounting/flops.py's
-matmul_peak: square matmuls of the largest size up to 2048 that its time allows, timed for 1.5 s here). With --repeat=R
-the whole plan runs R times in rounds (every configuration once per round), so each ours/peer pair is measured minutes
-apart in every round; the tables pool the repeats' steps, take the highest peak RSS, and give each ratio as the median
-of the R per-round ratios.
+`python bench.py train`: every configuration is a fresh child process (its peak RSS is its own VmHWM): ours is `python
+train.py --key=value ...` (step times from metrics.jsonl), the peer `python bench.py peer ...` (run_peer) on the very
+batches train.py builds. Two workloads of 4 x 512 tokens a step: padded (equal work: compare tokens/s) and stdlib (each
+system's natural batching: compare supervised tokens/s); then the optimization ladder (LADDER). docs/performance.md
+gives the method and the numbers.
 """
 
 import hashlib
@@ -59,7 +38,7 @@ from support.accounting.flops import batch_flops, flops_per_token, matmul_peak
 from support.data.examples import load_examples, stdlib_examples
 from support.data.token_cache import tokenize_cached
 from support.data.tokenizer import Tokenizer
-from support.formats import atomic, hf
+from support.formats import atomic, gguf_read, hf
 
 ROWS, CONTEXT = 4, 512  # 4 x 512 tokens per optimizer step
 CACHE_DIR = "data/cache"  # train.Config's tokenized-data cache
@@ -67,7 +46,7 @@ CACHE_DIR = "data/cache"  # train.Config's tokenized-data cache
 
 def write_padded_jsonl(path, tok, cache_dir=CACHE_DIR, min_tokens=CONTEXT):
     """The equal-work data: the stdlib functions whose chat-formatted example has at least `min_tokens` tokens, one
-    {"instruction", "response"} per line. Truncated to CONTEXT, each fills a row: no padding on either side."""
+    {"instruction", "response"} per line; truncated to CONTEXT, each fills a row."""
     examples = stdlib_examples("train")
     offsets = tokenize_cached(pack.tokenize_chunk, examples, tok, cache_dir, train_on_prompt=True)["offsets"]
     long = [ex for ex, n in zip(examples, offsets[1:] - offsets[:-1], strict=True) if n >= min_tokens]
@@ -77,8 +56,8 @@ def write_padded_jsonl(path, tok, cache_dir=CACHE_DIR, min_tokens=CONTEXT):
 
 
 def peer_dataset(data, tok, train_on_prompt, cache_dir=CACHE_DIR):
-    """One example per row, the dataset train.py builds with pack=False for `data` ("" = the stdlib dataset) used as
-    both training and validation file, so nothing is held out."""
+    """The dataset train.py builds with pack=False for `data` ("" = the stdlib dataset) as both training and validation
+    file, so nothing is held out."""
     examples = load_examples(data) if data else stdlib_examples("train")
     kw = dict(pack=False, train_on_prompt=train_on_prompt, seed=SEED, cache_dir=cache_dir)
     return pack.build_dataset(examples, tok, CONTEXT, **kw)
@@ -92,11 +71,9 @@ def batch_hash(batch) -> str:
 
 
 def run_peer(data, train_on_prompt, precision, nf4, steps, out):
-    """N optimizer steps of transformers + PEFT LoRA on our batches; per-step seconds, tokens and supervised tokens,
-    the step-1 loss and the first batch's hash go to the JSON file `out`."""
+    """`steps` optimizer steps of transformers + PEFT LoRA on our batches; the per-step records and the first batch's
+    hash go to the JSON file `out`."""
     import transformers
-
-    from support.formats import gguf_read
 
     model_dir = gguf_read.smollm2_dir()
     config = hf.read_config(model_dir)[0]
@@ -161,11 +138,8 @@ LADDER = [  # cumulative train.py overrides on the stdlib dataset; each rung add
 
 def plan(padded_path):
     """Every run: name, group, system, precision, and the peer's arguments or train.py's --key=value overrides."""
-    from support.formats import gguf_read
-
-    model_dir = gguf_read.smollm2_dir()
     common = dict(
-        model=model_dir,
+        model=gguf_read.smollm2_dir(),
         context_length=CONTEXT,
         batch_tokens=ROWS * CONTEXT,
         micro_batch_tokens=ROWS * CONTEXT,
@@ -229,9 +203,8 @@ def execute(run, steps, work, repeat=0):
 
 
 def summarize(results, warmup, peak):
-    """Over the measured steps of one or more runs of a configuration (each run's first `warmup` left out): median
-    step time; tokens and supervised tokens per second; MFU. A step whose tokens/s is under half the median is a hiccup
-    of the shared machine, not of the system, and is left out (and counted)."""
+    """Median step time, tokens and supervised tokens per second and MFU over the measured steps of one or more runs
+    of a configuration; a step under half the median tokens/s is a hiccup of the machine, left out and counted."""
     steps = [s for r in results for s in r["steps"][warmup:]]
     typical = statistics.median(s["tokens"] / s["time"] for s in steps)
     kept = [s for s in steps if s["tokens"] / s["time"] >= typical / 2]
@@ -248,8 +221,8 @@ def summarize(results, warmup, peak):
 
 
 def merge_repeats(results):
-    """{name: one entry per configuration}: the summary over all its successful repeats, the highest peak RSS, and a
-    summary per repeat (keyed by round) for the per-round ratios. Runs from before --repeat existed are round 0."""
+    """{name: entry}: the summary over a configuration's successful repeats, the highest peak RSS, and a summary per
+    round (runs from before --repeat existed are round 0)."""
     groups = {}
     for r in results["runs"]:
         groups.setdefault(r["name"], []).append(r)
@@ -309,7 +282,6 @@ def compare_row(name, data, system, by):
 
 
 def print_compare(by):
-    """The ours-vs-peer table from the entries by name."""
     rows = [
         compare_row(name, data, system, by)
         for name, data, *_ in COMPARE
@@ -335,7 +307,6 @@ def print_compare(by):
 
 
 def print_ladder(by):
-    """The optimization-ladder table from the entries by name; gains are medians of per-round ratios."""
     rows, base = [], by.get("ladder/0", {})
     for i, (label, _) in enumerate(LADDER):
         r = by.get(f"ladder/{i}")
@@ -365,8 +336,6 @@ def select_runs(runs, only):
 
 
 def bench_train(steps, warmup, only, repeat=1):
-    from support.formats import gguf_read
-
     os.makedirs(os.path.join(OUT_DIR, "logs"), exist_ok=True)
     model_dir = gguf_read.smollm2_dir()
     config, _ = hf.read_config(model_dir)
@@ -393,10 +362,8 @@ def bench_train(steps, warmup, only, repeat=1):
             for i, run in enumerate(runs, 1):
                 r = dict(name=run["name"], system=run["system"], precision=run["precision"], label=run.get("label"))
                 r |= dict(repeat=k) | execute(run, steps, work, k)
-                print(
-                    f"[{k * len(runs) + i}/{repeat * len(runs)}] {run['name']}: {progress(r, warmup, peaks)}",
-                    flush=True,
-                )
+                done = f"[{k * len(runs) + i}/{repeat * len(runs)}]"
+                print(f"{done} {run['name']}: {progress(r, warmup, peaks)}", flush=True)
                 results["runs"].append(r)
                 atomic.write_json(os.path.join(OUT_DIR, "results.json"), results)
     print_tables(results)

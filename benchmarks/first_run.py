@@ -1,8 +1,7 @@
 """What does a newcomer's first `python train.py` take on this machine?
 
-`python bench.py first-run`: each run is a fresh child process (benchmarks/common.py's run_child, which reads its peak
-RSS from /proc) with a fresh token cache and out_dir, after the one-time conversion of the embedded GGUF weights that
-comes before a newcomer's first run.
+`python bench.py first-run`: each run is a fresh child process with a fresh token cache and out_dir, after the one-time
+conversion of the embedded GGUF weights that comes before a newcomer's first run.
 """
 
 import json
@@ -14,6 +13,7 @@ import time
 import torch
 
 from benchmarks.common import OUT_DIR, cpu_name, fmt_gb, print_table, run_child_ok
+from support.formats import gguf_read
 
 
 def cpu_kind() -> str:
@@ -24,11 +24,7 @@ def cpu_kind() -> str:
 
 
 def bench_first_run(repeat=1):
-    """`python bench.py first-run`: the default `python train.py` in a fresh process as a newcomer runs it (a fresh
-    token cache and out_dir), `repeat` times: wall time, steps, validation loss before and after, peak RSS, the
-    precision "auto" chose; and the one-time conversion of the GGUF weights that comes before a newcomer's first run."""
-    from support.formats import gguf_read
-
+    """`repeat` runs: wall time, steps, validation loss before and after, peak RSS, the precision "auto" chose."""
     print(f"CPU: {cpu_name()} ({cpu_kind()}), {os.cpu_count()} cores; torch {torch.__version__}")
     os.makedirs(os.path.join(OUT_DIR, "logs"), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=OUT_DIR) as tmp:

@@ -1,14 +1,8 @@
 """What does sharding cost against replicating? DDP and FSDP over 2 CPU ranks, interleaved.
 
-`python bench.py fsdp`: SmolLM2-135M QLoRA, 2 gloo ranks, DDP vs FSDP (--rounds=2, --steps=6). Each configuration is a
-fresh `torchrun --nproc_per_node=2 train.py ...` of the default model with the same settings but --parallel (2
-micro-batches of 256 tokens per rank per step, fp32, no evaluation), run in rounds (DDP, FSDP, DDP, FSDP ...) so that a
-shared machine's drift stays out of their ratio. Step time is the median over the measured steps (the first --warmup
-left out, from metrics.jsonl); the ratio is the median of the per-round ratios. Peak RSS is each rank's own (its VmHWM,
-read from /proc while it runs), so the table shows what sharding saves per rank: on CPU the weights are a small part of
-the process (Python, torch, the tokenizer and the activations weigh more); on GPUs with a large model the weights
-dominate. One machine's two ranks share its cores, so the times say what FSDP's extra all-gathers cost in work, not what
-a network between GPUs costs.
+`python bench.py fsdp`: SmolLM2-135M QLoRA, each configuration a fresh `torchrun --nproc_per_node=2 train.py ...` with
+SETTINGS, DDP and FSDP alternating in rounds; the ratio is the median of the per-round ratios, and peak RSS is each
+rank's own. The two ranks share one machine's cores, so the times measure FSDP's extra work, not a network's.
 """
 
 import json

@@ -1,16 +1,9 @@
-"""How fast do ours (LoRA and QLoRA) train on a GPU against transformers + PEFT, at which MFU and peak memory?
+"""What do the GPU commands measure: ours against transformers + PEFT, the longest row, what each technique buys?
 
-`python bench.py gpu` (variants in bench.py's docstring; --deadline=T: no round of steps starts after time.time() T,
-what ran is reported) needs nothing but PyTorch, transformers and PEFT, and no network: up to eight systems
-(gpu_systems.py) train on one set of random weights of a published Llama shape, in one process, each workload
-(gpu_workloads.py: equal work, then natural batching) interleaved step by step. The tables give per system tokens/s,
-supervised tokens/s, fill, MFU and peak memory, and the median (and range) of the per-round ratios between the systems.
-
---memory: the QLoRA model alone (the others freed) at 1, 2 and 4 rows per micro-batch, with and without activation
-checkpointing: the measured peak beside the estimate train.py prints (support.accounting.memory.run_estimate) for the
-same setting. --profile: torch.profiler over one step of ours (LoRA and QLoRA): the kernels that take the device time,
-and their share by kind. A system that fails (out of memory, a missing package) prints "failed: <why>" in its row and
-the others carry on. Raw per-step records: out/bench/gpu.json.
+`bench.py gpu` trains the systems of gpu_systems.py on one set of random weights, interleaved (--memory: our QLoRA
+beside train.py's estimate; --profile: the kernels of one step; raw records in out/bench/gpu.json); `bench.py
+gpu-context` finds the longest single row per setting (SETTINGS); `bench.py gpu-ladder` adds one technique per rung
+(RUNGS). --shape=tiny runs each on CPU.
 """
 
 import os
@@ -20,31 +13,35 @@ import sys
 import time
 
 import numpy as np
+import psutil
 import torch
 
 from benchmarks.common import REPO, cpu_name, package_versions, print_table
 from benchmarks.gpu_systems import (
+    FAILURES,
     LORA,
-    LR,
     SHAPES,
     SYSTEMS,
+    System,
     build_systems,
+    equal_work,
     free_cache,
+    measured_step,
+    natural_batch,
+    natural_work,
+    one_line,
     our_llama,
     ours_system,
-    weights_of,
-)
-from benchmarks.gpu_workloads import (
-    equal_work,
-    measured_step,
-    natural_work,
+    pair_ratio,
     qlora_estimate,
+    random_llama,
     run_workload,
     timed_step,
+    weights_of,
     workload_result,
 )
-from model import Llama, Options
-from support.accounting import memory
+from model import LOSS_CHUNK, Llama, Options
+from support.accounting import memory, plan
 from support.accounting.flops import flops_per_token, fmt_flops, peak_flops
 from support.formats import atomic
 from support.formats.hf import from_hf, to_hf
@@ -68,8 +65,8 @@ def kernel_kind(name):
 
 
 def profile_step(system, batch, device, cfg, top=15):
-    """torch.profiler over one step: the `top` kernels by device time (on CPU: operators by their own CPU time), and
-    the share of each kind of KERNEL_KINDS."""
+    """torch.profiler over one step: the `top` kernels by device time (on CPU: operators by own CPU time), and the
+    share of each kind of KERNEL_KINDS."""
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
@@ -101,14 +98,18 @@ def print_profile(label, p):
     print("by kind: " + ", ".join(f"{k} {v:.1%}" for k, v in p["kinds"].items()))
 
 
+def qlora_system(cfg, weights, device, dtype, options):
+    """Our QLoRA system over the NF4 `weights`, its model built with `options`."""
+    return ours_system("ours-qlora", our_llama(cfg, weights, device, dtype, options, nf4=True), device, dtype)
+
+
 def memory_rows(weights, cfg, cells, device, dtype):
-    """One step of our QLoRA over `weights` (gpu_systems.weights_of) on an equal-work batch for each cell (rows, tokens
-    per row, checkpointing): measured_step's peak beside the estimate train.py prints for the same setting."""
+    """One step of our QLoRA over `weights` on an equal-work batch per cell (rows, tokens per row, checkpointing):
+    measured_step's peak beside train.py's estimate."""
     out, place, systems = [], ranks.Placement(0, 1, device, dtype), {}
     for rows, row, ckpt in cells:
         if ckpt not in systems:  # a model built with checkpointing, or without, over the same NF4 weights
-            model = our_llama(cfg, weights, device, dtype, Options(checkpointing=ckpt), nf4=True)
-            systems[ckpt] = ours_system("ours-qlora", model, device, dtype, LR)
+            systems[ckpt] = qlora_system(cfg, weights, device, dtype, Options(checkpointing=ckpt))
         rec = dict(rows=rows, row=row, checkpointing=ckpt, estimate_bytes=qlora_estimate(cfg, rows * row, place, ckpt))
         rec |= measured_step(systems[ckpt], equal_work(cfg.vocab_size, row, rows, 1)[0], device, cfg)
         out.append(rec)
@@ -128,7 +129,7 @@ def print_memory(label, rows):
 
 
 def workload_table(result):
-    """(headers, rows) of a workload (workload_result): a row per system, its status where it did not run."""
+    """(headers, rows) of a workload_result: a row per system, its status where it did not run."""
     rows = []
     for key, r in result["systems"].items():
         if "summary" not in r:
@@ -144,7 +145,7 @@ def workload_table(result):
 
 
 def ratio_table(result):
-    """(headers, rows) of a workload's ratios: the median of the per-round ratios, their range, the rounds."""
+    """(headers, rows) of a workload's ratios."""
     rows, metric = [], "tokens/s"
     for pair, r in result["ratios"].items():
         a, b = pair.split("/")
@@ -154,23 +155,18 @@ def ratio_table(result):
 
 
 def print_workload(title, result):
-    """A workload's table (a row per system) and its ratios (median of the per-round ratios, and their range)."""
     print(f"\n{title}")
     print_table(*workload_table(result))
     if result["ratios"]:
         print_table(*ratio_table(result))
 
 
-def gpu_device(name):
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    device = torch.device(name)
-    if device.type == "cuda":
-        device = torch.device("cuda", device.index if device.index is not None else torch.cuda.current_device())
-        torch.cuda.set_device(device)
-        # TF32 on, for both sides of every comparison: as docs/performance.md's GPU figures were measured
-        torch.backends.cuda.matmul.fp32_precision = "tf32"
-    return device
+def gpu_device():
+    """The current CUDA device when there is one, else the CPU."""
+    if not torch.cuda.is_available():
+        return torch.device("cpu")
+    torch.backends.cuda.matmul.fp32_precision = "tf32"  # for both sides, as docs/performance.md's figures were measured
+    return torch.device("cuda", torch.cuda.current_device())
 
 
 def gpu_machine(device):
@@ -207,7 +203,7 @@ def print_gpu_header(results, cfg, device):
 
 
 def describe_natural(ours, peer, batches, rows):
-    """Print and return what the natural workload holds: the lengths, and how much of each side's slots are real."""
+    """Print and return the natural workload's lengths and how much of each side's slots are real."""
     lens = peer.lens
     d = dict(documents=len(lens), p50=float(np.median(lens)), mean=float(lens.mean()))
     d |= dict(p95=float(np.percentile(lens, 95)), max=int(lens.max()), packed_rows=len(ours.rows))
@@ -224,14 +220,12 @@ def describe_natural(ours, peer, batches, rows):
 
 
 def bench_gpu(args):
-    """`python bench.py gpu`: see the file docstring."""
-    # Before the first CUDA allocation: the systems' steps alternate in one caching allocator, and growable segments
-    # keep one system's freed blocks from fragmenting memory for the next.
+    # Before the first CUDA allocation: growable segments keep one system's freed blocks from fragmenting the next's.
     os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    device, (_, config, default_row) = gpu_device(args.device), SHAPES[args.shape]
+    device, (_, config, default_row) = gpu_device(), SHAPES[args.shape]
     cfg, row, steps = from_hf(config), args.row or default_row, args.warmup + args.rounds
-    dtype = pick_precision(args.precision, device, cfg)  # bf16, or on CPU the faster
+    dtype = pick_precision("auto", device, cfg)  # bf16, or on CPU the faster
     if device.type == "cpu" and args.shape != "tiny":
         print(f"warning: --shape={args.shape} on CPU is slow and large; --shape=tiny is the CPU smoke test")
     peak, source = peak_flops(device, dtype)
@@ -243,16 +237,10 @@ def bench_gpu(args):
     results["attention"] = varlen_attention(device, dtype, cfg.head_dim).__name__
     print_gpu_header(results, cfg, device)
     equal = equal_work(cfg.vocab_size, row, args.rows, steps)
-    ours_ds, peer_ds, peer_batches = natural_work(cfg.vocab_size, row, args.rows)
-    results["natural_data"] = describe_natural(ours_ds, peer_ds, peer_batches, args.rows)
+    natural_data = natural_work(cfg.vocab_size, row, args.rows)
+    results["natural_data"] = describe_natural(*natural_data, args.rows)
     systems = build_systems(cfg, args.systems.split(","), device, dtype)
-
-    def natural(key, step):
-        return (
-            ours_ds.step_batch(step, args.rows)
-            if key.startswith("ours")
-            else peer_ds.collate(peer_batches[step % len(peer_batches)])
-        )
+    natural = lambda key, step: natural_batch(natural_data, args.rows, key.startswith("ours"), step)
 
     equal_title = f"equal work: identical tensors, {args.rows} x {row} tokens per step, every token supervised"
     work = {  # name: (the batch of system `key` at step s, the metric of its ratios, the table's title)
@@ -271,22 +259,15 @@ def bench_gpu(args):
     finish_gpu(args, results, systems, cfg, row, device, dtype, equal[0])
 
 
-def profiles(systems, batch, device, cfg):
-    """The profile of one step of each of our systems that runs."""
-    out = {}
-    for s in systems:
-        if s.key.startswith("ours") and not s.status:
-            out[s.key] = profile_step(s, batch, device, cfg)
-            print_profile(s.label, out[s.key])
-    return out
-
-
 def finish_gpu(args, results, systems, cfg, row, device, dtype, batch):
     """--profile, then --memory (with our QLoRA model alone), then the JSON file."""
     if args.profile and args.deadline and time.time() > args.deadline:
         print("\n--profile: skipped, the deadline has passed")
-    elif args.profile:
-        results["profile"] = profiles(systems, batch, device, cfg)
+    elif args.profile:  # one step of each of our systems that runs
+        results["profile"] = {}
+        for s in (s for s in systems if s.key.startswith("ours") and not s.status):
+            results["profile"][s.key] = profile_step(s, batch, device, cfg)
+            print_profile(s.label, results["profile"][s.key])
         atomic.write_json(args.out, results)
     if args.memory:
         qlora = [s for s in systems if s.key == "ours-qlora" and not s.status]
@@ -313,3 +294,149 @@ def gpu_problem(args):
     if args.rows < 1 or args.row < 0:
         return "--rows must be at least 1 and --row positive"
     return ""
+
+
+# bench.py gpu-context: the longest single row
+
+# (label, MLP tiles of hidden_size tokens, offloaded checkpoints); checkpointing is on in each
+SETTINGS = [("checkpointing", False, False), ("+ tiled MLP", True, False), ("+ offloaded checkpoints", True, True)]
+RETRY = 0.85  # a length that ran out of memory is tried again this much shorter
+CPU_BUDGET = 2 * memory.GIB  # on CPU: the memory the estimate must fit
+
+
+def one_row(length, doc, vocab, seed=0):
+    """One row of `length` tokens: documents of `doc` random tokens back to back, every token supervised."""
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, vocab, (1, length), generator=gen)
+    return dict(input_ids=ids, labels=ids.clone(), position_ids=(torch.arange(length) % doc)[None])
+
+
+def qlora_weights(cfg, device, dtype):
+    """Random weights of shape `cfg`, block linears in NF4 (the dense ones freed): each setting's model's weights."""
+    dense = dict(random_llama(cfg, device, dtype).state_dict())
+    weights = weights_of(our_llama(cfg, dense, device, dtype, nf4=True))
+    del dense
+    free_cache(device)
+    return weights
+
+
+def predicted(cfg, budget, dtype, tiled, offloaded):
+    """(tokens, what limits them): longest_tokens for `budget` bytes; offloaded, within 80% of the CPU memory free."""
+    lora = dict(r=LORA["r"], targets="all-linear", dropout=LORA["dropout"])
+    tokens = plan.longest_tokens(cfg, budget, dtype, lora, True, True, 8, tiled, offloaded)
+    if offloaded:
+        host = 0.8 * psutil.virtual_memory().available
+        per_token = memory.offloaded_bytes(cfg, 1 << 20, dtype) / (1 << 20)
+        if tokens * per_token > host:
+            return int(host / per_token) // 256 * 256, "CPU memory"
+    return tokens, "the estimate"
+
+
+def try_length(system, cfg, length, doc, place, offloaded):
+    """The record of one step of `system` on one row of `length` tokens."""
+    tile = system.model.options.mlp_tile
+    rec = dict(tokens=length, estimate_bytes=qlora_estimate(cfg, length, place, True, offloaded, tile))
+    return rec | measured_step(system, one_row(length, doc, cfg.vocab_size), place.device, cfg)
+
+
+def longest_for(weights, cfg, setting, seconds, place, budget, doc, out, save):
+    """The attempts of one setting within `seconds`, appended to `out` (save() after each): a step at one document's
+    length measures the rate, then a row of min(prediction, what that rate trains in the time left), RETRY shorter
+    after each out of memory."""
+    label, tiled, offloaded = setting
+    end = time.time() + seconds
+    options = Options(checkpointing=True, offload_checkpoints=offloaded, mlp_tile=cfg.hidden_size if tiled else 0)
+    system = qlora_system(cfg, weights, place.device, place.dtype, options)
+    calibration = try_length(system, cfg, doc, doc, place, offloaded)
+    rate = calibration.get("tokens_per_s", 0.0)
+    tokens, limit = predicted(cfg, budget, place.dtype, tiled, offloaded)
+    by_time = int(rate * (end - time.time()) * 0.9) // 256 * 256
+    out |= dict(predicted=tokens, limited_by=limit if tokens <= by_time else "time", attempts=[calibration])
+    save()
+    length = min(tokens, by_time, 4 * doc if place.device.type == "cpu" else tokens)  # CPU: the path, not the peak
+    while length > doc and time.time() < end:
+        rec = try_length(system, cfg, length, doc, place, offloaded)
+        out["attempts"].append(rec)
+        save()
+        print(f"{label}: {length:,} tokens, {rec['status']}", flush=True)
+        if rec["status"] != "out of memory":
+            break
+        length = int(length * RETRY) // 256 * 256
+
+
+def bench_gpu_context(args):
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    _, config, doc = SHAPES[args.shape]  # the row holds documents of the shape's default row length
+    cfg = from_hf(config)
+    dtype = pick_precision("auto", device, cfg)
+    place = ranks.Placement(0, 1, device, dtype)
+    cuda = device.type == "cuda"
+    budget = torch.cuda.get_device_properties(device).total_memory if cuda else CPU_BUDGET
+    results = dict(shape=args.shape, device=torch.cuda.get_device_name(device) if cuda else "cpu", doc=doc)
+    results |= dict(budget_bytes=budget, precision=str(dtype).removeprefix("torch."), settings=[])
+    weights = qlora_weights(cfg, device, dtype)
+    deadline = args.deadline or time.time() + 600
+    for i, setting in enumerate(SETTINGS):
+        results["settings"].append(dict(setting=setting[0]))
+        left = deadline - time.time()
+        if left <= 0:
+            results["settings"][-1]["skipped"] = "the deadline has passed"
+            print(f"{setting[0]}: skipped, the deadline has passed", flush=True)
+            continue
+        save = lambda: atomic.write_json(args.out, results)
+        seconds = left / (len(SETTINGS) - i)
+        longest_for(weights, cfg, setting, seconds, place, budget, doc, results["settings"][-1], save)
+        free_cache(device)  # the setting's system (its adapters, optimizer state, activations) went with the call
+    atomic.write_json(args.out, results)
+
+
+# bench.py gpu-ladder: one technique per rung
+
+# (label, packed rows, loss chunk, checkpointing, compiled, NF4): each rung a model of its own over the same weights
+RUNGS = [
+    ("baseline: padded, full-vocabulary logits, checkpointing, eager", False, 0, True, False, False),
+    ("+ packing", True, 0, True, False, False),
+    ("+ chunked cross-entropy", True, LOSS_CHUNK, True, False, False),
+    ("+ checkpointing off", True, LOSS_CHUNK, False, False, False),
+    ("+ compiled blocks", True, LOSS_CHUNK, False, True, False),
+    ("+ NF4 base (QLoRA)", True, LOSS_CHUNK, False, True, True),
+]
+
+
+def build_rungs(cfg, device, dtype):
+    """A System per rung, each its own model over one set of random weights; one that cannot be built keeps its row
+    with the reason."""
+    base = dict(random_llama(cfg, device, dtype).state_dict())
+    rungs = []
+    for i, (_, _, chunk, checkpointing, compiled, nf4) in enumerate(RUNGS):
+        options = Options(checkpointing=checkpointing, loss_chunk=chunk, compile=compiled)
+        try:
+            rungs.append(ours_system(f"rung{i}", our_llama(cfg, base, device, dtype, options, nf4), device, dtype))
+        except FAILURES as e:
+            rungs.append(System(f"rung{i}", status=f"failed: {one_line(e)}"))
+    return rungs
+
+
+def gains(result, warmup):
+    """Each rung's gain in supervised tokens/s over the rung before and over the baseline."""
+    ratio = lambda a, b: pair_ratio(result["systems"], a, b, "supervised", warmup)
+    return {f"rung{i}": dict(previous=ratio(f"rung{i}", f"rung{i - 1}"), baseline=ratio(f"rung{i}", "rung0"))
+            for i in range(1, len(RUNGS))}  # fmt: skip
+
+
+def bench_gpu_ladder(args):
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    _, config, row = SHAPES[args.shape]
+    cfg = from_hf(config)
+    dtype = pick_precision("auto", device, cfg)
+    peak, source = peak_flops(device, dtype)
+    natural = natural_work(cfg.vocab_size, row, args.rows)
+    systems = build_rungs(cfg, device, dtype)
+    batch_of = lambda key, step: natural_batch(natural, args.rows, RUNGS[int(key.removeprefix("rung"))][1], step)
+    steps = args.warmup + args.rounds
+    records, errors = run_workload(systems, batch_of, steps, device, cfg, "ladder", args.deadline or None)
+    result = workload_result(systems, records, errors, args.warmup, peak, "supervised", pairs=[])
+    result |= dict(rungs=[r[0] for r in RUNGS], gains=gains(result, args.warmup), shape=args.shape, row=row)
+    result |= dict(rows=args.rows, peak_flops=peak, peak_source=source, precision=str(dtype).removeprefix("torch."))
+    atomic.write_json(args.out, result)
+    print(f"ladder: {time.strftime('%H:%M:%S')} written to {args.out}")

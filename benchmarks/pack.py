@@ -1,15 +1,8 @@
 """How long do tokenizing and packing a Magicoder-sized dataset take, how much memory, and reading it back after?
 
-`python bench.py pack` (--rows=1000000: an OpenHermes-2.5-sized dataset; the JSONL is 1.6 GB). The JSONL is written once
-to out/bench (problem -> solution pairs cut from stdlib code and docstrings; its writing is not measured). Each
-measurement is a fresh process, so that its peak resident set (VmHWM) is its own:
-- first build: pack.build_dataset over the file with the SmolLM2 chat template, context 2048, into an empty cache
-  (its peak RSS is the sum of the peaks of the process and of the workers it forks to tokenize);
-- cache hit: the same again;
-- training data: what train.build_data does on a hit (val_fraction 0.02 held out, both splits packed, the held-out
-  prompt read) and 50 steps of 8 rows collated, beside the same process before it: the resident memory the data adds;
-- 2 ranks: the same in both ranks of a torchrun: each rank's resident memory added, against the cache's size (the
-  ranks map the same files, so a rank adds only what is its own).
+`python bench.py pack` (--rows=1000000: an OpenHermes-2.5-sized dataset). The JSONL is written once to out/bench. Each
+measurement is a fresh process (its own VmHWM): the first build (with its tokenizing workers), the cache hit, and the
+resident memory train.build_data's data adds to one process and to each of 2 torchrun ranks.
 """
 
 import gc
@@ -20,18 +13,22 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
+import pack
+import train
 from benchmarks.common import OUT_DIR, fmt_gb, print_table, run_child_ok, run_two_ranks
+from support.data.examples import stdlib_examples
+from support.data.preview import packing_report
+from support.data.tokenizer import Tokenizer
+from support.formats import atomic, gguf_read
 from support.run import ranks
 
 CONTEXT = 2048
 
 
 def write_dataset(rows):
-    """out/bench/magicoder<rows/1000>k.jsonl, written once, a row at a time; the 75K file is the one this benchmark
-    has always used."""
-    from support.data.examples import stdlib_examples
-    from support.formats import atomic
-
+    """out/bench/magicoder<rows/1000>k.jsonl, written once, a row at a time."""
     path = os.path.join(OUT_DIR, f"magicoder{rows // 1000}k.jsonl")
     if os.path.exists(path):
         return path
@@ -71,8 +68,7 @@ def bench_pack(rows=75_000):
 
 
 def _training_data(path, cache):
-    """[(who, {added, private, ...} resident bytes)]: one process, then each rank of two under torchrun, as
-    train.build_data."""
+    """[(who, {added, private, ...} resident bytes)] of train.build_data: one process, then each of 2 torchrun ranks."""
     out = os.path.join(cache, "train.json")
     run_child_ok(["-m", "benchmarks.pack", "train", path, cache, out], os.path.join(cache, "log"), "the training data")
     found = [("one process", json.loads(Path(out).read_text()))]
@@ -86,14 +82,6 @@ def _training_data(path, cache):
 def _child(mode, path, cache, out):
     """`build`: pack.build_dataset over `path`, timed; `train`: what train.build_data does, then 50 steps of rows,
     with the resident memory before and after. One JSON object to `out` ({} in it: this rank under torchrun)."""
-    import torch
-
-    import pack
-    import train
-    from support.data.preview import packing_report
-    from support.data.tokenizer import Tokenizer
-    from support.formats import gguf_read
-
     tok = Tokenizer(gguf_read.smollm2_dir())
     if mode == "build":
         t = time.perf_counter()

@@ -1,7 +1,6 @@
 """How fast is NF4 on CPU, ours against bitsandbytes, and how fast does a QLoRA model load?
 
-`python bench.py quant` (--smollm2: the load times too). Quant timings are the best of --repeat runs after one warm-up
-run; the machine's other load shows up as noise.
+`python bench.py quant` (--smollm2: the load times too): the best of --repeat runs after one warm-up run.
 """
 
 import os
@@ -11,7 +10,7 @@ import torch
 
 import quant
 from benchmarks.common import best_time, print_table
-from support.formats import hf
+from support.formats import gguf_read, hf
 from train import load_model
 
 
@@ -22,14 +21,11 @@ def bench_quant(size=4096, repeat=5, smollm2=False):
     w = (torch.randn(size, size) * 0.02).to(torch.bfloat16)
     n = w.numel()
     ours = quant.quantize_nf4(w)
-    packed, state = bnb.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+    bnb_quantize = lambda: bnb.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4")
+    packed, state = bnb_quantize()
     cases = [
         ("quantize bf16 -> nf4", "quant.py", lambda: quant.quantize_nf4(w)),
-        (
-            "quantize bf16 -> nf4",
-            "bitsandbytes",
-            lambda: bnb.quantize_4bit(w, blocksize=64, compress_statistics=True, quant_type="nf4"),
-        ),
+        ("quantize bf16 -> nf4", "bitsandbytes", bnb_quantize),
         ("dequantize nf4 -> bf16", "quant.py", lambda: quant.dequantize_nf4(*ours, w.shape, torch.bfloat16)),
         ("dequantize nf4 -> bf16", "bitsandbytes", lambda: bnb.dequantize_4bit(packed, state)),
     ]
@@ -45,10 +41,8 @@ def bench_quant(size=4096, repeat=5, smollm2=False):
 
 
 def bench_smollm2_load(repeat):
-    """SmolLM2-135M into a QLoRA-ready model: quantize its 16-bit checkpoint tensor by tensor vs load our pre-quantized
-    (bnb-4bit) checkpoint; both through train.load_model."""
-    from support.formats import gguf_read
-
+    """SmolLM2-135M into a QLoRA model through train.load_model: quantize its 16-bit checkpoint vs load our
+    pre-quantized (bnb-4bit) one."""
     load = lambda path: load_model(path, torch.bfloat16, quantize=True)  # noqa: E731
     with tempfile.TemporaryDirectory() as tmp:
         dense, prequantized = os.path.join(tmp, "bf16"), os.path.join(tmp, "nf4")

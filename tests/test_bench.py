@@ -44,7 +44,7 @@ import torch
 import transformers
 
 import train
-from benchmarks import common, cpu_train, gpu, gpu_proof, gpu_systems, gpu_workloads
+from benchmarks import common, cpu_train, gpu, gpu_proof, gpu_systems
 from support.data.tokenizer import Tokenizer
 from support.formats.hf import from_hf, read_config
 from support.run import ranks, run_dir
@@ -244,9 +244,9 @@ def test_no_round_starts_after_the_deadline():
     cfg = from_hf(gpu_systems.SHAPES["tiny"][1])
     opt = SimpleNamespace(state={}, step=lambda: None, zero_grad=lambda set_to_none: None)
     system = gpu_systems.System("ours-lora", lambda b: 1 / 0, torch.nn.Linear(1, 1), [], opt)
-    records, errors = gpu_workloads.run_workload([system], None, 3, torch.device("cpu"), cfg, "equal", time.time() - 1)
+    records, errors = gpu_systems.run_workload([system], None, 3, torch.device("cpu"), cfg, "equal", time.time() - 1)
     assert records == {"ours-lora": []} and errors == {}
-    result = gpu_workloads.workload_result([system], records, errors, 1, 1.0, "tokens")
+    result = gpu_systems.workload_result([system], records, errors, 1, 1.0, "tokens")
     assert result["systems"]["ours-lora"]["status"].startswith("stopped: no measured step")
 
 
@@ -276,16 +276,16 @@ def test_median_ratio_pairs_rounds():
         "ours-lora": [step_record(9.0, 10), step_record(1.0, 10), step_record(1.0, 30), step_record(1.0, 10)],
         "peer-lora": [step_record(1.0, 10), step_record(1.0, 5), step_record(2.0, 10)],
     }
-    result = gpu_workloads.workload_result(systems, records, {}, 1, 1.0, "tokens")
+    result = gpu_systems.workload_result(systems, records, {}, 1, 1.0, "tokens")
     assert result["ratios"] == {"ours-lora/peer-lora": dict(median=4.0, low=2.0, high=6.0, n=2, metric="tokens")}
     assert result["systems"]["ours-lora"]["summary"]["tokens_per_s"] == pytest.approx(50 / 3)
 
 
 def test_natural_work_same_documents():
     row, rows = 256, 2
-    ours, peer, batches = gpu_workloads.natural_work(512, row, rows, n_docs=300)
-    lens = gpu_workloads.doc_lengths(300, row)
-    assert np.array_equal(lens, gpu_workloads.doc_lengths(300, row)) and lens.min() >= 8 and lens.max() <= row  # seeded
+    ours, peer, batches = gpu_systems.natural_work(512, row, rows, n_docs=300)
+    lens = gpu_systems.doc_lengths(300, row)
+    assert np.array_equal(lens, gpu_systems.doc_lengths(300, row)) and lens.min() >= 8 and lens.max() <= row  # seeded
     assert np.array_equal(peer.lens, lens) and np.array_equal(ours.lens, lens)
     assert sorted(d for r in ours.rows for d in r) == list(range(300))  # each document once, packed
     assert sorted(d for b in batches for d in b) == list(range(300))  # and once in the peer's batches
@@ -304,7 +304,7 @@ def test_natural_work_same_documents():
 
 def test_equal_work_same_tensors_and_loss():
     cfg = from_hf(gpu_systems.SHAPES["tiny"][1])
-    batches = gpu_workloads.equal_work(cfg.vocab_size, 64, 2, 3)
+    batches = gpu_systems.equal_work(cfg.vocab_size, 64, 2, 3)
     for b in batches:
         assert b["input_ids"].shape == (2, 64) and int((b["labels"] != -100).sum()) == 2 * 63
         assert torch.equal(b["position_ids"], torch.arange(64).expand(2, 64))
@@ -339,7 +339,7 @@ def test_kernel_kinds():
 
 def test_failing_system_gets_its_row_and_the_others_run(capsys):
     cfg = from_hf(gpu_systems.SHAPES["tiny"][1])
-    batches = gpu_workloads.equal_work(cfg.vocab_size, 32, 1, 3)
+    batches = gpu_systems.equal_work(cfg.vocab_size, 32, 1, 3)
     w = torch.nn.Parameter(torch.ones(()))
     opt = SimpleNamespace(state={}, step=lambda: None, zero_grad=lambda set_to_none: None)
 
@@ -353,12 +353,10 @@ def test_failing_system_gets_its_row_and_the_others_run(capsys):
         gpu_systems.System("peer-lora", out_of_memory, torch.nn.Linear(1, 1), [w], opt),
         gpu_systems.System("peer-qlora", status="skipped: bitsandbytes is not installed"),
     ]
-    records, errors = gpu_workloads.run_workload(
-        systems, lambda key, s: batches[s], 3, torch.device("cpu"), cfg, "equal"
-    )
+    records, errors = gpu_systems.run_workload(systems, lambda key, s: batches[s], 3, torch.device("cpu"), cfg, "equal")
     assert len(records["ours-lora"]) == 3 and records["peer-lora"] == []
     assert errors == {"peer-lora": "failed: OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB"}
-    result = gpu_workloads.workload_result(systems, records, errors, 1, 1.0, "tokens")
+    result = gpu_systems.workload_result(systems, records, errors, 1, 1.0, "tokens")
     assert "summary" in result["systems"]["ours-lora"] and result["ratios"] == {}
     gpu.print_workload("equal", result)
     rows = {line.split("  ")[0]: line for line in capsys.readouterr().out.splitlines()}
