@@ -45,7 +45,7 @@ import pack
 import quant
 from model import LOSS_CHUNK, Llama, Options, find_linears
 from support.accounting.plan import micro_batch_rows, mlp_tile_tokens, plan_for
-from support.data import examples, preview
+from support.data import examples
 from support.data.tokenizer import Tokenizer, renders
 from support.evaluation import humaneval
 from support.formats import hf
@@ -156,7 +156,7 @@ def build_data(cfg: Config, tok, files, max_positions: int, place: ranks.Placeme
     trainset = pack.build_dataset(train_stream, tok, cfg.context_length, kept=train_kept, **common)
     valset = pack.build_dataset(val_stream or train_stream, tok, trainset.context_length, kept=val_kept, **common)
     if place.main:  # the packing report (--preview: also the first examples, checked)
-        preview.report(cfg, trainset, train_data, tok)
+        progress.data_report(cfg, trainset, train_data, tok)
     held_out = examples.selected(val_data or train_data, valset.kept, cfg.data_format, cfg.skip_bad_rows)  # read again
     rendered = (ex for ex in held_out if renders(ex, tok, cfg.template or None))
     return trainset, valset, list(itertools.islice(rendered, cfg.eval_samples))

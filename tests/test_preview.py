@@ -1,22 +1,23 @@
 """support/data/preview.py: the data preview and its checks for the usual data bugs.
 
 The default data (stdlib + SmolLM2) shows its answers marked and raises no warning over all of it; a double BOS (Llama-2
-text passed through with a BOS-adding tokenizer), missing EOS (a base tokenizer under ChatML, also through `python -m
-support.data.preview --preview`), merges across a cut (exactly where transformers' tokenizations of the joined and the
+text passed through with a BOS-adding tokenizer), missing EOS (a base tokenizer under ChatML, also through train.py's
+--preview report), merges across a cut (exactly where transformers' tokenizations of the joined and the
 separate texts differ) and an example with nothing supervised are each flagged.
 """
 
 import re
-import subprocess
-import sys
 from functools import partial
+from types import SimpleNamespace
 
-from conftest import DATA, ROOT, reference
+from conftest import DATA, reference
 from test_pack import tokenize_examples
 
+from pack import build_dataset
 from support.data.examples import load_examples, stdlib_examples
 from support.data.preview import check_examples, preview
 from support.data.tokenizer import Tokenizer
+from support.run.progress import data_report
 
 
 def test_preview_default_data(smollm2_dir):
@@ -49,7 +50,7 @@ def test_preview_flags_double_bos(sp_dir):
     assert "double BOS" not in preview(clean, tok, template="{instruction}{response}")
 
 
-def test_preview_flags_missing_eos(tmp_path, family_dirs):
+def test_preview_flags_missing_eos(tmp_path, family_dirs, capsys):
     """A base model's tokenizer (eos <|endoftext|>) under the instruct model's ChatML template: no assistant turn
     ends with EOS, so the model would never learn to stop. The instruct tokenizer (eos <|im_end|>) is clean."""
     examples = load_examples(DATA / "chat.jsonl")
@@ -61,13 +62,11 @@ def test_preview_flags_missing_eos(tmp_path, family_dirs):
     text = preview(examples, Tokenizer(base), n=len(examples))
     lines = re.findall(r"warning: .*chat\.jsonl:\d: response \d ends with '.*', not EOS '<\|endoftext\|>': .*", text)
     assert len(lines) == turns and len(text.split("warning:")) == turns + 1
-    cli = [sys.executable, "-m", "support.data.preview", str(DATA / "chat.jsonl"), "--tokenizer", str(base)]
-    cli += ["--preview", "3", "--cache-dir", str(tmp_path / "cache")]
-    out = subprocess.run(cli, capture_output=True, text=True, cwd=ROOT)
-    assert out.returncode == 0 and re.findall(r"warning: .*", out.stdout) == lines, out.stderr
-    (bad := tmp_path / "bad.json").write_text('\n\n[{"problem": 1, "solution": "b"}]')  # the CLI's errors: one line
-    out = subprocess.run([*cli[:3], str(bad), *cli[4:6]], capture_output=True, text=True, cwd=ROOT)
-    assert (out.returncode, out.stderr) == (1, f"error: {bad}:3: field 'problem' must be a string, got int\n")
+    cfg = SimpleNamespace(preview=True, data_format="auto", skip_bad_rows=False, template="", train_on_prompt=False)
+    trainset = build_dataset(examples, Tokenizer(base), 64, cache_dir=tmp_path / "cache")
+    data_report(cfg, trainset, [DATA / "chat.jsonl"], Tokenizer(base))  # train.py --preview: the file read again
+    out = capsys.readouterr().out
+    assert re.findall(r"warning: .*", out) == lines + lines and f"{turns} warning(s) over all 3 training" in out
     instruct = preview(examples, Tokenizer(family_dirs["qwen2.5"]), n=len(examples))
     assert instruct.endswith("no warnings in the 3 examples shown")
 

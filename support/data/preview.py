@@ -1,20 +1,17 @@
 """What will the model see? The packing report, the data preview and the checks for the usual data bugs.
 
 `packing_report` gives a dataset's length histogram, tokens kept, truncated and dropped, and the packing efficiency.
-`preview` (train.py --preview, or `python -m support.data.preview DATA --tokenizer DIR --preview N`) decodes the first
-documents, BOS/EOS visible and the supervised text marked, then warns of each problem `check_examples` finds over all.
+`preview` (train.py --preview, through progress.data_report) decodes the first documents, BOS/EOS visible and the
+supervised text marked, then warns of each problem `check_examples` finds over all.
 """
 
-import argparse
 import itertools
 import sys
-import time
 
 import numpy as np
 
-from pack import build_dataset, pack_bfd
-from support.data.examples import load_examples, selected, stdlib_examples
-from support.data.tokenizer import Tokenizer, segment
+from pack import pack_bfd
+from support.data.tokenizer import segment
 
 
 def packing_report(self, rows_per_batch=8):
@@ -115,53 +112,3 @@ def preview(examples, tokenizer, template=None, train_on_prompt=False, n=3, colo
         out.append("".join(on + tok.decode(ids) + off if k else tok.decode(ids) for k, ids in grouped))
     warnings = _warnings(docs, tok, train_on_prompt)
     return "\n".join(out + ([f"warning: {w}" for w in warnings] or [f"no warnings in the {len(docs)} examples shown"]))
-
-
-def report(cfg, trainset, data, tok):
-    """What train.py prints about its training data (a train.Config's): the packing report; with --preview also the
-    first examples of `data` that trainset holds, as the model will see them, then the checks over every one."""
-    print(packing_report(trainset))
-    if not cfg.preview:
-        return
-    examples = list(selected(data, trainset.kept, cfg.data_format, cfg.skip_bad_rows))  # the files read again
-    seen = dict(template=cfg.template or None, train_on_prompt=cfg.train_on_prompt, skip_bad_rows=cfg.skip_bad_rows)
-    print(preview(examples, tok, **seen))
-    warnings = check_examples(examples, tok, **seen)
-    print(f"{len(warnings)} warning(s) over all {len(examples)} training examples")
-    for w in warnings[:20]:
-        print(f"warning: {w}")
-
-
-def tokens_or_auto(text):
-    """--context: "auto" or a positive number of tokens."""
-    if text == "auto" or text.isdigit() and int(text) > 0:
-        return text if text == "auto" else int(text)
-    raise argparse.ArgumentTypeError(f"expected 'auto' or a positive number of tokens, got {text!r}")
-
-
-def main():
-    p = argparse.ArgumentParser(description="Tokenize and pack a dataset; print the packing report and the time.")
-    p.add_argument("data", help="a .jsonl / .json / .parquet file, or 'stdlib' for the embedded dataset")
-    p.add_argument("--tokenizer", required=True, help="a directory with tokenizer.json or tokenizer.model")
-    p.add_argument("--template", help="a format string with {instruction} and {response} (default: chat template)")
-    p.add_argument("--train-on-prompt", action="store_true")
-    p.add_argument("--context", default="auto", type=tokens_or_auto, help="'auto' or a number of tokens")
-    p.add_argument("--cache-dir", default="data/cache")
-    p.add_argument("--no-pack", action="store_true")
-    p.add_argument("--preview", type=int, default=0, metavar="N", help="then show the first N examples as tokenized")
-    a = p.parse_args()
-    try:
-        t0, tok = time.perf_counter(), Tokenizer(a.tokenizer)
-        data = stdlib_examples() if a.data == "stdlib" else a.data
-        kw = dict(pack=not a.no_pack, template=a.template, train_on_prompt=a.train_on_prompt, cache_dir=a.cache_dir)
-        print(packing_report(build_dataset(data, tok, a.context, **kw)))
-        print(f"built in {time.perf_counter() - t0:.2f}s")
-        if a.preview:
-            examples = data if a.data == "stdlib" else load_examples(data)
-            print(preview(examples, tok, a.template, a.train_on_prompt, a.preview))
-    except (ValueError, OSError) as e:  # bad data or tokenizer: one line, as train.py says it
-        raise SystemExit(f"error: {e}") from None
-
-
-if __name__ == "__main__":  # python -m support.data.preview DATA --tokenizer DIR [--preview N]
-    main()

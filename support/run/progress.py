@@ -1,9 +1,10 @@
 """What does a run tell its user while it trains, and where else do its records go?
 
-Before the first step: how a step is split, the memory estimate by part and what MFU is measured against, and the NF4
-quantization error. Every step: a progress bar with loss, lr, rates, MFU and phase times; after step 2, the measured
-peak memory beside the estimate. At every evaluation: each adapter's size relative to its layer and the share of B
-that has moved from zero. With `log`, every record of metrics.jsonl also goes to TensorBoard or W&B (rank 0 only).
+Before the first step: its data (the packing report; with --preview the first examples and their checks), how a step
+is split, the memory estimate by part and what MFU is measured against, and the NF4 quantization error. Every step: a
+progress bar with loss, lr, rates, MFU and phase times; after step 2, the measured peak memory beside the estimate. At
+every evaluation: each adapter's size relative to its layer and the share of B that has moved from zero. With `log`,
+every record of metrics.jsonl also goes to TensorBoard or W&B (rank 0 only).
 """
 
 import dataclasses
@@ -19,6 +20,8 @@ import lora
 import quant
 from support.accounting import memory
 from support.accounting.flops import batch_flops, fmt_flops, peak_flops
+from support.data.examples import selected
+from support.data.preview import check_examples, packing_report, preview
 from support.kernels.choice import name
 from support.run import ranks
 
@@ -47,6 +50,21 @@ class PhaseClock:
         for (_, start), (phase, end) in itertools.pairwise(self.marks):
             out[phase] = out.get(phase, 0.0) + (start.elapsed_time(end) / 1000 if self.cuda else end - start)
         return out
+
+
+def data_report(cfg, trainset, data, tok):
+    """What a run prints about its training data: the packing report; with --preview also the first examples of `data`
+    that trainset holds, as the model will see them, then the checks over every one."""
+    print(packing_report(trainset))
+    if not cfg.preview:
+        return
+    examples = list(selected(data, trainset.kept, cfg.data_format, cfg.skip_bad_rows))  # the files read again
+    seen = dict(template=cfg.template or None, train_on_prompt=cfg.train_on_prompt, skip_bad_rows=cfg.skip_bad_rows)
+    print(preview(examples, tok, **seen))
+    warnings = check_examples(examples, tok, **seen)
+    print(f"{len(warnings)} warning(s) over all {len(examples)} training examples")
+    for w in warnings[:20]:
+        print(f"warning: {w}")
 
 
 def describe_step(cfg, place, model, context, rows, micro_rows) -> tuple[int, float]:
