@@ -97,7 +97,7 @@ def report(config, spec, context, max_rows, dtype, lora, chunked=True, base=(Tru
     ways = [("", 0, False)] + ([("FSDP", gpus, False), ("FSDP, CPU offload", gpus, True)] if gpus > 1 else [])
     for way, shards, offload in ways:
         table, choice = plan(config, budget, context, max_rows, dtype, lora, chunked, shards, offload)
-        lines += [f"-- {way or ('DDP' if gpus > 1 else 'one GPU')}: bytes per GPU"] if gpus > 1 else []
+        lines += [f"-- {way or 'DDP'}: bytes per GPU"] if gpus > 1 else []
         lines += plan_table(table, budget)
         if choice is not None:
             lines.append(plan_choice(choice, context, gpus, way, offload))

@@ -44,14 +44,13 @@ def chunks(items, size):
         first += len(part)
 
 
-def prefetch(items):
+def prefetch(iterator):
     """The items of an iterator, the next one computed in a thread while the caller works on this one."""
     end = object()
     with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        it = iter(items)
-        ahead = pool.submit(next, it, end)
+        ahead = pool.submit(next, iterator, end)
         while (item := ahead.result()) is not end:
-            ahead = pool.submit(next, it, end)
+            ahead = pool.submit(next, iterator, end)
             yield item
 
 

@@ -58,13 +58,13 @@ def _merged_model(model_dir):
 
 def _gguf_arch(cfg, path):
     """The GGUF architecture for a config, or a one-line error for what llama.cpp cannot run."""
-    kind = getattr(cfg, "model_type", "llama")
+    kind = cfg.model_type
     if kind not in GGUF_ARCHS:
         raise ValueError(f"{path}: model_type {kind!r} cannot be written to GGUF (expected {', '.join(GGUF_ARCHS)})")
     arch = GGUF_ARCHS[kind]
     if (cfg.rope_scaling or {}).get("rope_type") == "llama3" and arch != "llama":
         raise ValueError(f"{path}: llama3 rope_scaling is only read by llama.cpp's llama architecture, not {arch}")
-    if arch != "llama" and getattr(cfg, "o_bias", False):
+    if arch != "llama" and cfg.o_bias:
         raise ValueError(f"{path}: attention_bias puts a bias on o_proj, which llama.cpp's {arch} does not load")
     if arch == "qwen2" and cfg.num_attention_heads * cfg.head_dim != cfg.hidden_size:
         raise ValueError(f"{path}: llama.cpp's qwen2 needs head_dim x num_attention_heads == hidden_size")
@@ -101,10 +101,9 @@ def _plan(cfg, ckpt, arch, file_type):
     known = {n for n, _ in model.named_parameters(remove_duplicate=False)}  # a tied lm_head may be stored or not
     extra = sorted(n for n in ckpt.keys() if n not in known and not n.endswith("rotary_emb.inv_freq"))
     if extra:
-        kind = getattr(cfg, "model_type", "llama")
         raise ValueError(
-            f"{ckpt.where(extra[0])}: tensor {extra[0]} is not a weight of a merged {kind} model ({len(extra)} such; "
-            "LoRA or NF4 entries must be merged away first)"
+            f"{ckpt.where(extra[0])}: tensor {extra[0]} is not a weight of a merged {cfg.model_type} model "
+            f"({len(extra)} such; LoRA or NF4 entries must be merged away first)"
         )
     heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads} if arch == "llama" else {}
     plan, weight_type = [], FILE_TYPES[file_type][0]
@@ -172,13 +171,9 @@ def _bpe_tokens(tj, n, path):
     names |= {i: a["content"] for i, a in added.items()}
     if (top := max(names)) >= n:
         raise ValueError(f"{path}: token id {top} ({names[top]!r}) is not below config.json's vocab_size {n}")
-    tokens, types = [], []
-    for i in range(n):
-        if i in added:
-            types.append(CONTROL if added[i]["special"] else USER_DEFINED)
-        else:
-            types.append(NORMAL if i in names else UNUSED)
-        tokens.append(names.get(i, f"[PAD{i}]"))
+    tokens = [names.get(i, f"[PAD{i}]") for i in range(n)]
+    kinds = {i: CONTROL if a["special"] else USER_DEFINED for i, a in added.items()}
+    types = [kinds.get(i, NORMAL if i in names else UNUSED) for i in range(n)]
     if len(set(tokens)) != n:
         dup = next(t for t, count in collections.Counter(tokens).items() if count > 1)
         raise ValueError(f"{path}: token {dup!r} appears at two ids; llama.cpp needs every token string once")
@@ -306,11 +301,10 @@ def export_gguf(model_dir, out_path, file_type="q8_0", modelfile=True):
     cfg, ckpt = _merged_model(model_dir)
     arch = _gguf_arch(cfg, cfg_file := os.path.join(model_dir, "config.json"))
     vocab = _vocab(model_dir, cfg)
-    if getattr(cfg, "sliding_layers", None) and cfg.sliding_window < cfg.max_position_embeddings:
+    if cfg.sliding_layers and cfg.sliding_window < cfg.max_position_embeddings:
         print(f"{cfg_file}: sliding_window {cfg.sliding_window} is not kept: llama.cpp's {arch} attends to all tokens")
     plan = _plan(cfg, ckpt, arch, file_type)
-    parent = os.path.dirname(os.path.abspath(out_path))
-    os.makedirs(parent, exist_ok=True)
+    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     name = os.path.basename(os.path.abspath(model_dir))
     atomic.atomic_write(out_path, lambda tmp: _write_gguf(tmp, arch, cfg, vocab, plan, file_type, name))
     if modelfile:
