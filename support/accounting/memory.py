@@ -4,7 +4,7 @@
 activations, transient; under FSDP what is gathered), from the model's shapes alone, reading off what each module saves
 for backward. `peak` measures: on CUDA the allocator's peak since `reset_peak`, which the estimate describes within 15%
 (docs/performance.md); on CPU the process's peak resident set, with no such promise. Neither counts the CUDA context
-(plan.py takes it off the card).
+(plan.py takes it off the card). docs/support.md explains each term.
 """
 
 import math

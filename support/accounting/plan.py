@@ -180,8 +180,9 @@ CPU_MICRO_TOKENS = 512  # tokens per micro-batch on CPU when micro_batch_tokens 
 
 
 def micro_batch_rows(cfg, place, model, trainset, rows_per_rank, forward_loss) -> int:
-    """Micro-batch size in rows: on CUDA the largest that fits (probed; under FSDP by the estimate), on CPU at most
-    CPU_MICRO_TOKENS tokens, fewer if the estimate says so. forward_loss(model, batch, place) -> (loss, tokens)."""
+    """Micro-batch size in rows: on CUDA the largest that fits (probed; under FSDP by the estimate), on CPU
+    CPU_MICRO_TOKENS // context rows (at least 1), fewer if the estimate says so. forward_loss(model, batch, place) ->
+    (loss, tokens)."""
     context = trainset.context_length
     if isinstance(cfg.micro_batch_tokens, int):
         return max(1, min(rows_per_rank, cfg.micro_batch_tokens // context))
@@ -193,8 +194,8 @@ def micro_batch_rows(cfg, place, model, trainset, rows_per_rank, forward_loss) -
             run_estimate(cfg, model.config, rows * context, place, model.options.mlp_tile * rows), place
         )
 
-    # CPU: memory first. Several rows per micro-batch buy a little speed for a much larger resident set (the CPU
-    # ladder measures both); set micro_batch_tokens to trade the other way.
+    # CUDA under FSDP: the most rows the estimate fits. CPU: memory first (more rows buy a little speed for a much
+    # larger resident set, as the CPU ladder measures); set micro_batch_tokens to trade the other way.
     cuda = place.device.type == "cuda"
     rows = rows_per_rank if cuda else min(rows_per_rank, max(1, CPU_MICRO_TOKENS // context))
     while rows > 1 and not fits(rows):

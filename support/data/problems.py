@@ -105,8 +105,8 @@ def room(tok, template, sample_tokens, context_length):
 
 
 def read_problems(path, too_long=None, confine=True) -> list[dict]:
-    """A user's JSONL file of problems, checked (see the file's docstring), each mistake one ValueError line naming the
-    file and line; too_long(problem) -> str says why a prompt leaves no room for an answer ("" when it does)."""
+    """A user's JSONL file of problems, checked (docs/rl.md lists the checks), each mistake one ValueError line naming
+    the file and line; too_long(problem) -> str says why a prompt leaves no room for an answer ("" when it does)."""
     problems = humaneval.load_problems(path)  # the four fields, JSON, unique task ids: one line per mistake
     text = Path(path).read_text(encoding="utf-8").splitlines()
     numbers = [n for n, line in enumerate(text, 1) if line.strip()]  # load_problems skips blank lines

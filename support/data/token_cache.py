@@ -4,8 +4,9 @@ An entry is a directory under `cache_dir`, written whole (support/formats/atomic
 (N,), and per document its offsets int64 (docs + 1,), its example's index and its supervised targets int64 (docs,), as
 .npy files read back as memory maps, and meta.json. The key hashes the data (content under 64 MiB, else path + size +
 mtime), the tokenizer files, the template and the settings. Both splits share an entry, each taking its documents by
-example index. Rows are read a block at a time and tokenized a chunk at a time, on Linux by forked workers for data of
-32 MiB and more (docs/internals.md). Under torchrun one rank per machine builds, the others wait (`local_first`).
+example index (a new val_fraction or max_examples tokenizes nothing again). Rows are read a block at a time and
+tokenized a chunk at a time, on Linux by forked workers for data of 32 MiB and more (docs/internals.md). Under torchrun
+one rank per machine builds, the others wait (`local_first`).
 """
 
 import collections

@@ -2,9 +2,9 @@
 
 apply(readable, writable, owned) confines the calling process irreversibly: under root uid and gid 65534 (nobody), no
 new privileges, Landlock (read and execute beneath `readable`, also write beneath `writable`, nothing else) and a
-seccomp filter refusing the system calls of the tables below; docs/internals.md has the details. Where the kernel
-cannot, Unavailable: nothing is changed when Landlock, the architecture or a second thread is the reason; a later
-failure leaves the process half confined, and its caller must end it without running the code.
+seccomp filter refusing the system calls of the tables below; docs/internals.md and docs/support.md have the details.
+Where the kernel cannot, Unavailable: nothing is changed when Landlock, the architecture or a second thread is the
+reason; a later failure leaves the process half confined, and its caller must end it without running the code.
 """
 
 import ctypes

@@ -3,7 +3,7 @@
 Each program runs in a fresh interpreter (`python -E -s -P` on this file) in a session of its own, in a fresh temporary
 directory, its output going to /dev/null. The child sets rlimits, confines itself for good (confine.py), adds the Python
 guards, runs the program and reports its verdict on a pipe of its own, on a line opened by a token the parent drew.
-docs/internals.md says what this covers and what it does not.
+docs/internals.md and docs/support.md say what this covers and what it does not.
 """
 
 import functools

@@ -1,8 +1,9 @@
 """How does a block train on one very long sequence without holding its activations?
 
-Beyond activation checkpointing (docs/performance.md): `tiled_mlp` runs the MLP over tiles of tokens, each checkpointed
-on its own, so its (tokens, intermediate) tensors exist for one tile at a time, for one more MLP forward a step;
-`OffloadedSaves` keeps what autograd saves in the checkpointed blocks (their inputs) in CPU memory until backward.
+Beyond activation checkpointing (docs/performance.md; docs/support.md: how): `tiled_mlp` runs the MLP over tiles of
+tokens, each checkpointed on its own, so its (tokens, intermediate) tensors exist for one tile at a time, for one more
+MLP forward a step; `OffloadedSaves` keeps what autograd saves in the checkpointed blocks (their inputs) in CPU memory
+until backward.
 """
 
 import weakref
