@@ -255,7 +255,9 @@ def probe_micro_rows(attempt, max_rows, device) -> int:
             torch.cuda.empty_cache()
         return ok
 
-    # below max_rows, one row is taken to fit (nothing could train otherwise); one row that does not fit gives 0
-    rows = max_rows if fits(max_rows) else largest(fits, min(1, max_rows - 1), max_rows - 1)
+    if fits(max_rows):
+        rows = max_rows
+    else:  # below max_rows one row is taken to fit (nothing could train otherwise); max_rows = 1 not fitting gives 0
+        rows = largest(fits, 1, max_rows - 1) if max_rows > 1 else 0
     reset_peak(device)
     return rows

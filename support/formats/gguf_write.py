@@ -241,9 +241,11 @@ def _write_vocab(w, vocab):
     w.add_token_list(vocab.tokens)
     w.add_token_types(vocab.types)
     w.add_token_merges(vocab.merges)
-    for key in ("bos", "eos", "unk", "pad"):
+    adders = {"bos": w.add_bos_token_id, "eos": w.add_eos_token_id, "unk": w.add_unk_token_id}
+    adders["pad"] = w.add_pad_token_id
+    for key, add in adders.items():
         if vocab.ids[key] is not None:
-            getattr(w, f"add_{key}_token_id")(vocab.ids[key])
+            add(vocab.ids[key])
     w.add_add_bos_token(vocab.tok.add_bos)  # always written: some pre-tokenizer names imply a default otherwise
     w.add_add_eos_token(vocab.add_eos)
     if vocab.tok.chat_template:
