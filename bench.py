@@ -1,11 +1,10 @@
 """Benchmarks, printed as tables and never asserted in tests; each file of benchmarks/ explains its own.
 
 python bench.py gpu-proof --out=DIR  what a lent GPU is for, in --budget: CUDA tests, step, compiled, context, ladder
-python bench.py gpu          ours (LoRA, QLoRA) vs transformers + PEFT on a random Llama-3.1-8B (--shape=tiny: CPU)
+python bench.py gpu          ours (LoRA, QLoRA) vs transformers + PEFT on a random Llama-3.1-8B (--shape=smollm2: CPU)
 python bench.py gpu-context  the longest single row of our QLoRA, three settings, peak beside the estimate
 python bench.py gpu-ladder   the GPU optimization ladder: one technique per rung (--shape=tiny: on CPU)
 python bench.py quant        NF4 quantize / dequantize on CPU, ours vs bitsandbytes (--smollm2: load times too)
-python bench.py train        CPU training: ours vs transformers + PEFT, and the optimization ladder (~25 minutes)
 python bench.py pack         tokenize + pack 75,000 Magicoder-sized examples, the cache hit, the memory it adds
 python bench.py first-run    the default `python train.py` as a newcomer runs it: wall time, losses, peak RSS
 python bench.py fsdp         DDP vs FSDP over 2 CPU ranks, interleaved: step time, per-rank peak RSS
@@ -17,7 +16,6 @@ import argparse
 import os
 
 from benchmarks.common import OUT_DIR
-from benchmarks.cpu_train import bench_train, print_saved_tables, run_peer
 from benchmarks.first_run import bench_first_run
 from benchmarks.fsdp import bench_fsdp
 from benchmarks.gpu import bench_gpu, bench_gpu_context, bench_gpu_ladder, gpu_problem
@@ -60,7 +58,7 @@ def gpu_arguments(sub):
 
 def shape_arguments(parser, rounds=0):
     """--shape and --deadline of a GPU command; with `rounds`: --rows, --warmup and --rounds (default `rounds`)."""
-    parser.add_argument("--shape", choices=list(SHAPES), default="8b", help="8b, 3b, 1b (Llama 3.x) or tiny (CPU)")
+    parser.add_argument("--shape", choices=list(SHAPES), default="8b", help="8b, 3b, 1b; smollm2, tiny (CPU)")
     deadline = "time.time() after which no step starts (0: none; for gpu-context, 10 minutes from now)"
     parser.add_argument("--deadline", type=float, default=0, help=deadline)
     if rounds:
@@ -74,7 +72,7 @@ def shape_arguments(parser, rounds=0):
 def arguments():
     """The parser of every command: its options and their defaults."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = "{gpu-proof,gpu,gpu-context,gpu-ladder,quant,train,pack,first-run,fsdp,humaneval,grpo}"
+    commands = "{gpu-proof,gpu,gpu-context,gpu-ladder,quant,pack,first-run,fsdp,humaneval,grpo}"
     sub = parser.add_subparsers(dest="command", required=True, metavar=commands)
     gpu_arguments(sub)
     s = sub.add_parser("fsdp", help="DDP vs FSDP over 2 CPU ranks, interleaved: step time and per-rank peak RSS")
@@ -85,14 +83,6 @@ def arguments():
     q.add_argument("--repeat", type=int, default=5, help="timed runs per case; the best is reported (default 5)")
     q.add_argument("--smollm2", action="store_true", help="also time SmolLM2-135M loading (quantize vs pre-quantized)")
     q.set_defaults(run=lambda a: bench_quant(a.size, a.repeat, a.smollm2))
-    t = sub.add_parser("train", help="training speed and memory: ours vs transformers + PEFT, and the ladder")
-    t.add_argument("--steps", type=int, default=8, help="optimizer steps per run (default 8)")
-    t.add_argument("--warmup", type=int, default=2, help="first steps left out of the statistics (default 2)")
-    t.add_argument("--tables", action="store_true", help="only print the tables of out/bench/results.json again")
-    t.add_argument("--only", default="", help="comma-separated: compare, ladder, padded-fp32, ..., NAME/ours, ladder/3")
-    t.add_argument("--repeat", type=int, default=1, help="rounds of the whole plan, interleaved (default 1)")
-    t.set_defaults(run=lambda a: print_saved_tables() if a.tables else bench_train(a.steps, a.warmup, a.only, a.repeat))
-    t.set_defaults(problem=lambda a: (a.steps <= a.warmup or a.repeat < 1) and TRAIN_PROBLEM.format(a=a))
     h = sub.add_parser("humaneval", help="HumanEval: ours vs transformers' generate, pass@1, tokens/s")
     h.add_argument("--limit", type=int, default=0, help="the first N problems (default: all 164)")
     h.add_argument("--start", type=int, default=0, help="skip the first N problems")
@@ -117,18 +107,9 @@ def arguments():
     g.add_argument("--steps", type=int, default=3)
     g.add_argument("--out", required=True, help="JSON file for the per-step records")
     g.set_defaults(run=lambda a: trl_peer(a.steps, a.out))
-    p = sub.add_parser("peer")  # one transformers + PEFT run, started by `train` in a child process
-    p.add_argument("--data", default="", help="JSONL of equal-work examples; '' = the stdlib dataset")
-    p.add_argument("--train_on_prompt", action="store_true")
-    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
-    p.add_argument("--nf4", action="store_true", help="bitsandbytes NF4 base weights (QLoRA)")
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--out", required=True, help="JSON file for the per-step records")
-    p.set_defaults(run=lambda a: run_peer(a.data, a.train_on_prompt, a.precision, a.nf4, a.steps, a.out))
     return parser
 
 
-TRAIN_PROBLEM = "--steps ({a.steps}) must exceed --warmup ({a.warmup}); --repeat must be at least 1"
 GRPO_PROBLEM = "--steps ({a.steps}) must be at least 2 (the first is left out); --rounds at least 1"
 
 

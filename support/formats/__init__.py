@@ -1,3 +1,3 @@
 """How models, adapters and files are read and written: Hugging Face checkpoints and PEFT adapters, config.json, GGUF
-both ways and Ollama's Modelfile, the Hub, and the one crash-safe write every writer uses. docs/support.md explains each
+both ways, the Hub, and the one crash-safe write every writer uses. docs/support.md explains each
 file at length."""

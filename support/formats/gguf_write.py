@@ -1,5 +1,5 @@
 """How does a merged Hugging Face model become a GGUF file in llama.cpp's own layout? (The format is read back by
-gguf_read.py; the Ollama Modelfile beside the file is modelfile.py.)
+gguf_read.py.)
 
 llama.cpp's loader is strict: each key has a fixed type (gguf.GGUFWriter's add_* get it right) and the tensor set must
 be exactly what the architecture consumes. Weights take the requested type, 1-D tensors stay F32; a q8_0 row must hold
@@ -21,7 +21,6 @@ from model import Llama, rope_inv_freq
 from support.data import tokenizer
 from support.formats import atomic, gguf_read, hf
 from support.formats.gguf_read import CONTROL, LAYER_NAMES, NORMAL, PRE_TOKENIZERS, TOP_NAMES, UNUSED, USER_DEFINED
-from support.formats.modelfile import write_modelfile
 
 GGUF_NAMES = {v: k for k, v in (LAYER_NAMES | TOP_NAMES).items()}  # Hugging Face module path -> GGUF name
 # config.json model_type -> GGUF architecture; only llama's W_q/W_k rows are permuted (gguf_read.rope_rows)
@@ -295,9 +294,9 @@ def check_gguf_export(model_dir, file_type):
             _check_rows(os.path.join(model_dir, "config.json"), name, p.shape, FILE_TYPES[file_type][0])
 
 
-def export_gguf(model_dir, out_path, file_type="q8_0", modelfile=True):
-    """Write the merged model in `model_dir` as the GGUF file `out_path`, its weight matrices in `file_type`, and with
-    `modelfile` an Ollama Modelfile beside it. Every check runs before a byte is written. Returns out_path."""
+def export_gguf(model_dir, out_path, file_type="q8_0"):
+    """Write the merged model in `model_dir` as the GGUF file `out_path`, its weight matrices in `file_type`. Every
+    check runs before a byte is written. Returns out_path."""
     if file_type not in FILE_TYPES:
         raise ValueError(f"GGUF file type {file_type!r} is not one of {', '.join(FILE_TYPES)}")
     cfg, ckpt = _merged_model(model_dir)
@@ -309,6 +308,4 @@ def export_gguf(model_dir, out_path, file_type="q8_0", modelfile=True):
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     name = os.path.basename(os.path.abspath(model_dir))
     atomic.atomic_write(out_path, lambda tmp: _write_gguf(tmp, arch, cfg, vocab, plan, file_type, name))
-    if modelfile:
-        write_modelfile(out_path, vocab)
     return out_path

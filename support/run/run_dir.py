@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.state_dict import (
 from support.data.tokenizer import render
 from support.evaluation import humaneval
 from support.evaluation.merge_check import merge_and_check_
-from support.formats import gguf_read, gguf_write, hf, hub, modelfile
+from support.formats import gguf_read, gguf_write, hf, hub
 from support.formats.atomic import atomic_write
 from support.run import ranks
 from support.run.config import resume_keys
@@ -243,7 +243,7 @@ def export(cfg, model, history, model_dir, prompt_ids, tracker=None):
     if cfg.export_gguf:
         gguf = os.path.join(cfg.out_dir, f"model-{cfg.export_gguf}.gguf")
         path = gguf_write.export_gguf(merged_dir, gguf, cfg.export_gguf)
-        print(f"GGUF written to {path} (Ollama: ollama create NAME -f {modelfile.modelfile_path(path)})")
+        print(f"GGUF written to {path}")
 
 
 def plot_losses(history, path):
