@@ -3,7 +3,7 @@
 python bench.py gpu-proof --out=DIR  what a lent GPU is for, in --budget: CUDA tests, step, compiled, context, ladder
 python bench.py gpu          ours (LoRA, QLoRA) vs transformers + PEFT on a random Llama-3.1-8B (--shape=smollm2: CPU)
 python bench.py gpu-context  the longest single row of our QLoRA, three settings, peak beside the estimate
-python bench.py gpu-ladder   the GPU optimization ladder: one technique per rung (--shape=tiny: on CPU)
+python bench.py gpu-ladder   the GPU optimization ladder: one technique per rung (--shape=smollm2: on CPU)
 python bench.py quant        NF4 quantize / dequantize on CPU, ours vs bitsandbytes (--smollm2: load times too)
 python bench.py pack         tokenize + pack 75,000 Magicoder-sized examples, the cache hit, the memory it adds
 python bench.py first-run    the default `python train.py` as a newcomer runs it: wall time, losses, peak RSS
@@ -41,7 +41,7 @@ def gpu_arguments(sub):
     g = sub.add_parser("gpu", help="ours (LoRA, QLoRA) vs transformers + PEFT on a random Llama, in one process")
     shape_arguments(g, rounds=8)
     g.add_argument("--out", default=os.path.join(OUT_DIR, "gpu.json"), help="raw results (default out/bench/gpu.json)")
-    g.add_argument("--row", type=int, default=0, help="tokens per row (default: 8192; 256 for tiny)")
+    g.add_argument("--row", type=int, default=0, help="tokens per row (default: 8192; smollm2 2048, tiny 256)")
     g.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated subset of {', '.join(SYSTEMS)}")
     g.add_argument("--memory", action="store_true", help="QLoRA peak memory at 1, 2, 4 rows, checkpointing off/on")
     g.add_argument("--profile", action="store_true", help="the kernels of one step of ours (torch.profiler)")

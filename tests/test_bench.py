@@ -17,7 +17,8 @@ The GPU benchmark (`bench.py gpu`):
 - common.hf_batch turns our pre-shifted labels and per-document position ids into inputs on which transformers'
   LlamaForCausalLM computes our loss: its mean cross-entropy on a padded batch of real examples equals our Llama's
   summed loss over the supervised-token count (a small random model, fp32);
-- `--shape=smollm2`, the CPU comparison, is SmolLM2-135M's own configuration (bos and eos ids aside);
+- `--shape=smollm2`, the CPU comparison, is the configuration of the SmolLM2-135M-Instruct the tests convert (bos and
+  eos ids aside);
 - the profile sorts kernels as an H200 names them: FlashAttention's (whose names hold "cutlass") as attention, cuBLAS's
   as matmuls, support/kernels/nf4_ops.py's Triton kernel as NF4 dequantization, Inductor's fused kernels as other.
 """
@@ -44,12 +45,12 @@ from support.formats.hf import from_hf, read_config
 from train import load_model
 
 
-def test_hf_batch_gives_our_loss(smollm2_dir, tiny_dir):
+def test_hf_batch_gives_our_loss(tiny_dir):
     model = load_model(tiny_dir)  # SmolLM2's vocabulary, RoPE and tied head, 2 small layers
     ref = transformers.LlamaForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
 
     examples = stdlib_examples("train")[:16]
-    batch = pack.build_dataset(examples, Tokenizer(smollm2_dir), 512, pack=False, seed=common.SEED).step_batch(0, 4)
+    batch = pack.build_dataset(examples, Tokenizer(tiny_dir), 512, pack=False, seed=common.SEED).step_batch(0, 4)
     inputs = common.hf_batch(batch)
     assert (inputs["attention_mask"] == 0).any(), "the batch should hold padding"
     with torch.no_grad():

@@ -128,7 +128,6 @@ class Vocab(NamedTuple):
     pre: str  # tokenizer.ggml.pre
     ids: dict  # "bos" / "eos" / "unk" / "pad" -> id or None
     add_eos: bool
-    specials: list  # special (CONTROL) token strings
     tok: tokenizer.Tokenizer  # for add_bos and the chat template
 
 
@@ -205,8 +204,7 @@ def _vocab(model_dir, cfg):
     ids["eos"] = eos if ids["eos"] is None else ids["eos"]
     tok_cfg_file = os.path.join(model_dir, "tokenizer_config.json")
     add_eos = os.path.isfile(tok_cfg_file) and bool(atomic.read_json(tok_cfg_file).get("add_eos_token"))
-    specials = [t for t, ty in zip(tokens, types, strict=True) if ty == CONTROL]
-    return Vocab(tokens, types, merges, pre, ids, add_eos, specials, tok)
+    return Vocab(tokens, types, merges, pre, ids, add_eos, tok)
 
 
 def _write_hparams(w, cfg, file_type, name):
