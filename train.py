@@ -174,7 +174,7 @@ def load_model(model_dir: str, dtype=None, device="cpu", quantize=False, add_lor
     dtype = dtype or stored or torch.float32
     # 1. The Llama on the meta device: shapes, no memory. Its kernels for this device are chosen once, here: the
     #    packed-document attention, NF4 dequantization (on CUDA the fastest with the reference's bits), LoRA dropout.
-    kernels = choice.kernels_for(device, dtype, config)
+    kernels = choice.kernels_for(device, dtype, config, compiled=options is not None and options.compile)
     with torch.device("meta"):
         model = Llama(config, kernels.attention, options)
     ckpt, weights = hf.open_checkpoint(model_dir, model)

@@ -169,7 +169,7 @@ def weights_of(model):
 def ours_system(key, model, device, dtype):
     """Adapters on our model as train.load_model adds them; train.py's loss and optimizer."""
     torch.manual_seed(SEED)  # the same adapters on LoRA and QLoRA
-    dropout_op = dropout_cuda.dropout_op_for(device)  # as train.load_model chooses it
+    dropout_op = dropout_cuda.dropout_op_for(device, model.options.compile)  # as train.load_model chooses it
     lora.add_lora_(model, "all-linear", *LORA.values(), lora_dtype=torch.float32, dropout_op=dropout_op)
     place = ranks.Placement(0, 1, device, dtype)
     params = [p for p in model.parameters() if p.requires_grad]

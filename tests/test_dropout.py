@@ -4,26 +4,35 @@ What this file proves: dropout drops p of each row and keeps the mean; its mask 
 the element's place only, each adapted linear drawing its own; rows split into micro-batches, with activation
 checkpointing or without, give the same loss and gradients (what lets a run resume on another number of ranks); the
 module is chosen when the layer is built (none at p = 0) and is the identity in eval mode; a tiled MLP's tiles of the
-rows drop exactly what the whole rows drop.
+rows drop exactly what the whole rows drop; compiled, the masks are eager's bits under every vectorization Inductor
+can pick on the machine, its scalar code included.
 """
 
 import pytest
 import torch
 from conftest import TINY
+from torch._inductor import config as inductor_config
+from torch._inductor import cpu_vec_isa
 
 import lora
 from model import Llama, LlamaConfig, Options
-from support.kernels.dropout import KeyedDropout, dropout_rows, keyed_dropout, row_keys, tile_of_rows
+from support.kernels.dropout import KEYED_OP, KeyedDropout, dropout_rows, keyed_dropout, row_keys, tile_of_rows
 
 IDS = torch.tensor([[1, 5, 9, 17, 33, 2, 60, 7, 100, 3], [4, 4, 8, 15, 16, 23, 42, 0, 99, 1]])
 CONFIG = LlamaConfig(vocab_size=128, head_dim=16, max_position_embeddings=64, **TINY)
 
 
-def adapted_llama(r, dropout, seed=0, checkpointing=False):
-    """A tiny random fp32 Llama with LoRA on every block linear."""
+def vector_widths():
+    """The widths of the vector code Inductor's C++ can be told to write here (cpp.simdlen: 512 for AVX-512, 256 for
+    AVX2 on x86, where the CPU has them) and 0, its scalar code."""
+    return [0] + sorted({isa.bit_width() for isa in cpu_vec_isa.valid_vec_isa_list()})
+
+
+def adapted_llama(r, dropout, seed=0, checkpointing=False, op=None):
+    """A tiny random fp32 Llama with LoRA on every block linear, its dropout applied by `op` (default keyed_dropout)."""
     torch.manual_seed(seed)
     model = Llama(CONFIG, options=Options(checkpointing=checkpointing))
-    lora.add_lora_(model, "all-linear", r=r, alpha=2 * r, dropout=dropout)
+    lora.add_lora_(model, "all-linear", r=r, alpha=2 * r, dropout=dropout, dropout_op=op)
     return model
 
 
@@ -129,18 +138,48 @@ def test_tiles_of_the_rows_drop_what_the_whole_rows_drop():
 
 @pytest.mark.parametrize("keyed", [True, False])
 def test_a_compiled_lora_linear_has_no_graph_break_at_the_dropout(keyed):
-    """torch._dynamo.explain of an adapted linear's forward and backward in training, dropout live, with the row keys
-    dropout_rows sets (keyed) and with keys drawn in the graph: one graph, no break (the CPU hash is plain tensor
-    arithmetic; on CUDA the kernel is an opaque op, tests/test_dropout_cuda.py)."""
-    model = adapted_llama(r=2, dropout=0.1)
+    """torch._dynamo.explain of an adapted linear's training forward, dropout live, with the row keys dropout_rows
+    sets (keyed) and with keys drawn in the graph: one graph, no break, the dropout in it as the opaque KEYED_OP (its
+    backward, the op again, is AOT autograd's to trace: tests/test_model.py compiles whole steps)."""
+    model = adapted_llama(r=2, dropout=0.1, op=KEYED_OP)
     layer = model.model.layers[0].mlp.down_proj
     x = torch.randn(2, 5, layer.in_features, requires_grad=True)
-
-    def step(x):
-        layer(x).sum().backward()
-        return x.grad
-
     torch._dynamo.reset()
     with dropout_rows(model, row_keys(0, 1, [0, 1]) if keyed else None):
-        explained = torch._dynamo.explain(step)(x)
+        explained = torch._dynamo.explain(lambda x: layer(x).sum())(x)
     assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    assert "torch.ops.nanoqlora.keyed_dropout.default" in explained.graphs[0].code
+
+
+@pytest.mark.parametrize("width", vector_widths())
+def test_compiled_masks_are_eager_bits_under_every_vectorization(width):
+    """With Inductor's C++ forced to each vector width this CPU runs (cpp.simdlen) and to scalar code: a KeyedDropout
+    (p = 0.25) through KEYED_OP after an RMS norm, compiled with dynamic shapes, drops the elements the plain
+    keyed_dropout drops in eager mode, bit for bit, forward and in its input's gradient (the values agree to the norm's
+    rounding), on 1 to 3 rows of 5 to 37 tokens of 12 or 20 features, as whole rows and as tiles starting at token 8.
+    The hash compiled as tensor code fails this: Inductor's C++ multiplies the loop's index by a 64-bit constant, an
+    overflow the C++ compiler may assume away (docs/internals.md)."""
+    eager_dropout, compiled_dropout = KeyedDropout(0.25), KeyedDropout(0.25, KEYED_OP)
+
+    def step(x, dropout):
+        y = dropout(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6))
+        (y * torch.arange(y.shape[-1])).sum().backward()
+        return y
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, dynamic=True)
+    with inductor_config.patch({"cpp.simdlen": width}):
+        for rows, tokens, features, first in ((1, 16, 12, 0), (2, 37, 20, 0), (3, 5, 12, 8), (1, 30, 20, 8)):
+            x = torch.randn(rows, tokens, features)
+            outs = []
+            for run, dropout in ((step, eager_dropout), (compiled, compiled_dropout)):
+                dropout.keys, dropout.first_token = row_keys(4, 2, range(rows)), first
+                xr = x.clone().requires_grad_()
+                outs.append((run(xr, dropout).detach(), xr.grad))
+            (eager, eager_grad), (out, grad) = outs
+            assert (eager == 0).any() and (eager != 0).any()
+            assert torch.equal(out == 0, eager == 0), (rows, tokens, features, first)
+            assert torch.equal(grad == 0, eager_grad == 0), (rows, tokens, features, first)
+            assert torch.allclose(out, eager, rtol=1e-5, atol=0) and torch.allclose(
+                grad, eager_grad, rtol=1e-4, atol=1e-6
+            )

@@ -16,7 +16,7 @@ from test_nf4_ops import interpret
 import lora
 from model import Llama, LlamaConfig
 from support.kernels import dropout_cuda
-from support.kernels.dropout import KeyedDropout, keyed_dropout, row_keys
+from support.kernels.dropout import KEYED_OP, KeyedDropout, keyed_dropout, row_keys
 
 SHAPES = [[3, 7, 11], [2, 5, 300], [4, 2050], [1, 3, 1025]]  # rows x elements: partial blocks, odd lengths
 INTERPRET = """
@@ -106,10 +106,12 @@ def adapted(device, op):
 
 
 def test_a_model_built_off_cuda_keeps_the_reference():
-    """dropout_op_for: off CUDA the reference, which every KeyedDropout add_lora_ builds then holds (7 in a block)."""
-    assert dropout_cuda.dropout_op_for("cpu") is keyed_dropout
-    dropouts = adapted("cpu", dropout_cuda.dropout_op_for("cpu"))
-    assert len(dropouts) == 7 and all(d.op is keyed_dropout for d in dropouts)
+    """dropout_op_for: off CUDA the reference, as one opaque op (KEYED_OP) where the blocks are compiled, which every
+    KeyedDropout add_lora_ builds then holds (7 in a block)."""
+    for compiled, want in ((False, keyed_dropout), (True, KEYED_OP)):
+        assert dropout_cuda.dropout_op_for("cpu", compiled) is want
+        dropouts = adapted("cpu", dropout_cuda.dropout_op_for("cpu", compiled))
+        assert len(dropouts) == 7 and all(d.op is want for d in dropouts)
 
 
 @cuda

@@ -349,7 +349,7 @@ def qlora_tiny(seed=0, dtype=torch.float32, dropout=0.0, device="cpu", compile=F
     attention = A.varlen_attention(device, dtype, tiny_config().head_dim)
     model = Llama(tiny_config(), attention, M.Options(compile=compile)).to(dtype)
     model = quant.quantize_(model, compute_dtype=dtype, dequantize_op=kernel)
-    drop = dropout_cuda.dropout_op_for(device)
+    drop = dropout_cuda.dropout_op_for(device, compiled=compile)
     lora.add_lora_(model, "all-linear", r=2, alpha=4, dropout=dropout, lora_dtype=torch.float32, dropout_op=drop)
     with torch.no_grad():
         for n, p in model.named_parameters():

@@ -20,11 +20,12 @@ class Kernels(NamedTuple):
     dropout: object  # the op every LoRA dropout applies its keyed mask with
 
 
-def kernels_for(device, dtype, config) -> Kernels:
-    """The kernels of a model of `config` built on `device`, computing in `dtype`."""
+def kernels_for(device, dtype, config, compiled=False) -> Kernels:
+    """The kernels of a model of `config` built on `device`, computing in `dtype`, its blocks `compiled` or not."""
     device = torch.device(device)
     varlen = attention.varlen_attention(device, dtype, config.head_dim, windowed=bool(config.sliding_layers))
-    return Kernels(varlen, nf4_ops.dequantize_op_for(device), dropout_cuda.dropout_op_for(device))
+    dropout = dropout_cuda.dropout_op_for(device, compiled)
+    return Kernels(varlen, nf4_ops.dequantize_op_for(device), dropout)
 
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -4,12 +4,17 @@ The mask hashes (SplitMix64's finalizer, Steele et al. 2014) a key per row and e
 torch's generator: train.py keys a row by (seed, step, its index in the step's global batch) through `dropout_rows`, so
 a row drops the same on any rank, in any micro-batch, and when recomputed. A hash gives four 16-bit draws: p is rounded
 to a multiple of 1/65536.
+
+Compiled models apply it as the op `KEYED_OP`, which torch.compile calls but does not trace into: Inductor's C++ code
+for the hash is wrong (docs/internals.md), so compiled blocks drop by the same eager code, bit for bit on every CPU.
+The op's backward is the op again on the gradient (dropout is linear in x): no mask is kept, the hash runs twice.
 """
 
 from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
+from torch import Tensor
 
 
 def _signed(c):  # a 64-bit constant as the int64 torch holds it
@@ -34,19 +39,59 @@ def mix64_(z):
     return z
 
 
-def keyed_dropout(x, p, keys):
+def keyed_dropout(x, p, keys, first=0):
     """Dropout of x (rows, ...) whose mask is a function of each row's key (keys: (rows,) int64) and of each element's
-    place in its row, nothing else; the kept elements are scaled by 1 / (1 - p)."""
+    place in its row, nothing else; the kept elements are scaled by 1 / (1 - p). first: x's first element's place in
+    its rows, where x is a tile of them (see tile_of_rows)."""
     if keys.shape != x.shape[:1]:
         raise ValueError(f"keyed_dropout: {tuple(keys.shape)} keys for an input of {x.shape[0]} rows")
     threshold = round(p * DRAWS)  # a draw below it drops its element
     row_numel = x[0].numel()
     counters = torch.arange(-(-row_numel // 4), device=x.device).mul_(GOLDEN)  # (ceil(n / 4),): the hashes of a row
-    bits = mix64_(keys.to(x.device)[:, None] + counters)  # (rows, ceil(n / 4)) int64
+    bits = mix64_(tile_keys(keys.to(x.device), first)[:, None] + counters)  # (rows, ceil(n / 4)) int64
     # four 16-bit draws from each hash, by shifts: Inductor miscompiles an int16 view (docs/internals.md)
     keeps = [(bits >> shift).bitwise_and_(DRAWS - 1) >= threshold for shift in (0, 16, 32, 48)]
     keep = torch.stack(keeps, -1).flatten(1)[:, :row_numel].view(x.shape)
     return x * keep * (DRAWS / (DRAWS - threshold))
+
+
+def tile_keys(keys, first):
+    """The keys of a tile of the rows starting at element `first` (a multiple of 4): element e of a row draws from
+    hash e // 4 = mix64(key + (e // 4) * GOLDEN), so the tile's keys are the rows' plus (first // 4) * GOLDEN."""
+    if first % 4:
+        raise ValueError(f"keyed dropout: a tile starting at element {first} of its rows, not a multiple of 4")
+    return keys + _signed(first // 4 * GOLDEN % 2**64) if first else keys
+
+
+@torch.library.custom_op("nanoqlora::keyed_dropout", mutates_args=())
+def keyed_dropout_op(x: Tensor, p: float, keys: Tensor, first: int = 0) -> Tensor:
+    """keyed_dropout as one op, opaque to torch.compile (the CUDA op is dropout_cuda.py's)."""
+    return keyed_dropout(x, p, keys, first)
+
+
+@keyed_dropout_op.register_fake
+def _(x, p, keys, first=0):  # what the compiler needs: the output's metadata
+    return torch.empty_like(x)
+
+
+def register_backward_(op):
+    """Give op(x, p, keys, first) its backward: the same op, p, keys and first on the gradient (dropout is linear in
+    x); only the keys are saved."""
+
+    def save_keys(ctx, inputs, output):
+        ctx.p = inputs[1]
+        ctx.first = inputs[3]
+        ctx.save_for_backward(inputs[2])
+
+    def backward(ctx, grad):
+        (keys,) = ctx.saved_tensors
+        return op(grad, ctx.p, keys, ctx.first), None, None, None
+
+    op.register_autograd(backward, setup_context=save_keys)
+
+
+register_backward_(keyed_dropout_op)
+KEYED_OP = torch.ops.nanoqlora.keyed_dropout.default  # as KeyedDropout holds it
 
 
 def row_keys(seed, step, rows, device=None):
@@ -56,8 +101,9 @@ def row_keys(seed, step, rows, device=None):
 
 
 class KeyedDropout(nn.Module):
-    """Dropout with probability p (held as nn.Dropout holds it, where PEFT reads it) masked by `op` (keyed_dropout or
-    dropout_cuda.py's) from `keys`, one int64 per row set by dropout_rows, else drawn from torch's generator."""
+    """Dropout with probability p (held as nn.Dropout holds it, where PEFT reads it) masked by `op` (keyed_dropout,
+    KEYED_OP or dropout_cuda.py's) from `keys`, one int64 per row set by dropout_rows, else drawn from torch's
+    generator."""
 
     def __init__(self, p, op=None):
         super().__init__()
@@ -74,12 +120,8 @@ class KeyedDropout(nn.Module):
         keys = self.keys
         if keys is None:  # outside dropout_rows: a key per row from torch's generator
             keys = torch.randint(-(2**63), 2**63 - 1, x.shape[:1], dtype=torch.int64, device=x.device)
-        elif self.first_token:  # a tile of the rows: its elements' hashes continue the row's (see tile_of_rows)
-            first = self.first_token * x[0, 0].numel()  # the tile's first element's place in its row
-            if first % 4:
-                raise ValueError(f"keyed dropout: a tile starting at element {first} of its rows, not a multiple of 4")
-            keys = keys + _signed(first // 4 * GOLDEN % 2**64)
-        return self.op(x, self.p, keys)
+        first = self.first_token * x[0, 0].numel()  # x's first element's place in its rows (see tile_of_rows)
+        return self.op(x, self.p, keys, first)
 
     def extra_repr(self):
         return f"p={self.p}"
@@ -88,8 +130,8 @@ class KeyedDropout(nn.Module):
 @contextmanager
 def tile_of_rows(module, first_token):
     """Within the block, the KeyedDropouts of `module` see tiles of their rows (x (rows, tile, in), from token
-    first_token) and drop what the whole rows would: element e draws from hash e // 4 = mix64(key + (e // 4) * GOLDEN),
-    so a tile starting at element e0 (a multiple of 4, else an error) takes the key plus (e0 // 4) * GOLDEN."""
+    first_token) and drop what the whole rows would (tile_keys; a tile's first element a multiple of 4, else an
+    error)."""
     dropouts = [m for m in module.modules() if isinstance(m, KeyedDropout)]
     for dropout in dropouts:
         dropout.first_token = first_token

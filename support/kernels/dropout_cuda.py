@@ -11,7 +11,17 @@ import functools
 import torch
 from torch import Tensor
 
-from support.kernels.dropout import DRAW_BITS, DRAWS, GOLDEN, MIX1, MIX2, keyed_dropout
+from support.kernels.dropout import (
+    DRAW_BITS,
+    DRAWS,
+    GOLDEN,
+    KEYED_OP,
+    MIX1,
+    MIX2,
+    keyed_dropout,
+    register_backward_,
+    tile_keys,
+)
 from support.run import optional
 
 TRITON_BLOCK = 1024  # elements of one row per Triton program
@@ -89,34 +99,26 @@ def cuda_keyed_dropout():
 
 
 @torch.library.custom_op("nanoqlora::keyed_dropout_cuda", mutates_args=(), device_types="cuda")
-def keyed_dropout_cuda(x: Tensor, p: float, keys: Tensor) -> Tensor:
+def keyed_dropout_cuda(x: Tensor, p: float, keys: Tensor, first: int = 0) -> Tensor:
     """dropout.keyed_dropout on CUDA tensors by the implementation cuda_keyed_dropout chose, as one opaque op."""
-    return cuda_keyed_dropout()(x, p, keys)
+    return cuda_keyed_dropout()(x, p, tile_keys(keys, first))
 
 
 @keyed_dropout_cuda.register_fake
-def _(x, p, keys):  # what the compiler needs: the output's metadata
+def _(x, p, keys, first=0):  # what the compiler needs: the output's metadata
     return torch.empty_like(x)
 
 
-def _save_keys(ctx, inputs, output):
-    ctx.p = inputs[1]
-    ctx.save_for_backward(inputs[2])
-
-
-def _backward(ctx, grad):  # d(x * mask * scale) / dx: the same mask and scale on the gradient
-    (keys,) = ctx.saved_tensors
-    return keyed_dropout_cuda(grad, ctx.p, keys), None, None
-
-
-keyed_dropout_cuda.register_autograd(_backward, setup_context=_save_keys)
+register_backward_(keyed_dropout_cuda)
 CUDA_OP = torch.ops.nanoqlora.keyed_dropout_cuda.default  # as KeyedDropout holds it
 
 
-def dropout_op_for(device):
-    """The op the KeyedDropouts of a model built on `device` apply; on CUDA its kernel is chosen (and tried) now."""
+def dropout_op_for(device, compiled=False):
+    """The op the KeyedDropouts of a model built on `device` apply, its blocks `compiled` or not: off CUDA the plain
+    keyed_dropout, compiled its opaque KEYED_OP (Inductor's C++ gets the hash wrong); on CUDA this file's op, whose
+    kernel is chosen (and tried) now."""
     if torch.device(device).type != "cuda":
-        return keyed_dropout
+        return KEYED_OP if compiled else keyed_dropout
     cuda_keyed_dropout()
     return CUDA_OP
 
