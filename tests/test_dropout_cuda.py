@@ -118,9 +118,9 @@ def test_a_model_built_off_cuda_keeps_the_reference():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_cuda_op_equals_the_reference_forward_and_backward(dtype):
     """On the GPU: the op a model built there holds (the Triton kernel, chosen by its trial) gives the reference's
-    output and gradient bit for bit on a (4, 300, 1000) input at p = 0.1; compiled in one graph with a matmul after
-    it (fullgraph: no break), output and gradient equal eager's within the dtype's rounding (another mask would move
-    a tenth of the elements)."""
+    output and gradient bit for bit on a (4, 300, 1000) input at p = 0.1, and on a tile of its rows from token 8 the
+    whole rows' output there; compiled in one graph with a matmul after it (fullgraph: no break), output and gradient
+    equal eager's within the dtype's rounding (another mask would move a tenth of the elements)."""
     op = dropout_cuda.dropout_op_for("cuda")
     assert op is dropout_cuda.CUDA_OP and dropout_cuda.cuda_keyed_dropout() is dropout_cuda.keyed_dropout_triton
     assert all(d.op is op for d in adapted("cuda", op))
@@ -136,6 +136,8 @@ def test_cuda_op_equals_the_reference_forward_and_backward(dtype):
     g = torch.randn_like(x)
     ref, ours = [output_and_grad(lambda x, drop=drop: drop(x, 0.1, keys), g) for drop in (keyed_dropout, op)]
     assert torch.equal(ours[0], ref[0]) and torch.equal(ours[1], ref[1])
+    tile = op(x.detach()[:, 8:], 0.1, keys, 8 * 1000)  # a tile from token 8 drops what the whole rows drop there
+    assert torch.equal(tile, ref[0][:, 8:])
     g = torch.randn(4, 300, 8, device="cuda", dtype=dtype)
     compiled = torch.compile(lambda x: op(x, 0.1, keys) @ w.T, fullgraph=True)
     eager = output_and_grad(lambda x: keyed_dropout(x, 0.1, keys) @ w.T, g)

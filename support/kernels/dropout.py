@@ -5,9 +5,9 @@ torch's generator: train.py keys a row by (seed, step, its index in the step's g
 a row drops the same on any rank, in any micro-batch, and when recomputed. A hash gives four 16-bit draws: p is rounded
 to a multiple of 1/65536.
 
-Compiled models apply it as the op `KEYED_OP`, which torch.compile calls but does not trace into: Inductor's C++ code
-for the hash is wrong (docs/internals.md), so compiled blocks drop by the same eager code, bit for bit on every CPU.
-The op's backward is the op again on the gradient (dropout is linear in x): no mask is kept, the hash runs twice.
+Compiled blocks off CUDA apply it as the op `KEYED_OP`, which torch.compile calls but does not trace into: Inductor's
+C++ code for the hash is wrong (docs/internals.md), so they drop by the same eager code, bit for bit on every CPU. The
+op's backward is the op again on the gradient (dropout is linear in x): no mask is kept, the hash runs twice.
 """
 
 from contextlib import contextmanager
@@ -49,7 +49,7 @@ def keyed_dropout(x, p, keys, first=0):
     row_numel = x[0].numel()
     counters = torch.arange(-(-row_numel // 4), device=x.device).mul_(GOLDEN)  # (ceil(n / 4),): the hashes of a row
     bits = mix64_(tile_keys(keys.to(x.device), first)[:, None] + counters)  # (rows, ceil(n / 4)) int64
-    # four 16-bit draws from each hash, by shifts: Inductor miscompiles an int16 view (docs/internals.md)
+    # four 16-bit draws from each hash, by shifts (Inductor once miscompiled an int16 view: docs/internals.md)
     keeps = [(bits >> shift).bitwise_and_(DRAWS - 1) >= threshold for shift in (0, 16, 32, 48)]
     keep = torch.stack(keeps, -1).flatten(1)[:, :row_numel].view(x.shape)
     return x * keep * (DRAWS / (DRAWS - threshold))
