@@ -15,6 +15,9 @@ python bench.py grpo         a GRPO step on CPU: rl.py vs TRL's GRPOTrainer, int
 import argparse
 import os
 
+import support.run.threads  # noqa: F401 (before torch: how idle threads wait, support/run/threads.py)
+
+# isort: split
 from benchmarks.common import OUT_DIR
 from benchmarks.first_run import bench_first_run
 from benchmarks.fsdp import bench_fsdp

@@ -9,6 +9,9 @@ import argparse
 import os
 import sys
 
+import support.run.threads  # noqa: F401 (before torch: how idle threads wait, support/run/threads.py)
+
+# isort: split
 from support.formats.gguf_read import REPO, SMOLLM2_NAME, convert_gguf, smollm2_gguf_path
 from support.formats.gguf_write import FILE_TYPES, export_gguf
 

@@ -16,6 +16,9 @@ pass@1 on HumanEval or a JSONL file of problems, as train.py's eval_task does (s
 import argparse
 import os
 
+import support.run.threads  # noqa: F401 (before torch: how idle threads wait, support/run/threads.py)
+
+# isort: split
 import torch
 
 from support.data.tokenizer import Tokenizer

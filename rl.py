@@ -53,6 +53,9 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 
+import support.run.threads  # noqa: F401 (before torch: how idle threads wait, support/run/threads.py)
+
+# isort: split
 import torch
 from tqdm import tqdm
 

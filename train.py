@@ -36,6 +36,9 @@ import sys
 import time
 from dataclasses import dataclass, field
 
+import support.run.threads  # noqa: F401 (before torch: how idle threads wait, support/run/threads.py)
+
+# isort: split
 import torch
 import torch.distributed as dist
 from tqdm import tqdm

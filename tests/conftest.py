@@ -15,6 +15,10 @@ import sys
 import sysconfig
 from pathlib import Path
 
+# As support/run/threads.py, before torch loads: idle OpenMP threads sleep rather than spin, in this process and in the
+# torch processes the tests start (they inherit it), so that two of them never fight for the 2 cores by spinning.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 import sentencepiece as spm
 import tokenizers
