@@ -7,6 +7,7 @@ python bench.py gpu-ladder   the GPU optimization ladder: one technique per rung
 python bench.py quant        NF4 quantize / dequantize on CPU, ours vs bitsandbytes (--smollm2: load times too)
 python bench.py pack         tokenize + pack 75,000 Magicoder-sized examples, the cache hit, the memory it adds
 python bench.py first-run    the default `python train.py` as a newcomer runs it: wall time, losses, peak RSS
+python bench.py under-load   the default run and an rl.py step beside a busy process and a copy: slowdown vs fair share
 python bench.py fsdp         DDP vs FSDP over 2 CPU ranks, interleaved: step time, per-rank peak RSS
 python bench.py humaneval    HumanEval with SmolLM2-135M-Instruct: ours vs transformers' generate, pass@1
 python bench.py grpo         a GRPO step on CPU: rl.py vs TRL's GRPOTrainer, interleaved (~25 minutes)
@@ -28,6 +29,7 @@ from benchmarks.grpo import bench_grpo, trl_peer
 from benchmarks.humaneval import bench_humaneval
 from benchmarks.pack import bench_pack
 from benchmarks.quant import bench_quant
+from benchmarks.under_load import WORKLOADS, bench_under_load
 
 
 def gpu_arguments(sub):
@@ -75,7 +77,7 @@ def shape_arguments(parser, rounds=0):
 def arguments():
     """The parser of every command: its options and their defaults."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = "{gpu-proof,gpu,gpu-context,gpu-ladder,quant,pack,first-run,fsdp,humaneval,grpo}"
+    commands = "{gpu-proof,gpu,gpu-context,gpu-ladder,quant,pack,first-run,under-load,fsdp,humaneval,grpo}"
     sub = parser.add_subparsers(dest="command", required=True, metavar=commands)
     gpu_arguments(sub)
     s = sub.add_parser("fsdp", help="DDP vs FSDP over 2 CPU ranks, interleaved: step time and per-rank peak RSS")
@@ -101,6 +103,16 @@ def arguments():
     f = sub.add_parser("first-run", help="the default python train.py as a newcomer runs it: wall time, losses, memory")
     f.add_argument("--repeat", type=int, default=1, help="runs, one after the other (default 1)")
     f.set_defaults(run=lambda a: bench_first_run(a.repeat))
+    u = sub.add_parser(
+        "under-load", help="the default run and an rl.py step idle, beside a busy process, beside a copy"
+    )
+    u.add_argument("--rounds", type=int, default=2, help="rounds of every run, interleaved (default 2)")
+    u.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated subset of train, rl")
+    u.add_argument(
+        "--before", default="", help="a git revision whose idle runs join the rounds (speed before a change)"
+    )
+    u.set_defaults(run=lambda a: bench_under_load(a.rounds, a.workloads.split(","), a.before))
+    u.set_defaults(problem=under_load_problem)
     r = sub.add_parser("grpo", help="a GRPO step on CPU: rl.py vs TRL's GRPOTrainer, interleaved")
     r.add_argument("--rounds", type=int, default=2, help="rounds of both, interleaved (default 2)")
     r.add_argument("--steps", type=int, default=3, help="steps per run; the first is left out (default 3)")
@@ -111,6 +123,14 @@ def arguments():
     g.add_argument("--out", required=True, help="JSON file for the per-step records")
     g.set_defaults(run=lambda a: trl_peer(a.steps, a.out))
     return parser
+
+
+def under_load_problem(args) -> str:
+    """What is wrong with under-load's arguments, or ""."""
+    unknown = set(args.workloads.split(",")) - set(WORKLOADS)
+    if unknown or args.rounds < 1:
+        return f"--workloads takes train, rl (not {', '.join(sorted(unknown))}); --rounds at least 1"
+    return ""
 
 
 GRPO_PROBLEM = "--steps ({a.steps}) must be at least 2 (the first is left out); --rounds at least 1"

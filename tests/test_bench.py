@@ -21,6 +21,10 @@ The GPU benchmark (`bench.py gpu`):
   eos ids aside);
 - the profile sorts kernels as an H200 names them: FlashAttention's (whose names hold "cutlass") as attention, cuBLAS's
   as matmuls, support/kernels/nf4_ops.py's Triton kernel as NF4 dequantization, Inductor's fused kernels as other.
+
+`bench.py under-load`: a run's fair share is its threads' even split of the cores with the other busy threads (1.5x
+for 2 threads on 2 cores beside one, 2x beside a copy of itself, 1x where the cores are enough); each slowdown is
+the median of the rounds' loaded time over the same round's idle time, then over that fair share.
 """
 
 import dataclasses
@@ -38,7 +42,7 @@ import torch
 import transformers
 
 import pack
-from benchmarks import common, gpu, gpu_proof, gpu_systems
+from benchmarks import common, gpu, gpu_proof, gpu_systems, under_load
 from support.data.examples import stdlib_examples
 from support.data.tokenizer import Tokenizer
 from support.formats.hf import from_hf, read_config
@@ -292,3 +296,17 @@ def test_failing_system_gets_its_row_and_the_others_run(capsys):
     assert "failed: OutOfMemoryError" in rows["transformers + PEFT LoRA"]
     assert "skipped: bitsandbytes" in rows["transformers + PEFT + bitsandbytes QLoRA"]
     assert "100.0%" in rows["nanoqlora LoRA"]
+
+
+def test_under_load_slowdowns_are_per_round_over_the_fair_share():
+    """fair_share on 2 and 4 cores; slowdown_rows pairs each round with its own idle run (round 2 runs 2x slower
+    than round 1 on both sides, so the slowdown stays 2x) and divides the median by the fair share."""
+    assert [under_load.fair_share(c, 2, 2) for c in ("idle", "busy", "copy")] == [1.0, 1.5, 2.0]
+    assert [under_load.fair_share(c, 1, 2) for c in ("idle", "busy", "copy")] == [1.0, 1.0, 1.0]
+    assert [under_load.fair_share(c, 4, 4) for c in ("idle", "busy", "copy")] == [1.0, 1.25, 2.0]
+    results = {"rl": {"idle": [{"wall": 10.0}, {"wall": 20.0}], "busy": [{"wall": 20.0}, {"wall": 40.0}]}}
+    rows = under_load.slowdown_rows(results, "rl", threads=2, cores=2)
+    assert rows == [
+        ["nothing (idle)", "1.00x", "15.0 s, 1.00x (1.00-1.00), 1.00x fair"],
+        ["one busy single-threaded process", "1.50x", "30.0 s, 2.00x (2.00-2.00), 1.33x fair"],
+    ]

@@ -6,8 +6,15 @@ one whole document costs flops_per_token at the row's length.
 On simulated GPUs the peak comes from the datasheet for a known name matched word by word (L40 is not L4, A10G not
 A10) and from a measured matmul for any other; for fp32 half the 16-bit peak with TF32 on, measured with it off (no
 tensor core runs full fp32); on this CPU it is measured, never zero, in fp32 and in bf16 (also where bf16 is emulated:
-the matmul size adapts to the time a call takes).
+the matmul size adapts to the time a call takes). Beside a busy process that shares its core, the CPU peak is the
+idle one, though a call's wall time doubles.
 """
+
+import os
+import statistics
+import subprocess
+import sys
+import time
 
 import pytest
 import torch
@@ -50,6 +57,38 @@ def test_cpu_peak_is_measured(dtype):
     peak, source = flops.peak_flops(torch.device("cpu"), dtype)
     assert source == "measured" and peak > 0  # MFU divides by it
     assert fmt_flops(1.24e9) == "1.24 GFLOP/s" and fmt_flops(989e12) == "989 TFLOP/s"
+
+
+def test_cpu_peak_beside_a_busy_process_is_the_idle_peak():
+    """This thread (one torch thread) and a busy Python loop pinned to the same core, interleaved with the loop gone:
+    a call's wall time at least 1.4x its idle time (the core is shared), the measured peak within 25% of the idle
+    peak (medians of three), since a call is timed in CPU time."""
+    threads, affinity = torch.get_num_threads(), os.sched_getaffinity(0)
+    core = min(affinity)
+    torch.set_num_threads(1)
+    os.sched_setaffinity(0, {core})  # this thread only: torch's other threads are not used with one thread
+    a = torch.randn(512, 512)
+    walls, peaks = {"idle": [], "busy": []}, {"idle": [], "busy": []}
+    try:
+        for _ in range(3):
+            for load in ("idle", "busy"):
+                loop = f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True: pass"
+                hog = subprocess.Popen([sys.executable, "-c", loop]) if load == "busy" else None
+                time.sleep(0.3 if hog else 0)  # the loop started and spinning
+                start = time.perf_counter()
+                for _ in range(8):
+                    a @ a
+                walls[load].append(time.perf_counter() - start)
+                peaks[load].append(flops.matmul_peak(torch.device("cpu"), torch.float32, 0.2))
+                if hog:
+                    hog.kill()
+                    hog.wait()
+    finally:
+        os.sched_setaffinity(0, affinity)
+        torch.set_num_threads(threads)
+    wall, peak = ({k: statistics.median(v) for k, v in d.items()} for d in (walls, peaks))
+    assert wall["busy"] > 1.4 * wall["idle"], walls
+    assert 0.75 < peak["busy"] / peak["idle"] < 1.25, peaks
 
 
 def test_batch_flops_counts_attention_per_document():

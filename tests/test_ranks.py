@@ -53,7 +53,7 @@ import time
 
 import pytest
 import torch
-from conftest import DATA, ROOT, TINY, free_port, random_model_dir
+from conftest import DATA, ROOT, TINY, free_port, random_model_dir, threads_env
 from safetensors.torch import load_file
 from test_train import args, one_line_error, run
 
@@ -67,7 +67,7 @@ def launch(fault, argv, tmp_path):
     with 2 ranks and `fault` (ranks_worker.py). A run that hangs is ended (torchrun passes SIGTERM on) and fails."""
     log = tmp_path / f"faults-{time.monotonic_ns()}.jsonl"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "FAULT_LOG": str(log)}
+    env = threads_env(2, FAULT_LOG=str(log))
     proc = subprocess.Popen([*cmd, "tests/ranks_worker.py", fault, *argv], cwd=ROOT, env=env, text=True,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
     try:
@@ -143,9 +143,6 @@ def test_a_user_error_on_one_rank_ends_every_rank_with_its_line(tiny_dir, steps,
     print(f"\n{parallel}, {case}: every rank ended with the line of rank {rank}; the run took {seconds:.1f} s")
 
 
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # a shared 2-core machine is not oversubscribed by 4 ranks
-
-
 @pytest.fixture(scope="module")
 def models(smollm2_dir, tiny_dir, tmp_path_factory):
     """A tiny Llama and a tiny Qwen3 (per-head q/k norms) with SmolLM2's vocabulary and tokenizer."""
@@ -159,7 +156,7 @@ def models(smollm2_dir, tiny_dir, tmp_path_factory):
 def torchrun(ranks, argv, script="train.py"):
     """`script` (train.py) under torchrun with `ranks` processes on this machine (gloo)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={ranks}", f"--master_port={free_port()}"]
-    proc = subprocess.run([*cmd, script, *argv], cwd=ROOT, env=ENV, capture_output=True, text=True)
+    proc = subprocess.run([*cmd, script, *argv], cwd=ROOT, env=threads_env(ranks), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc.stdout + proc.stderr
 
@@ -322,11 +319,12 @@ def test_checkpoints_written_by_older_code_resume_exactly(tiny_dir, without_drop
 def test_two_nodes_on_localhost(models, steps, one_process, tmp_path):
     argv = args(models["llama"], tmp_path / "nodes", *steps, "--parallel=fsdp")
     rendezvous = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}"]
+    torchrun = [sys.executable, "-m", "torch.distributed.run", *rendezvous]
+    output = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     nodes = [
-        subprocess.Popen([sys.executable, "-m", "torch.distributed.run", *rendezvous, f"--node_rank={n}", "train.py",
-                          *argv], cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        subprocess.Popen([*torchrun, f"--node_rank={n}", "train.py", *argv], cwd=ROOT, env=threads_env(2), **output)
         for n in (0, 1)
-    ]  # fmt: skip
+    ]
     outputs = [node.communicate(timeout=300)[0] for node in nodes]
     assert all(node.returncode == 0 for node in nodes), outputs[0][-2000:] + outputs[1][-2000:]
     assert_same_run(one_process, tmp_path / "nodes")

@@ -16,7 +16,7 @@ import sys
 import numpy as np
 import pytest
 import torch
-from conftest import DATA, ROOT, free_port
+from conftest import DATA, ROOT, free_port, threads_env
 from test_pack import _write
 
 import pack
@@ -134,8 +134,7 @@ def test_one_rank_per_machine_tokenizes(bpe_dir, tmp_path, fault):
         str(tmp_path / "cache"),
         str(tmp_path),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([*cmd, *worker], cwd=ROOT, env=env, text=True, capture_output=True, timeout=180)
+    proc = subprocess.run([*cmd, *worker], cwd=ROOT, env=threads_env(2), text=True, capture_output=True, timeout=180)
     lines = (proc.stdout + proc.stderr).splitlines()
     if fault == "none":
         said = [json.loads(p.read_text()) for p in sorted(tmp_path.glob("rank*.json"))]

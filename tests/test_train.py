@@ -35,7 +35,7 @@ import sys
 
 import pytest
 import torch
-from conftest import TINY, fixed_outcome_problems, free_port, random_model_dir
+from conftest import TINY, fixed_outcome_problems, free_port, random_model_dir, threads_env
 from safetensors.torch import load_file
 
 import quant
@@ -214,8 +214,7 @@ def test_torchrun_two_processes_match_one(tiny_dir, steps, one_process, tmp_path
     uniformly, which AdamW's update hides and the norm shows; a mask drawn per rank moves both by percents)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}"]
     cmd += ["train.py", *args(tiny_dir, tmp_path / "ddp", *steps)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(cmd, cwd=ROOT, env=threads_env(2), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     read = lambda d, key: [json.loads(x)[key] for x in open(d / "out" / "metrics.jsonl") if '"loss"' in x]  # noqa: E731
     for key in ("loss", "grad_norm"):

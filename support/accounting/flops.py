@@ -2,7 +2,7 @@
 
 MFU (model FLOPs utilisation, PaLM, https://arxiv.org/abs/2204.02311) is the model FLOPs a step needs (`batch_flops`)
 over its time, divided by `peak_flops`: a known GPU's datasheet dense 16-bit peak (half for fp32 with TF32), else a
-matmul rate measured in the run's dtype, the only honest peak a CPU has.
+matmul rate measured in the run's dtype, the only honest peak a CPU has (timed in CPU time, see cpu_clock).
 """
 
 import re
@@ -44,22 +44,31 @@ PEAK_TFLOPS = {
 
 def matmul_rates(shape, dtypes, device, seconds=0.3) -> dict:
     """{dtype: FLOP/s} of an (m, k) @ (k, n) matmul on `device`, the best call of each: the dtypes take turns, each
-    at least twice, until `seconds` have passed, so that a shared machine's drift stays out of the comparison."""
+    at least twice, until `seconds` have passed, so that a shared machine's drift stays out of the comparison. A call
+    is timed by `call_seconds`, so that a busy machine measures what an idle one does."""
     m, k, n = shape
     pairs = {dt: (torch.randn(m, k, device=device).to(dt), torch.randn(k, n, device=device).to(dt)) for dt in dtypes}
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+    clock = time.perf_counter if device.type == "cuda" else cpu_clock
     for a, b in pairs.values():
         a @ b
     best, start, turns = dict.fromkeys(dtypes, 0.0), time.perf_counter(), 0
     while turns < 2 or time.perf_counter() - start < seconds:
         for dt, (a, b) in pairs.items():
             sync()
-            t = time.perf_counter()
+            t = clock()
             a @ b
             sync()
-            best[dt] = max(best[dt], 2 * m * k * n / (time.perf_counter() - t))
+            best[dt] = max(best[dt], 2 * m * k * n / max(clock() - t, 1e-9))
         turns += 1
     return best
+
+
+def cpu_clock() -> float:
+    """Seconds of this process's CPU time per torch thread. Beside other busy processes a thread waits its turn for a
+    core, which stretches wall time but not CPU time (idle torch threads sleep, support/run/threads.py); on an idle
+    machine, where every thread computes throughout, the two agree."""
+    return time.process_time() / torch.get_num_threads()
 
 
 def matmul_peak(device, dtype, seconds=0.3) -> float:

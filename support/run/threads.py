@@ -10,4 +10,5 @@ docs/performance.md (a CPU run beside other work).
 
 import os
 
+USER_WAIT_POLICY = os.environ.get("OMP_WAIT_POLICY")  # None: not set by the user, so set here
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
