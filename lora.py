@@ -16,8 +16,9 @@ acts on the LoRA branch's input only, with a mask keyed by (seed, step, row) ins
 
 QLoRA (Dettmers et al. 2023, https://arxiv.org/abs/2305.14314) keeps the frozen W in 4-bit NF4 (quant.py) and trains
 the same A, B on top: y = x dequant(W_nf4)^T + scale * B A x. The two LoRA linears, LoRALinear(nn.Linear) and its NF4
-twin LoRANF4Linear(quant.NF4Linear), are built from a base layer whose own tensors they hold, so the base keeps its
-names (`q_proj.weight`, the NF4 buffers too) and the adapter adds `q_proj.lora_A.weight` / `q_proj.lora_B.weight`.
+twin LoRANF4Linear(quant.NF4Linear), hold the tensors of the base layer they are built from and carry one adapter,
+set up by attach_adapter_ and applied by `adapted`. So the base keeps its names (`q_proj.weight`, the NF4 buffers
+too) and the adapter adds `q_proj.lora_A.weight` / `q_proj.lora_B.weight`.
 LoRA parameters live in the base's floating dtype unless `lora_dtype` says otherwise (e.g. fp32 masters under bf16
 autocast); the branch always computes in the input's dtype.
 
@@ -55,15 +56,7 @@ class LoRALinear(nn.Linear):
     def __init__(self, base, r, alpha, dropout=0.0, use_rslora=False, lora_dtype=None, dropout_op=None):
         super().__init__(base.in_features, base.out_features, bias=base.bias is not None, device="meta")
         self.weight, self.bias = base.weight, base.bias
-        device, dtype = base.weight.device, lora_dtype or base.weight.dtype
-        self.lora_A = nn.Linear(base.in_features, r, bias=False, device=device, dtype=dtype)  # weight (r, in)
-        self.lora_B = nn.Linear(r, base.out_features, bias=False, device=device, dtype=dtype)  # weight (out, r)
-        self.lora_dropout = KeyedDropout(dropout, dropout_op) if dropout > 0 else nn.Identity()
-        self.r, self.lora_alpha, self.use_rslora = r, alpha, use_rslora
-        self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r  # rsLoRA: alpha / sqrt(r)
-        self.enabled = True  # False within adapters_off: the base alone
-        start_adapter_(self)
-        self.train(base.training)  # on a model in eval mode, no live dropout
+        attach_adapter_(self, base, r, alpha, dropout, use_rslora, lora_dtype or base.weight.dtype, dropout_op)
 
     def forward(self, x):  # x (..., in) -> (..., out)
         return adapted(self, x, super().forward(x))
@@ -78,15 +71,7 @@ class LoRANF4Linear(quant.NF4Linear):
         for name, t in zip(quant.BUFFERS, base.nf4_weight(), strict=True):
             setattr(self, name, t)
         self.bias, self.rel_error, self.dequantize_op = base.bias, base.rel_error, base.dequantize_op
-        device, dtype = base.weight.device, lora_dtype or base.compute_dtype
-        self.lora_A = nn.Linear(base.in_features, r, bias=False, device=device, dtype=dtype)  # weight (r, in)
-        self.lora_B = nn.Linear(r, base.out_features, bias=False, device=device, dtype=dtype)  # weight (out, r)
-        self.lora_dropout = KeyedDropout(dropout, dropout_op) if dropout > 0 else nn.Identity()
-        self.r, self.lora_alpha, self.use_rslora = r, alpha, use_rslora
-        self.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r
-        self.enabled = True
-        start_adapter_(self)
-        self.train(base.training)
+        attach_adapter_(self, base, r, alpha, dropout, use_rslora, lora_dtype or base.compute_dtype, dropout_op)
 
     def forward(self, x):  # x (..., in) -> (..., out)
         return adapted(self, x, super().forward(x))
@@ -95,10 +80,23 @@ class LoRANF4Linear(quant.NF4Linear):
 LORA = (LoRALinear, LoRANF4Linear)
 
 
-def start_adapter_(layer):
-    """A as nn.Linear and PEFT start it (kaiming_uniform_, a = sqrt(5)), B = 0: the adapted model starts as its base."""
+def attach_adapter_(layer, base, r, alpha, dropout, use_rslora, dtype, dropout_op):
+    """The adapter both LoRA linears carry, set up on `layer` (which holds `base`'s tensors) in `dtype` on the base's
+    device: lora_A (r, in) as nn.Linear and PEFT start it (kaiming_uniform_, a = sqrt(5)), lora_B (out, r) zero, so
+    the adapted model starts as its base; the dropout on the branch's input; the scale. In eval mode where `base` is
+    (no live dropout there)."""
+    device = base.weight.device
+    layer.lora_A = nn.Linear(base.in_features, r, bias=False, device=device, dtype=dtype)  # weight (r, in)
+    layer.lora_B = nn.Linear(r, base.out_features, bias=False, device=device, dtype=dtype)  # weight (out, r)
+    layer.lora_dropout = KeyedDropout(dropout, dropout_op) if dropout > 0 else nn.Identity()
+    layer.r = r
+    layer.lora_alpha = alpha
+    layer.use_rslora = use_rslora
+    layer.scaling = alpha / math.sqrt(r) if use_rslora else alpha / r  # rsLoRA: alpha / sqrt(r)
+    layer.enabled = True  # False within adapters_off: the base alone
     nn.init.kaiming_uniform_(layer.lora_A.weight, a=math.sqrt(5))
     nn.init.zeros_(layer.lora_B.weight)
+    layer.train(base.training)
 
 
 def adapted(layer, x, out):

@@ -69,6 +69,7 @@ Shapes: B batch rows, T tokens per row, N = B*T flattened tokens, H / Hkv query 
 import math
 from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -130,6 +131,17 @@ def rope_inv_freq(cfg, device=None):
 def rotate_half(x):
     a, b = x.chunk(2, dim=-1)
     return torch.cat((-b, a), dim=-1)
+
+
+class Attend(NamedTuple):
+    """Whom each query attends to beyond causal order: the keys of its own packed document (`docs`), or those a mask
+    allows (`mask`, rl.py's answers sharing one prompt), or, with neither, every earlier key of its row."""
+
+    docs: Docs | None = None  # from doc_bounds
+    mask: torch.Tensor | None = None  # (B, T, T) bool: True where query t may see key s
+
+
+CAUSAL = Attend()  # a row is one document
 
 
 def doc_bounds(position_ids):
@@ -213,7 +225,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, docs=None, cache=None):
+    def forward(self, x, cos, sin, attend=CAUSAL, cache=None):
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, -1, self.head_dim)  # (B, T, H, D)
         k = self.k_proj(x).view(B, T, -1, self.head_dim)  # (B, T, Hkv, D)
@@ -221,15 +233,15 @@ class Attention(nn.Module):
         if hasattr(self, "q_norm"):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin  # cos/sin (B, T, 1, D)
-        if docs is not None and not torch.is_tensor(docs):  # packed rows: within each document, (N, H, D)
-            o = self.varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), docs, self.window)
+        if attend.docs is not None:  # packed rows: within each document, (N, H, D)
+            o = self.varlen(q.flatten(0, 1), k.flatten(0, 1), v.flatten(0, 1), attend.docs, self.window)
             return self.o_proj(o.reshape(B, T, -1))
         start, pad = (0, None) if cache is None else (cache.length, cache.pad)
         if cache is not None:  # generation: cache this step's keys/values, attend to all
             k, v = cache.update(self.layer_idx, k, v)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, heads, T, D)
-        if docs is not None:  # (B, T, T): the keys each query sees (rl.py's shared prompts)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=docs[:, None], enable_gqa=True)
+        if attend.mask is not None:  # (B, T, T): the keys each query sees
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=attend.mask[:, None], enable_gqa=True)
         else:
             o = causal_sdpa(q, k, v, self.window, start, pad)
         return self.o_proj(o.transpose(1, 2).reshape(B, T, -1))
@@ -255,14 +267,14 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.compiled = compiled  # the training forward through torch.compile
 
-    def forward(self, x, cos, sin, docs=None, cache=None, mlp_tile=0):
+    def forward(self, x, cos, sin, attend=CAUSAL, cache=None, mlp_tile=0):
         # Compiled where gradients are recorded (evaluation and generation stay eager), inside the block's call:
         # hooks on the block (FSDP gathering its weights) run around the graph.
         compute = compiled(Block.compute) if self.compiled and torch.is_grad_enabled() else Block.compute
-        return compute(self, x, cos, sin, docs, cache, mlp_tile)
+        return compute(self, x, cos, sin, attend, cache, mlp_tile)
 
-    def compute(self, x, cos, sin, docs, cache, mlp_tile):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, docs, cache)
+    def compute(self, x, cos, sin, attend, cache, mlp_tile):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attend, cache)
         h = self.post_attention_layernorm(x)
         return x + (tiled_mlp(self.mlp, h, mlp_tile) if mlp_tile else self.mlp(h))  # tiles: long_context.py
 
@@ -308,7 +320,8 @@ class Llama(nn.Module):
         B, T = input_ids.shape
         if mask is not None and any((layer.self_attn.window or T) < T for layer in self.model.layers):
             raise ValueError(f"a mask of {T} tokens in a model with a shorter sliding window: not supported")
-        docs = mask if mask is not None or position_ids is None else doc_bounds(position_ids)  # for every layer
+        packed = position_ids is not None and mask is None
+        attend = Attend(doc_bounds(position_ids) if packed else None, mask)  # for every layer
         if position_ids is None:
             position_ids = torch.arange(T, device=input_ids.device).expand(B, T)
         x, cos, sin = self.embed(input_ids, position_ids)
@@ -318,9 +331,9 @@ class Llama(nn.Module):
         with OffloadedSaves(x.device) if checkpointing and opts.offload_checkpoints else nullcontext():
             for layer in self.model.layers:
                 if checkpointing:  # keep only the block's input (offloaded: in CPU memory)
-                    x = checkpoint(layer, x, cos, sin, docs, None, tile, use_reentrant=False)
+                    x = checkpoint(layer, x, cos, sin, attend, None, tile, use_reentrant=False)
                 else:
-                    x = layer(x, cos, sin, docs, None, tile)
+                    x = layer(x, cos, sin, attend, None, tile)
         x = self.model.norm(x if only is None else x.flatten(0, 1)[only])
         return self.lm_head(x) if labels is None else self.loss(x, labels)
 

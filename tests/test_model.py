@@ -362,6 +362,18 @@ COMPILED = [("cpu", torch.float32), ("cpu", torch.bfloat16)]
 COMPILED += [pytest.param("cuda", dtype, marks=cuda) for dtype in (torch.float32, torch.bfloat16)]
 
 
+def loss_and_grads(model, ids, pos, labels, step, dtype) -> list:
+    """[loss, each LoRA gradient] of one training step of `model` on the batch, step `step`'s dropout masks, under
+    `dtype` autocast where the model's weights are in it (fp32 models compute in fp32)."""
+    model.zero_grad()
+    device = ids.device.type
+    autocast = torch.autocast(device, dtype=dtype, enabled=next(model.parameters()).dtype != torch.float32)
+    with autocast, dropout_rows(model, row_keys(0, step, [0], ids.device)):
+        loss, _ = model(ids, pos, labels=labels)
+        loss.backward()
+    return [loss.detach()] + [p.grad for p in model.parameters() if p.requires_grad]
+
+
 @pytest.mark.parametrize("device, dtype", COMPILED)
 def test_compiled_training_step_has_no_breaks_and_no_recompiles(device, dtype):
     """Compiled blocks (model.Options.compile) on packed QLoRA training steps, LoRA dropout live (inductor; bf16
@@ -382,7 +394,6 @@ def test_compiled_training_step_has_no_breaks_and_no_recompiles(device, dtype):
     if dtype != torch.float32:  # the same weights and NF4 codes, every matmul in fp32
         models.append(qlora_tiny(dtype=torch.float32, dropout=0.25, device=device).to(device))
         models[2].load_state_dict(eager.state_dict())  # eager's bf16 weights, in fp32, and its NF4 codes
-    kind = lambda model: next(model.parameters()).dtype  # noqa: E731 (bf16 for eager and compiled in bf16)
     calls = []
     for block in compiled.model.layers:
         block.register_forward_pre_hook(lambda *_: calls.append(1))
@@ -390,14 +401,7 @@ def test_compiled_training_step_has_no_breaks_and_no_recompiles(device, dtype):
     for step, lens in enumerate(([5, 3, 8], [4, 4, 4, 4], [16], [2, 2, 2, 2, 2, 6], [7, 9, 11, 3])):
         pos = torch.cat([torch.arange(n) for n in lens])[None].to(device)
         ids, labels = torch.randint(0, 97, pos.shape, device=device), torch.randint(0, 97, pos.shape, device=device)
-        results = []
-        for model in models:
-            model.zero_grad()
-            autocast = torch.autocast(device, dtype=dtype, enabled=kind(model) != torch.float32)
-            with autocast, dropout_rows(model, row_keys(0, step, [0], device)):
-                loss, _ = model(ids, pos, labels=labels)
-                loss.backward()
-            results.append([loss.detach()] + [p.grad for p in model.parameters() if p.requires_grad])
+        results = [loss_and_grads(model, ids, pos, labels, step, dtype) for model in models]
         if dtype == torch.float32:
             assert all(torch.allclose(c, e, rtol=1e-4, atol=1e-6) for c, e in zip(results[1], results[0], strict=True))
         else:

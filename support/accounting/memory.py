@@ -50,26 +50,17 @@ def estimate(config, tokens, dtype, quantize, lora, opt_bytes, checkpointing, ch
     sizes: model_sizes(config, lora targets); tile_tokens: tokens of one tile of a tiled MLP (0 or >= tokens: not
     tiled); offload_checkpoints: the checkpointed block inputs are in CPU memory (offloaded_bytes), not here;
     dropout_masks: LoRA's dropout keeps a byte mask per element (the reference, on CPU)."""
-    lora_r = lora["r"]
-    dropout = lora["dropout"]
     sizes = sizes or model_sizes(config, lora["targets"])
     linears = sizes["block_linears"]  # the numel of each block linear
     a = torch.finfo(dtype).bits // 8  # bytes of one value in the compute dtype
     quantized = sum(linears) if quantize else 0
     weights = a * (sizes["params"] - quantized) + (sum(nf4_bytes(n) for n in linears) if quantize else 0)
-    lora_numbers = lora_r * sizes["adapted"]
+    lora_numbers = lora["r"] * sizes["adapted"]
     h = config.hidden_size
     i = config.intermediate_size
-    heads = config.num_attention_heads
-    q = heads * config.head_dim
+    q = config.num_attention_heads * config.head_dim
     kv = config.num_key_value_heads * config.head_dim
-    first = sizes["first_block"]  # {kind: in_features} of the adapted linears of a block
-    dropped = (a + dropout_masks) if dropout > 0 else 0  # bytes a dropped input element keeps
-    lora_kept = {kind: a * lora_r + dropped * n_in for kind, n_in in first.items()}
-    mlp = 3 * a * i + sum(v for kind, v in lora_kept.items() if kind in MLP_LINEARS)  # gate, silu(gate), up, LoRA's
-    mlp += a * i if dropout == 0 and "down_proj" in first else 0  # silu(gate) * up, kept for down's LoRA
-    rest = 2 * (4 * h + a * h) + a * (2 * q + 2 * kv) + 4 * heads  # the norms, attention
-    rest += sum(v for kind, v in lora_kept.items() if kind not in MLP_LINEARS)
+    rest, mlp = block_saves(config, sizes["first_block"], a, lora, dropout_masks)
     tile = tile_tokens if 0 < tile_tokens < tokens else 0  # tiled MLP: its intermediates live for one tile at a time
     # the loss: 8 bytes a logit (fp32, and the matmul's output or the gradient) of one chunk, or of every token
     loss = (min(tokens, LOSS_CHUNK) if chunked else tokens) * config.vocab_size * 8
@@ -99,6 +90,23 @@ def estimate(config, tokens, dtype, quantize, lora, opt_bytes, checkpointing, ch
     if shards:
         parts |= sharded(parts, a * sizes["root"], layers, shards, offload)
     return parts
+
+
+def block_saves(config, first, a, lora, dropout_masks) -> tuple[int, int]:
+    """(bytes a block saves per token for backward outside its MLP (norms, attention), bytes its MLP saves), with
+    `a`-byte values; first: {kind: in_features} of a block's adapted linears, which keep their LoRA's inputs."""
+    h = config.hidden_size
+    i = config.intermediate_size
+    heads = config.num_attention_heads
+    q = heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
+    dropped = (a + dropout_masks) if lora["dropout"] > 0 else 0  # bytes a dropped input element keeps
+    lora_kept = {kind: a * lora["r"] + dropped * n_in for kind, n_in in first.items()}
+    mlp = 3 * a * i + sum(v for kind, v in lora_kept.items() if kind in MLP_LINEARS)  # gate, silu(gate), up, LoRA's
+    mlp += a * i if lora["dropout"] == 0 and "down_proj" in first else 0  # silu(gate) * up, kept for down's LoRA
+    rest = 2 * (4 * h + a * h) + a * (2 * q + 2 * kv) + 4 * heads  # the norms, attention
+    rest += sum(v for kind, v in lora_kept.items() if kind not in MLP_LINEARS)
+    return rest, mlp
 
 
 def sharded(parts, root, layers, shards, offload) -> dict:
