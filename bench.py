@@ -128,9 +128,9 @@ def arguments():
 def under_load_problem(args) -> str:
     """What is wrong with under-load's arguments, or ""."""
     unknown = set(args.workloads.split(",")) - set(WORKLOADS)
-    if unknown or args.rounds < 1:
-        return f"--workloads takes train, rl (not {', '.join(sorted(unknown))}); --rounds at least 1"
-    return ""
+    if unknown:
+        return f"--workloads: {', '.join(sorted(unknown))}: not a workload (train, rl)"
+    return "--rounds must be at least 1" if args.rounds < 1 else ""
 
 
 GRPO_PROBLEM = "--steps ({a.steps}) must be at least 2 (the first is left out); --rounds at least 1"

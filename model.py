@@ -134,8 +134,8 @@ def rotate_half(x):
 
 
 class Attend(NamedTuple):
-    """Whom each query attends to beyond causal order: the keys of its own packed document (`docs`), or those a mask
-    allows (`mask`, rl.py's answers sharing one prompt), or, with neither, every earlier key of its row."""
+    """Which keys each query attends to: the earlier keys of its own packed document (`docs`), or those a mask allows
+    (`mask`, rl.py's answers sharing one prompt), or, with neither, every earlier key of its row."""
 
     docs: Docs | None = None  # from doc_bounds
     mask: torch.Tensor | None = None  # (B, T, T) bool: True where query t may see key s

@@ -5,10 +5,11 @@ run idle, beside one busy single-threaded process (`while True: pass`), and besi
 the same moment; rounds interleave them (idle, busy, copy, ...). Every run is a fresh child process with its own
 out_dir; train.py's token cache is built once before the rounds (`--preview`), as a newcomer's second run finds it.
 
-A run's fair share: if the kernel gave every busy thread the same time, a run of t threads on c cores beside b other
-busy threads would take (t + b) / c of its idle time once t + b > c: 1.5x beside one busy thread on 2 cores with 2
+A run's fair share: if the kernel gave every busy thread the same time, a run of t threads on c cores (t <= c) beside
+b other busy threads would take max(1, (t + b) / c) times its idle time: 1.5x beside one busy thread on 2 cores with 2
 torch threads, 2x beside a second copy. Each slowdown is a round's loaded time over the same round's idle time, the
-median of the rounds printed with its range, then divided by the fair share; for the copies, the slower copy counts.
+median of the rounds printed with its range, then divided by the fair share; beside a copy, each number (the wall
+time, each phase) is the larger of the two copies'. Logs: out/bench/logs/under-load-*.log, one per run.
 `--before=REV` also runs each workload idle from a checkout of git revision REV (a temporary worktree), in the same
 rounds: idle speed before and after a change, interleaved.
 """
@@ -47,7 +48,8 @@ def workload_argv(workload, out, cache) -> list[str]:
 def phases(workload, out) -> dict:
     """{phase: seconds} of a finished run, from its metrics.jsonl: train.py's median step after the first, rl.py's
     sampling and update of its one step."""
-    records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        records = [json.loads(line) for line in f]
     steps = [r for r in records if "loss" in r]
     if workload == "train":
         return {"step": statistics.median(r["fwd_s"] + r["bwd_s"] + r["opt_s"] for r in steps[1:])}
@@ -55,31 +57,36 @@ def phases(workload, out) -> dict:
 
 
 def run_together(cwd, argvs, log_stem) -> list[float]:
-    """Start `python argv` for each of `argvs` at once, in `cwd`; the wall seconds each took (child_failed if one
-    failed)."""
-    start, procs = time.perf_counter(), []
-    for i, argv in enumerate(argvs):
-        with open(f"{log_stem}-{i}.log", "w") as log:
-            child = subprocess.Popen(
-                [sys.executable, *argv], cwd=cwd, env=children_env(), stdout=log, stderr=subprocess.STDOUT
-            )
-            procs.append(child)
-    walls = []
-    for i, proc in enumerate(procs):
-        if proc.wait():
-            child_failed(" ".join(argvs[i][:1]), proc.returncode, f"{log_stem}-{i}.log")
-        walls.append(time.perf_counter() - start)
-    return walls
+    """Start `python argv` for each of `argvs` at once, in `cwd`; the seconds from the start until each had ended
+    (child_failed if one failed; the others are then stopped)."""
+    start, procs, walls = time.perf_counter(), [], {}
+    try:
+        for i, argv in enumerate(argvs):
+            with open(f"{log_stem}-{i}.log", "w") as log:
+                child = [sys.executable, *argv]
+                procs.append(subprocess.Popen(child, cwd=cwd, env=children_env(), stdout=log, stderr=subprocess.STDOUT))
+        while len(walls) < len(procs):
+            for i, proc in enumerate(procs):
+                if i not in walls and proc.poll() is not None:
+                    walls[i] = time.perf_counter() - start
+                    if proc.returncode:
+                        child_failed(argvs[i][0], proc.returncode, f"{log_stem}-{i}.log")
+            time.sleep(0.1)
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+    return [walls[i] for i in range(len(procs))]
 
 
-def measure(workload, condition, checkout, folder) -> dict:
+def measure(workload, condition, checkout, folder, tag) -> dict:
     """{"wall": seconds, phase: seconds, ...} of one run of `workload` from `checkout` (cwd, cache) in `condition`;
-    beside a copy, the slower copy's numbers (each the larger of the two)."""
+    beside a copy, each number the larger of the two copies'. tag: the log's name ends with it."""
     cwd, cache = checkout
     outs = [tempfile.mkdtemp(dir=folder) for _ in range(2 if condition == "copy" else 1)]
     busy = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if condition == "busy" else None
     try:
-        log_stem = os.path.join(OUT_DIR, "logs", f"under-load-{workload}-{condition}")
+        log_stem = os.path.join(OUT_DIR, "logs", f"under-load-{workload}-{condition}-{tag}")
         walls = run_together(cwd, [workload_argv(workload, out, cache) for out in outs], log_stem)
     finally:
         if busy:
@@ -136,7 +143,7 @@ def run_rounds(rounds, workloads, checkouts, folder) -> dict:
             for name, checkout in checkouts.items():
                 for condition in CONDITIONS if name == "now" else ["idle"]:
                     load = os.getloadavg()[0]
-                    got = measure(workload, condition, checkout, folder)
+                    got = measure(workload, condition, checkout, folder, f"{name}-round{r + 1}")
                     key = condition if name == "now" else f"idle at {name}"
                     results[workload].setdefault(key, []).append(got)
                     said = ", ".join(f"{k} {v:.1f} s" for k, v in got.items())
@@ -147,7 +154,7 @@ def run_rounds(rounds, workloads, checkouts, folder) -> dict:
 def bench_under_load(rounds=2, workloads=("train", "rl"), before=""):
     """Each workload idle, beside one busy process, beside its copy (and idle at `before`), interleaved in `rounds`:
     the slowdown tables."""
-    cores, n_threads = os.cpu_count(), torch.get_num_threads()
+    cores, n_threads = len(os.sched_getaffinity(0)), torch.get_num_threads()
     policy = threads.USER_WAIT_POLICY or "unset (each entry point's choice)"
     print(f"CPU: {cpu_name()} ({cpu_kind()}), {cores} cores, {n_threads} torch threads; torch {torch.__version__}")
     print(f"OMP_WAIT_POLICY in the runs' environment: {policy}")
@@ -163,8 +170,9 @@ def bench_under_load(rounds=2, workloads=("train", "rl"), before=""):
                 prepare(cwd, cache)
             results = run_rounds(rounds, workloads, checkouts, folder)
         finally:
-            if before:
-                subprocess.run(["git", "worktree", "remove", "--force", tree], cwd=REPO, check=True)
+            if before:  # never in place of an error on the way
+                subprocess.run(["git", "worktree", "remove", "--force", tree], cwd=REPO, check=False)
+                subprocess.run(["git", "worktree", "prune"], cwd=REPO, check=False)
     for workload in workloads:
         keys = list(next(iter(results[workload].values()))[0])
         print(f"\n{WORKLOADS[workload]}: medians of {rounds} rounds, slowdown over the same round's idle run")

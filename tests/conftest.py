@@ -351,9 +351,9 @@ def tiny_dir(smollm2_dir, tmp_path_factory):
 
 def threads_env(processes, **extra) -> dict:
     """This environment, plus `extra`, for `processes` torch processes that a test starts at once while it waits:
-    OMP_NUM_THREADS shares the cores between them, at least one thread each, so that together they run no more torch
-    threads than the machine has cores (a thread that waits for a core holds up its process at every barrier). A
-    single child runs torch's default, a thread a core, and needs none."""
+    OMP_NUM_THREADS shares the cores between them, so that together they run no more torch threads than the machine
+    has cores (a thread that waits for a core holds up its process at every barrier), or one each where processes
+    outnumber cores. A single child runs torch's default, a thread a core, and needs none."""
     cores = len(os.sched_getaffinity(0))
     return {**os.environ, "OMP_NUM_THREADS": str(max(1, cores // processes)), **extra}
 

@@ -7,7 +7,7 @@ On simulated GPUs the peak comes from the datasheet for a known name matched wor
 A10) and from a measured matmul for any other; for fp32 half the 16-bit peak with TF32 on, measured with it off (no
 tensor core runs full fp32); on this CPU it is measured, never zero, in fp32 and in bf16 (also where bf16 is emulated:
 the matmul size adapts to the time a call takes). Beside a busy process that shares its core, the CPU peak is the
-idle one, though a call's wall time doubles.
+idle one, though a call's wall time grows by half or more.
 """
 
 import os

@@ -319,10 +319,10 @@ def test_checkpoints_written_by_older_code_resume_exactly(tiny_dir, without_drop
 def test_two_nodes_on_localhost(models, steps, one_process, tmp_path):
     argv = args(models["llama"], tmp_path / "nodes", *steps, "--parallel=fsdp")
     rendezvous = ["--nnodes=2", "--nproc_per_node=1", "--rdzv_backend=c10d", f"--rdzv_endpoint=127.0.0.1:{free_port()}"]
-    torchrun = [sys.executable, "-m", "torch.distributed.run", *rendezvous]
+    launcher = [sys.executable, "-m", "torch.distributed.run", *rendezvous]
     output = dict(stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     nodes = [
-        subprocess.Popen([*torchrun, f"--node_rank={n}", "train.py", *argv], cwd=ROOT, env=threads_env(2), **output)
+        subprocess.Popen([*launcher, f"--node_rank={n}", "train.py", *argv], cwd=ROOT, env=threads_env(2), **output)
         for n in (0, 1)
     ]
     outputs = [node.communicate(timeout=300)[0] for node in nodes]

@@ -42,14 +42,13 @@ PEAK_TFLOPS = {
 # fmt: on
 
 
-def matmul_rates(shape, dtypes, device, seconds=0.3) -> dict:
+def matmul_rates(shape, dtypes, device, seconds=0.3, clock=time.perf_counter) -> dict:
     """{dtype: FLOP/s} of an (m, k) @ (k, n) matmul on `device`, the best call of each: the dtypes take turns, each
     at least twice, until `seconds` have passed, so that a shared machine's drift stays out of the comparison. A call
-    is timed by `call_seconds`, so that a busy machine measures what an idle one does."""
+    is timed by `clock` (seconds)."""
     m, k, n = shape
     pairs = {dt: (torch.randn(m, k, device=device).to(dt), torch.randn(k, n, device=device).to(dt)) for dt in dtypes}
     sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
-    clock = time.perf_counter if device.type == "cuda" else cpu_clock
     for a, b in pairs.values():
         a @ b
     best, start, turns = dict.fromkeys(dtypes, 0.0), time.perf_counter(), 0
@@ -65,9 +64,11 @@ def matmul_rates(shape, dtypes, device, seconds=0.3) -> dict:
 
 
 def cpu_clock() -> float:
-    """Seconds of this process's CPU time per torch thread. Beside other busy processes a thread waits its turn for a
-    core, which stretches wall time but not CPU time (idle torch threads sleep, support/run/threads.py); on an idle
-    machine, where every thread computes throughout, the two agree."""
+    """Seconds of this process's CPU time per torch thread, the clock of a CPU's peak. Beside other busy processes a
+    thread waits its turn for a core, which stretches wall time but not CPU time (idle torch threads sleep,
+    support/run/threads.py). On an idle machine the two agree for a call that keeps every torch thread busy
+    throughout, as the peak's large square matmuls do; where threads spin (OMP_WAIT_POLICY=ACTIVE) the spinning
+    counts too, and the peak comes out lower."""
     return time.process_time() / torch.get_num_threads()
 
 
@@ -76,9 +77,10 @@ def matmul_peak(device, dtype, seconds=0.3) -> float:
     that keeps a call under a tenth of `seconds`, so that a dtype the CPU emulates (a minute a call at n = 2048) is
     timed in `seconds` too. Smaller matmuls swing with what the caches hold, so the largest affordable is the peak."""
     n, top = 256, 4096 if device.type == "cuda" else 2048
-    while n < top and 2 * (2 * n) ** 3 / matmul_rates((n, n, n), (dtype,), device, 0)[dtype] < seconds / 10:
+    clock = time.perf_counter if device.type == "cuda" else cpu_clock  # a busy CPU measures its idle peak
+    while n < top and 2 * (2 * n) ** 3 / matmul_rates((n, n, n), (dtype,), device, 0, clock)[dtype] < seconds / 10:
         n *= 2
-    return matmul_rates((n, n, n), (dtype,), device, seconds)[dtype]
+    return matmul_rates((n, n, n), (dtype,), device, seconds, clock)[dtype]
 
 
 def fmt_flops(rate) -> str:
