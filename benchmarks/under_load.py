@@ -102,20 +102,20 @@ def prepare(cwd, cache):
     subprocess.run([sys.executable, *argv], cwd=cwd, env=children_env(), check=True, stdout=subprocess.DEVNULL)
 
 
-def fair_share(condition, threads, cores) -> float:
-    """The run's time over its idle time if the kernel gave every busy thread the same time: `threads` torch
-    threads on `cores` cores beside one busy thread, or beside a copy's `threads`."""
-    others = {"idle": 0, "busy": 1, "copy": threads}[condition]
-    return max(1.0, (threads + others) / cores) / max(1.0, threads / cores)
+def fair_share(condition, torch_threads, cores) -> float:
+    """The run's time over its idle time if the kernel gave every busy thread the same time: `torch_threads` on
+    `cores` cores beside one busy thread, or beside a copy's `torch_threads`."""
+    others = {"idle": 0, "busy": 1, "copy": torch_threads}[condition]
+    return max(1.0, (torch_threads + others) / cores) / max(1.0, torch_threads / cores)
 
 
-def slowdown_rows(results, workload, threads, cores) -> list[list]:
+def slowdown_rows(results, workload, torch_threads, cores) -> list[list]:
     """The table's rows for `workload`: each condition's median seconds and its slowdown over idle, per round then
     the median (range), and that median over the fair share; "before" rows compare idle speed."""
     rows = []
     for condition, rounds in results[workload].items():
         idle = results[workload]["idle"]
-        share = fair_share(condition.split()[0], threads, cores)
+        share = fair_share(condition.split()[0], torch_threads, cores)
         row = [CONDITIONS.get(condition, condition), f"{share:.2f}x"]
         for key in rounds[0]:
             ratios = [r[key] / i[key] for r, i in zip(rounds, idle, strict=True)]

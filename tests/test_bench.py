@@ -305,7 +305,7 @@ def test_under_load_slowdowns_are_per_round_over_the_fair_share():
     assert [under_load.fair_share(c, 1, 2) for c in ("idle", "busy", "copy")] == [1.0, 1.0, 1.0]
     assert [under_load.fair_share(c, 4, 4) for c in ("idle", "busy", "copy")] == [1.0, 1.25, 2.0]
     results = {"rl": {"idle": [{"wall": 10.0}, {"wall": 20.0}], "busy": [{"wall": 20.0}, {"wall": 40.0}]}}
-    rows = under_load.slowdown_rows(results, "rl", threads=2, cores=2)
+    rows = under_load.slowdown_rows(results, "rl", torch_threads=2, cores=2)
     assert rows == [
         ["nothing (idle)", "1.00x", "15.0 s, 1.00x (1.00-1.00), 1.00x fair"],
         ["one busy single-threaded process", "1.50x", "30.0 s, 2.00x (2.00-2.00), 1.33x fair"],
