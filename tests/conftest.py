@@ -15,10 +15,13 @@ import sys
 import sysconfig
 from pathlib import Path
 
-# As support/run/threads.py, before torch loads: idle OpenMP threads sleep rather than spin, in this process and in the
-# torch processes the tests start (they inherit it), so that two of them never fight for the 2 cores by spinning.
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
+# Before torch loads, as in every entry point: idle OpenMP threads sleep rather than spin, in this process and in the
+# torch processes the tests start (they inherit it), so that two of them never fight for the 2 cores by spinning.
+import support.run.threads  # noqa: F401
+
+# isort: split
 import pytest
 import sentencepiece as spm
 import tokenizers
@@ -28,7 +31,6 @@ from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
-sys.path.insert(0, ROOT)
 DATA = Path(__file__).parent / "data"
 TEMPLATES = DATA / "templates"
 
