@@ -51,7 +51,7 @@ def bytes_of(t):
 
 def main(out, model_dir=None):
     cfg = train.Config(model=model_dir or "", device="cpu", precision="fp32", parallel="fsdp", lora_r=4, lora_alpha=8.0)
-    place = ranks.setup(cfg)
+    place = ranks.setup(cfg, shard=True)
     line = dict(rank=place.rank, world=place.world, nf4_bytes_survive=every_byte_survives(place))
     if model_dir:
         line |= load_and_step(cfg, place, model_dir)

@@ -43,7 +43,7 @@ def test_auto_precision_on_cpu_follows_what_it_declares(monkeypatch, capsys, dec
 def test_a_cpu_that_declares_nothing_is_measured(monkeypatch, capsys, bf16_rate, want):
     """Where the CPU declares nothing readable (macOS, Windows), given the two rates (a stand-in for the measurement)
     auto takes the faster (fp32 on a tie: it rounds less) and says why in one line, at the model's own MLP shape; only
-    rank 0 measures (another takes rank 0's choice through agreed)."""
+    rank 0 measures (another takes rank 0's choice through broadcast_dtype)."""
     config, asked = LlamaConfig(64, 576, 1536, 1, 4, 2, 16), []
 
     def rates(shape, dtypes, device):

@@ -7,6 +7,7 @@ one line; eval_task where the kernel cannot confine the model's code is refused 
 eval_task_unconfined, which accepts it. (Range and choice errors through train.py: test_train.py.)
 """
 
+import dataclasses
 import os
 import re
 
@@ -15,7 +16,7 @@ import pytest
 import rl
 import train
 from support.evaluation import sandbox
-from support.run.config import check_config, check_unused, load_config
+from support.run.config import check_config, load_config, train_conflicts
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -58,15 +59,14 @@ def test_overrides_win_wherever_they_stand_and_config_mistakes_name_the_line(tmp
 def test_every_config_file_is_valid():
     """Every config passes the checks on the machine it names: one whose header gives the machine (`--plan=2x24GB`
     for llama70b, whose shards go to CPU memory between uses, which a CPU run refuses) is checked as that plan is;
-    the others as this machine checks them. configs/grpo_*.py are rl.py's: RLConfig adds GRPO's settings and leaves
-    some of train.py's unused, at their defaults."""
+    the others as this machine checks them. configs/grpo_*.py are rl.py's, whose RLConfig holds train.Common's
+    settings and GRPO's."""
     for name in sorted(os.listdir(os.path.join(ROOT, "configs"))):
         path = os.path.join(ROOT, "configs", name)
         named = re.findall(r"--plan=(\S+)", open(path).read())
         chapter = rl.RLConfig if name.startswith("grpo") else train.Config
         cfg = load_config(chapter, [path, *(f"--plan={named[0]}" for _ in named[:1])])
-        check_config(cfg)
-        check_unused(cfg, rl.TRAIN_ONLY if chapter is rl.RLConfig else (), "rl.py")
+        check_config(cfg, train_conflicts(cfg) if chapter is train.Config else ())
 
 
 def test_offloaded_checkpoints_need_checkpointing():
@@ -99,13 +99,17 @@ def test_eval_task_needs_confinement_or_consent(monkeypatch, tmp_path):
     check_config(train.Config())
 
 
-def test_check_unused_names_each_setting_moved_from_its_default():
-    """A chapter's settings it does not use are refused one line each when set away from their defaults, and pass at
-    their defaults."""
-    check_unused(train.Config(), ("pack", "batch_tokens"), "rl.py")
+def test_each_chapter_declares_what_it_uses():
+    """rl.py's RLConfig and train.py's Config share train.Common's settings and add their own: a train.py-only setting
+    given to rl.py is refused in one line saying so; an unknown key is refused naming the nearest valid one."""
+    common = {f.name for f in dataclasses.fields(train.Common)}
+    own = {f.name for f in dataclasses.fields(rl.RLConfig)} - common
+    assert common < {f.name for f in dataclasses.fields(train.Config)}
+    assert own == {"group_size", "problems_per_step", "temperature", "top_p", "kl_coef", "loss_norm", "scale_rewards",
+                   "updates_per_batch", "clip_eps"}  # fmt: skip
     with pytest.raises(ValueError) as e:
-        check_unused(train.Config(pack=False, batch_tokens=64, lr=0.5), ("pack", "batch_tokens"), "rl.py")
-    assert str(e.value).splitlines() == [
-        "pack: train.py's setting, which rl.py does not use (leave it at True)",
-        "batch_tokens: train.py's setting, which rl.py does not use (leave it at 512)",
-    ]
+        load_config(rl.RLConfig, ["--batch_tokens=64"], elsewhere=(train.Config, "train.py's"))
+    assert str(e.value) == "--batch_tokens: batch_tokens is train.py's"
+    with pytest.raises(ValueError) as e:
+        load_config(rl.RLConfig, ["--group_sise=4"], elsewhere=(train.Config, "train.py's"))
+    assert str(e.value) == "--group_sise: unknown config key 'group_sise'; did you mean 'group_size'?"

@@ -30,7 +30,7 @@ def config(**kw):
 def adapters(r, targets, dropout):
     """The LoRA settings train.Config.adapters gives memory.estimate (targets: "all-linear" or a list of names)."""
     names = targets if isinstance(targets, str) else ",".join(targets)
-    return train.Config(lora_r=r, lora_alpha=2.0 * r, lora_dropout=dropout, lora_targets=names).adapters()
+    return train.Config(lora_r=r, lora_alpha=2.0 * r, lora_targets=names).adapters(dropout)
 
 
 def qlora(cfg, targets, dropout, dtype=torch.bfloat16, **options):

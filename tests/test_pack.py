@@ -325,7 +325,7 @@ def test_padded_mode():
         )
         assert len(ds) == len(lengths)
         seen = []
-        for batch in ds.batches(0, 5):
+        for batch in ds.iter_batches(0, 5):
             docs = np.searchsorted(offsets, batch["input_ids"][:, 0].numpy() - 1, "right") - 1
             width = 48 if pad_to_max else max(lengths[d] for d in docs)  # the longest in the batch, or C
             seen += _check_rows(ds, batch, tokens, mask, offsets, width)
@@ -337,22 +337,22 @@ def test_batches_order_sharding_and_resume():
     tokens, mask, offsets = _synthetic([rng.randint(1, 30) for _ in range(300)], rng)
     ds = PackedDataset(dict(tokens=tokens, mask=mask, offsets=offsets), 64, seed=5, pad_id=0)
     first = lambda bs: [b["input_ids"][:, 0].tolist() for b in bs]  # noqa: E731  (a row's first token names it)
-    epoch0 = first(ds.batches(0, 4))
-    assert epoch0 == first(ds.batches(0, 4)) != first(ds.batches(1, 4))
-    assert len(epoch0) == ds.steps_per_epoch(4) == -(-len(ds) // 4)
-    assert first(ds.batches(0, 4, start=3)) == epoch0[3:]
+    epoch0 = first(ds.iter_batches(0, 4))
+    assert epoch0 == first(ds.iter_batches(0, 4)) != first(ds.iter_batches(1, 4))
+    assert len(epoch0) == ds.count_steps(4) == -(-len(ds) // 4)
+    assert first(ds.iter_batches(0, 4, start=3)) == epoch0[3:]
     world = 3
-    ranks = [first(ds.batches(2, 4, rank=r, world_size=world)) for r in range(world)]
-    assert all(len(r) == ds.steps_per_epoch(4, world) for r in ranks)
+    ranks = [first(ds.iter_batches(2, 4, rank=r, world_size=world)) for r in range(world)]
+    assert all(len(r) == ds.count_steps(4, world) for r in ranks)
     # step by step, rank by rank: every row exactly once, then the wrap-around that fills the last global batch
     seen = [v for step in zip(*ranks, strict=True) for r in step for v in r]
     all_rows = sorted(int(ds.collate([i])["input_ids"][0, 0]) for i in range(len(ds)))
     assert sorted(seen[: len(ds)]) == all_rows and set(seen[len(ds) :]) <= set(all_rows)
     # step_batch: the same order counted in optimizer steps across epochs, a pure function of the step
-    steps = ds.steps_per_epoch(4, world)
+    steps = ds.count_steps(4, world)
     for step in (0, 3, steps, 2 * steps + 1):
         epoch, b = divmod(step, steps)
-        want = next(ds.batches(epoch, 4, rank=1, world_size=world, start=b))
+        want = next(ds.iter_batches(epoch, 4, rank=1, world_size=world, start=b))
         got = ds.step_batch(step, 4, rank=1, world_size=world)
         assert all(torch.equal(got[k], want[k]) for k in want)
 
@@ -361,9 +361,9 @@ def test_length_policy_and_report():
     rng = random.Random(4)
     lengths = [rng.randint(5, 100) for _ in range(200)] + [300, 400]
     tokens, mask, offsets = _synthetic(lengths, rng)
-    C = pack.auto_context_length(np.array(lengths))
+    C = pack.choose_context_length(np.array(lengths))
     assert C % 64 == 0 and C - 64 < np.percentile(lengths, 95) <= C
-    assert pack.auto_context_length(np.array(lengths), max_context=64) == 64
+    assert pack.choose_context_length(np.array(lengths), max_context=64) == 64
     long = [i for i, n in enumerate(lengths) if n > C]
     kept = [i for i in long if mask[offsets[i] + 1 : offsets[i] + C].any()]  # a truncated doc must keep a target
     cut = PackedDataset(dict(tokens=tokens, mask=mask, offsets=offsets), C, truncate=True)

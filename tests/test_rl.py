@@ -7,7 +7,7 @@ without, with and without the group's std, and with old log-probabilities that m
 switched off the QLoRA model's log-probabilities are the base model's bit for bit (the free reference policy); answers
 that share one copy of their prompt get the log-probabilities they get alone; a run stopped and resumed equals one run
 straight through (losses, rewards, adapters); the problems of a step are a function of (seed, step); a bad problem file
-or a train.py-only setting is one line, with nothing written.
+or a setting of train.py's own is one line, with nothing written.
 """
 
 import json
@@ -20,7 +20,7 @@ import torch
 import lora
 import rl
 import train
-from support.run import ranks
+from support.run import lifecycle, ranks
 from support.run.config import load_config
 
 G, PROMPT, ANSWERS = 3, 7, [5, 2, 9, 4, 4, 7]  # group size, prompt tokens, the answers' lengths (two groups)
@@ -76,7 +76,7 @@ NORMS = {"token": "dapo", "sequence": "grpo", "constant": "dr_grpo"}
 def test_loss_and_gradients_equal_trls(tiny_dir, tmp_path, norm, kl_coef, scale, clipped):
     """TRL's GRPOTrainer scores our fixed rollout (its advantages from REWARDS, its lp and, with beta, its reference
     with the adapters disabled) and computes its loss; ours computes the same step from the same rewards through
-    rl.prepared and rl.backward. With `clipped`, both get the same old log-probabilities, moved by up to +-0.5 from the
+    rl.prepare and rl.backward. With `clipped`, both get the same old log-probabilities, moved by up to +-0.5 from the
     policy's, so that ratios leave [0.8, 1.2] and the clip acts. Loss and every adapter gradient agree within 1e-6."""
     trainer, prompts, answers = trl_trainer(tiny_dir, tmp_path, NORMS[norm], kl_coef, scale, 2 if clipped else 1)
     hf = trainer.model
@@ -104,9 +104,9 @@ def test_loss_and_gradients_equal_trls(tiny_dir, tmp_path, norm, kl_coef, scale,
     cfg = rl.RLConfig(group_size=G, loss_norm=norm, kl_coef=kl_coef, scale_rewards=scale, temperature=0.7,
                       sample_tokens=max(ANSWERS) + 3, updates_per_batch=2 if clipped else 1)  # fmt: skip
     place = ranks.Placement(0, 1, torch.device("cpu"))
-    run = rl.Run(model, None, torch.amp.GradScaler("cuda", enabled=False), None, place, [], [])
+    run = lifecycle.Run(cfg, place, None, None, model, None, torch.amp.GradScaler("cuda", enabled=False), [])
     roll = dict(seqs=[(prompts[i // G], a) for i, a in enumerate(answers)], rewards=torch.tensor(REWARDS))
-    parts = rl.prepared(cfg, run, roll)
+    parts = rl.prepare(cfg, run, roll)
     if clipped:  # TRL's old log-probabilities, for ours: the answers' tokens in order, without the padding
         old = inputs["old_per_token_logps"][mask].split([len(b["targets"]) for b, *_ in parts])
         parts = [(b, a, w, o, r) for (b, a, w, _, r), o in zip(parts, old, strict=True)]
@@ -121,7 +121,7 @@ def test_loss_and_gradients_equal_trls(tiny_dir, tmp_path, norm, kl_coef, scale,
 def test_adapters_off_is_the_base_model_bit_for_bit(tiny_dir):
     """The QLoRA model with trained-looking adapters (B away from zero), its adapters switched off, gives the answer
     tokens' log-probabilities of the NF4 base model loaded without adapters, bit for bit, and so does the reference
-    the step computes (rl.prepared); with the adapters on they differ."""
+    the step computes (rl.prepare); with the adapters on they differ."""
     base = train.load_model(tiny_dir, torch.float32, quantize=True)
     model = train.load_model(tiny_dir, torch.float32, quantize=True, add_lora=dict(targets="all-linear", r=4, alpha=8,
                                                                                     dropout=0.0))  # fmt: skip
@@ -139,9 +139,9 @@ def test_adapters_off_is_the_base_model_bit_for_bit(tiny_dir):
         with lora.adapters_off(model):
             assert torch.equal(rl.token_logprobs(model, batch, 0.7, place), want)
     assert not torch.equal(adapted, want)
-    run = rl.Run(model, None, None, None, place, [], [])
-    roll = dict(seqs=seqs, rewards=torch.tensor([1.0, 0.0, 1.0]))
-    parts = rl.prepared(rl.RLConfig(kl_coef=0.1, temperature=0.7, group_size=3, micro_batch_tokens=1000), run, roll)
+    cfg = rl.RLConfig(kl_coef=0.1, temperature=0.7, group_size=3, micro_batch_tokens=1000)
+    run = lifecycle.Run(cfg, place, None, None, model, None, None, [])
+    parts = rl.prepare(cfg, run, dict(seqs=seqs, rewards=torch.tensor([1.0, 0.0, 1.0])))
     assert torch.equal(torch.cat([ref for *_, ref in parts]), want)
 
 
@@ -233,11 +233,13 @@ def test_a_bad_problem_file_is_one_line_and_writes_nothing(tiny_dir, tmp_path, c
     assert not (tmp_path / "out").exists()
 
 
-def test_train_only_settings_are_refused_in_one_line_each(tiny_dir, tmp_path, capsys):
-    """A setting of train.py's that rl.py does not use, set away from its default, is refused, one line each."""
-    with pytest.raises(SystemExit):
-        rl.main(rl_args(tiny_dir, tmp_path, "--batch_tokens=1024", "--lora_dropout=0.1"))
-    assert capsys.readouterr().err.strip().splitlines() == [
-        "error: batch_tokens: train.py's setting, which rl.py does not use (leave it at 512)",
-        "error: lora_dropout: train.py's setting, which rl.py does not use (leave it at 0.05)",
+def test_train_only_settings_are_refused_in_one_line(tiny_dir, tmp_path, capsys):
+    """A setting of train.py's own (not train.Common's) given to rl.py is refused in one line saying so, not guessed at
+    as a misspelling of one of rl.py's, before out_dir exists."""
+    with pytest.raises(SystemExit) as e:
+        rl.main(rl_args(tiny_dir, tmp_path, "--batch_tokens=1024"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err == [
+        "error: --batch_tokens: batch_tokens is train.py's setting, which rl.py does not use"
     ]
+    assert not (tmp_path / "out").exists()

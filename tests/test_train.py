@@ -225,7 +225,7 @@ def test_torchrun_two_processes_match_one(tiny_dir, steps, one_process, tmp_path
 def test_a_global_batch_the_ranks_cannot_share_is_refused(tiny_dir, tmp_path, monkeypatch, capsys):
     """4 rows a step on 3 ranks are refused in one line that names the nearest batches they can share, before any
     model is loaded (the rows used to be cut to 3, a silently smaller batch)."""
-    monkeypatch.setattr(ranks, "setup", lambda cfg: ranks.Placement(0, 3, torch.device("cpu")))  # rank 0 of 3
+    monkeypatch.setattr(ranks, "setup", lambda cfg, shard: ranks.Placement(0, 3, torch.device("cpu")))  # rank 0 of 3
     monkeypatch.setattr(train, "build_model", lambda *a: pytest.fail("a model was built"))
     assert one_line_error(args(tiny_dir, tmp_path, "--batch_tokens=512"), capsys) == (
         "error: batch_tokens: 512 makes 4 row(s) of 128 tokens, which 3 ranks cannot share equally; use "
@@ -483,9 +483,7 @@ def test_default_out_dir_keeps_earlier_runs(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "out").mkdir()
     (tmp_path / "out" / "checkpoint.pt").write_bytes(b"the earlier run")
-    cfg = train.Config()
-    run_dir.claim_out_dir(cfg)
-    assert cfg.out_dir == "out-2"
+    assert run_dir.claim_out_dir(train.Config()) == "out-2"
     assert "out_dir: out holds an earlier run, kept as it is; this run writes to out-2" in capsys.readouterr().out
     (tmp_path / "out-2" / "checkpoint.pt").write_bytes(b"the second run")
     for cfg, want in [
@@ -493,8 +491,7 @@ def test_default_out_dir_keeps_earlier_runs(tmp_path, monkeypatch, capsys):
         (train.Config(resume=True), "out"),
         (train.Config(overwrite=True), "out"),
     ]:
-        run_dir.claim_out_dir(cfg)
-        assert cfg.out_dir == want
+        assert run_dir.claim_out_dir(cfg) == want
     assert (tmp_path / "out" / "checkpoint.pt").read_bytes() == b"the earlier run"
 
 

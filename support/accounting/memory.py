@@ -45,7 +45,7 @@ def model_sizes(config, targets) -> dict:
 
 def estimate(config, tokens, dtype, quantize, lora, opt_bytes, checkpointing, chunked=True, shards=0, offload=False,
              sizes=None, tile_tokens=0, offload_checkpoints=False, dropout_masks=False):  # fmt: skip
-    """Bytes by part for a micro-batch of `tokens` tokens, on one rank. lora: train.Config.adapters; chunked=False:
+    """Bytes by part for a micro-batch of `tokens` tokens, on one rank. lora: train.Common.adapters; chunked=False:
     the full-vocabulary loss; shards: FSDP over that many ranks (0: not sharded), offload: its shards in CPU memory;
     sizes: model_sizes(config, lora targets); tile_tokens: tokens of one tile of a tiled MLP (0 or >= tokens: not
     tiled); offload_checkpoints: the checkpointed block inputs are in CPU memory (offloaded_bytes), not here;
@@ -134,7 +134,7 @@ def run_estimate(cfg, config, tokens, place, tile_tokens=0) -> dict:
     """estimate for a run's settings (a train.Config) in its dtype on its device. Offloaded checkpoints leave a CPU
     run's memory as it is: they are copied within it."""
     return estimate(
-        config, tokens, place.dtype, cfg.quantize, cfg.adapters(), optimizer_bytes(cfg.optimizer),
+        config, tokens, place.dtype, cfg.quantize, cfg.adapters(cfg.lora_dropout), optimizer_bytes(cfg.optimizer),
         cfg.activation_checkpointing, chunked=cfg.chunked_loss,
         shards=place.world if cfg.parallel == "fsdp" else 0, offload=cfg.cpu_offload, tile_tokens=tile_tokens,
         offload_checkpoints=cfg.offload_checkpoints and place.device.type == "cuda",

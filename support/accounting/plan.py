@@ -173,7 +173,8 @@ def plan_for(cfg, config) -> str:
     dtype = torch.float32 if cfg.precision == "fp32" else torch.bfloat16
     rows = max(1, cfg.batch_tokens // context // gpu_count(cfg.plan))  # a rank's share of a step's rows
     base = (cfg.quantize, optimizer_bytes(cfg.optimizer))  # the run's own, for its longest row
-    return report(config, cfg.plan, context, rows, dtype, cfg.adapters(), chunked=cfg.chunked_loss, base=base)
+    lora = cfg.adapters(cfg.lora_dropout)
+    return report(config, cfg.plan, context, rows, dtype, lora, chunked=cfg.chunked_loss, base=base)
 
 
 CPU_MICRO_TOKENS = 512  # tokens per micro-batch on CPU when micro_batch_tokens is "auto"

@@ -161,7 +161,7 @@ def summary(task: str, history) -> str | None:
 
 
 def task_problems(cfg) -> list[dict]:
-    """The problems a train.Config's eval_task names (its first eval_task_problems), [] without one."""
+    """The problems a run's eval_task names (its first eval_task_problems), [] without one."""
     return load_problems(cfg.eval_task)[: cfg.eval_task_problems or None] if cfg.eval_task else []
 
 

@@ -69,7 +69,7 @@ def dense_weights(model):
             for name, m in swapped.items():
                 dense = lora.frozen_linear(m.dequantize(), m.bias)
                 if isinstance(m, lora.LORA):  # the same adapter tensors over the dense weight
-                    dense = lora.over(dense, m)
+                    dense = lora.share_adapter(dense, m)
                 model.set_submodule(name, dense.train(m.training))
         yield model
     finally:

@@ -34,7 +34,8 @@ BF16_FLAGS = {"amx_bf16", "avx512_bf16", "bf16"}  # x86's AMX and AVX512-BF16; A
 
 def pick_precision(precision, device, config, main=True) -> torch.dtype:
     """The compute dtype for `precision` ("auto", "bf16", "fp16" or "fp32") on `device`, for a model of `config`'s
-    shapes. Only `main` (rank 0) measures a CPU (others would compete for its cores); agreed() shares its choice."""
+    shapes. Only `main` (rank 0) measures a CPU (others would compete for its cores); broadcast_dtype() shares its
+    choice."""
     p = precision
     if device.type == "cuda" and p == "auto":
         p = "bf16" if torch.cuda.get_device_capability(device)[0] >= 8 else "fp16"
@@ -45,7 +46,7 @@ def pick_precision(precision, device, config, main=True) -> torch.dtype:
         if native is None and main:  # nothing declared: measured
             native, why = measured_bf16(config, device)
         elif native is None:
-            native, why = False, ""  # rank 0's measurement decides (agreed)
+            native, why = False, ""  # rank 0's measurement decides (broadcast_dtype)
         else:
             why = "it declares " + ("AMX or AVX512-BF16" if native else "neither AMX nor AVX512-BF16")
         if p == "auto" and main:
@@ -78,7 +79,7 @@ def name(dtype) -> str:
     return next(k for k, v in PRECISIONS.items() if v == dtype)
 
 
-def agreed(dtype, world, device) -> torch.dtype:
+def broadcast_dtype(dtype, world, device) -> torch.dtype:
     """Rank 0's dtype on every rank (where a CPU is measured, only rank 0 measured, see pick_precision)."""
     if world == 1:
         return dtype

@@ -1,9 +1,10 @@
 """How do a config file and --key=value flags become a checked Config?
 
-train.Config declares each setting once, with `setting(default, allowed, resume=...)`; the range and choice checks
-(all mistakes at once, one line each), the settings --resume compares and the type checks of flags are derived from
-those declarations. A config file is plain Python assignments run in an isolated namespace; `--key=value` flags
-override it wherever they stand on the command line.
+Each chapter's Config (train.Common, extended by train.Config and rl.RLConfig) declares each setting once, with
+`setting(default, allowed, resume=...)`; the range and choice checks (all mistakes at once, one line each), the
+settings --resume compares and the type checks of flags are derived from those declarations. A config file is
+plain Python assignments run in an isolated namespace; `--key=value` flags override it wherever they stand on the
+command line.
 """
 
 import ast
@@ -69,6 +70,10 @@ TEMPLATE = Rule(
 )
 
 
+ALL = at_least(0, " (0 = all)")
+NEVER = at_least(0, " (0 = never)")
+FORMATS = ("auto", "magicoder", "alpaca", "pairs", "messages")  # data_format
+OPTIMIZERS = ("adamw", "adamw8bit", "paged_adamw8bit")
 GGUF_TYPES = ("", *FILE_TYPES)  # export_gguf: none, or a GGUF file type support/formats/gguf_write.py writes
 
 
@@ -77,12 +82,16 @@ def resume_keys(cls) -> list[str]:
     return [f.name for f in dataclasses.fields(cls) if f.metadata.get("resume")]
 
 
-def load_config(cls, argv: list[str]):
-    """Config file(s), then --key=value overrides -> cls(...). An unknown key fails naming the nearest valid one."""
+def load_config(cls, argv: list[str], elsewhere=None):
+    """Config file(s), then --key=value overrides -> cls(...). An unknown key fails naming the nearest valid one;
+    elsewhere, (another chapter's Config, why): a key of that Config fails saying why (rl.py: "train.py's setting,
+    which rl.py does not use"), not guessing at a near one."""
     fields = {f.name: f for f in dataclasses.fields(cls)}
     values: dict = {}
 
     def put(key, value, where):
+        if elsewhere and key not in fields and key in {f.name for f in dataclasses.fields(elsewhere[0])}:
+            raise ValueError(f"{where}: {key} is {elsewhere[1]}")
         if key not in fields:
             near = difflib.get_close_matches(key, fields, n=1)
             hint = f"; did you mean '{near[0]}'?" if near else ""
@@ -137,9 +146,9 @@ def check_type(key, value, annotation, where):
     raise ValueError(f"{where}: '{key}' must be {names}, got {value!r}")
 
 
-def check_config(cfg):
-    """Every field against what it allows, then the settings that cannot go together: a ValueError with one line per
-    mistake."""
+def check_config(cfg, conflicts=()):
+    """Every field against what it allows, then the settings that cannot go together (the common ones here, the
+    chapter's own in `conflicts`, such as train_conflicts): a ValueError with one line per mistake."""
     errors = []
     for f in dataclasses.fields(cfg):
         value, allowed = getattr(cfg, f.name), f.metadata.get("allowed")
@@ -148,8 +157,6 @@ def check_config(cfg):
                 errors.append(f"{f.name}: {value!r} is out of range (expected {allowed.expect})")
         elif isinstance(allowed, tuple) and value not in allowed:
             errors.append(f"{f.name}: expected one of {', '.join(allowed)}, got {value!r}")
-    if cfg.chunked_loss and "lm_head" in cfg.lora_targets.split(","):
-        errors.append("lora_targets: lm_head needs chunked_loss=False (the chunked loss fuses a plain lm_head)")
     if cfg.resume and cfg.overwrite:
         errors.append("overwrite: --resume continues the run in out_dir, --overwrite replaces it; choose one")
     if cfg.device == "cuda" and not torch.cuda.is_available():
@@ -165,14 +172,29 @@ def check_config(cfg):
     if cfg.eval_task and not cfg.eval_task_unconfined and (why := sandbox.confinement()):
         errors.append(f"eval_task: the kernel cannot confine the model's code ({why}); eval_task_unconfined=True runs "
                       "it under the Python guards alone")  # fmt: skip
-    errors += [f"{key}: not with parallel=fsdp ({why})" for key, why in fsdp_conflicts(cfg)]
+    errors += list(conflicts)
     if cfg.offload_checkpoints and not cfg.activation_checkpointing:
         errors.append("offload_checkpoints: needs activation_checkpointing=True (it offloads the block inputs that "
                       "checkpointing keeps)")  # fmt: skip
-    if cfg.cpu_offload and cfg.parallel != "fsdp":
-        errors.append("cpu_offload: needs parallel=fsdp (it keeps the shards of a sharded model in CPU memory)")
     if errors:
         raise ValueError("\n".join(errors))
+
+
+def train_conflicts(cfg) -> list[str]:
+    """The mistakes among train.py's own settings: its loss, its sharding."""
+    errors = [f"{key}: not with parallel=fsdp ({why})" for key, why in fsdp_conflicts(cfg)]
+    if cfg.chunked_loss and "lm_head" in cfg.lora_targets.split(","):
+        errors.append("lora_targets: lm_head needs chunked_loss=False (the chunked loss fuses a plain lm_head)")
+    if cfg.cpu_offload and cfg.parallel != "fsdp":
+        errors.append("cpu_offload: needs parallel=fsdp (it keeps the shards of a sharded model in CPU memory)")
+    return errors
+
+
+def rl_conflicts(cfg) -> list[str]:
+    """The mistakes among rl.py's settings."""
+    if "lm_head" in cfg.lora_targets.split(","):
+        return ["lora_targets: rl.py does not adapt lm_head (its log-probabilities are taken from the frozen head)"]
+    return []
 
 
 FSDP_NF4_TORCH = "2.13"  # FSDP2 keeps a frozen parameter frozen from here (2.11 made every shard require grad)
@@ -196,12 +218,3 @@ def fsdp_conflicts(cfg) -> list[tuple[str, str]]:
         out.append((key, "the merge needs the whole model in one process: after training, run the same config with "
                          "--parallel=ddp --resume and the export, on one machine"))  # fmt: skip
     return out
-
-
-def check_unused(cfg, names, program):
-    """The settings `names` of cfg that `program` does not use (a chapter whose Config extends train.Config, such as
-    rl.py's) must be left at their defaults: a ValueError with one line for each that is not."""
-    errors = [f"{k}: train.py's setting, which {program} does not use (leave it at {getattr(type(cfg), k)!r})"
-              for k in names if getattr(cfg, k) != getattr(type(cfg), k)]  # fmt: skip
-    if errors:
-        raise ValueError("\n".join(errors))

@@ -140,43 +140,35 @@ def sharded_adapter_health(model) -> dict:
     return health
 
 
-def adapter_report(model, record, bar, main=True):
-    """Adapter health into `record` and one line, with a warning when no B has moved. Every rank of a sharded model
-    computes it; rank 0 writes."""
+def adapter_record(model, step, bar, main=True) -> dict:
+    """{"adapters": health} for the step's record, and one line, with a warning when no B has moved. Every rank of a
+    sharded model computes it; rank 0 writes."""
     health = sharded_adapter_health(model) if ranks.is_sharded(model) else adapter_health(model)
     updates = {n: u for n, (u, _) in health.items()}
     moved = sum(m for _, m in health.values()) / len(health)
     worst = max(updates, key=updates.get)
-    record["adapters"] = dict(update=updates, mean=sum(updates.values()) / len(updates), b_moved=moved)
-    if not main:
-        return
-    bar.write(
-        f"adapters at step {record['step']}: ||scale B A|| / ||W|| mean {record['adapters']['mean']:.2e}, largest "
-        f"{updates[worst]:.2e} ({worst}); {100 * moved:.1f}% of B moved from zero"
-    )
-    if moved == 0:
+    mean = sum(updates.values()) / len(updates)
+    if main:
         bar.write(
-            f"warning: every LoRA B is still zero after {record['step']} steps: the adapters are not training "
+            f"adapters at step {step}: ||scale B A|| / ||W|| mean {mean:.2e}, largest "
+            f"{updates[worst]:.2e} ({worst}); {100 * moved:.1f}% of B moved from zero"
+        )
+    if main and moved == 0:
+        bar.write(
+            f"warning: every LoRA B is still zero after {step} steps: the adapters are not training "
             "(no gradient reaches them: frozen by mistake, or cut off, e.g. by checkpointing inputs that need no grad)"
         )
+    return {"adapters": dict(update=updates, mean=mean, b_moved=moved)}
 
 
-def show_step(bar, record, place, estimated, max_steps, tracker=None):
-    """The progress bar's line for a step, and the record to the tracker; after step 2, the measured peak memory."""
-    if place.device.type == "cuda":
-        record["peak_mem"] = memory.peak(place.device)
-    bar.set_postfix_str(
+def step_line(record) -> str:
+    """The progress bar's line for a train.py step."""
+    val = f" val {record['val_loss']:.3f}" if "val_loss" in record else ""
+    return (
         f"loss {record['loss']:.3f} lr {record['lr']:.1e} tok/s {record['tokens_per_s']:.0f} sup/s "
         f"{record['supervised_per_s']:.0f} mfu {100 * record['mfu']:.1f}% fwd/bwd/opt "
-        f"{record['fwd_s']:.2f}/{record['bwd_s']:.2f}/{record['opt_s']:.2f}s"
-        + (f" val {record['val_loss']:.3f}" if "val_loss" in record else "")
+        f"{record['fwd_s']:.2f}/{record['bwd_s']:.2f}/{record['opt_s']:.2f}s{val}"
     )
-    bar.update(1)
-    if record["step"] == min(2, max_steps):  # the estimate, checked against what the first steps really took
-        peak = memory.fmt(memory.peak(place.device))
-        bar.write(f"measured peak memory after {record['step']} steps: {peak} (estimated {memory.fmt(estimated)})")
-    if tracker:
-        tracker.log(record)
 
 
 def with_rates(record, batch, seconds, place, config, peak_flops) -> dict:

@@ -2,7 +2,7 @@
 GPU is sharded over them (FSDP2), and how a run ends when one of them fails?
 
 Every rank must call the same collectives in the same order, or the others wait for it forever: what a rank decides
-from what only it sees is agreed first (`agreed_min`, run_dir.any_rank). A rank that stops on a user error leaves its
+from what only it sees is agreed first (`reduce_min`, stopping.any_rank). A rank that stops on a user error leaves its
 line in the process group's store (`tell_the_others`); the others' next collective fails, and each prints that line,
 or that a rank was lost, and exits with code 2. A sharded model is built block by block: rank 0 reads and quantizes,
 the others hold zeros, and rank 0 sends each rank its shards (`shard_part`).
@@ -49,16 +49,17 @@ class Placement:
         return torch.autocast(self.device.type, dtype=self.dtype) if half else nullcontext()
 
 
-def setup(cfg) -> Placement:
-    """Device and process group from torchrun's RANK/WORLD_SIZE/LOCAL_RANK (plain python: one process); the dtype is
-    chosen later (pick_precision). On CUDA, fp32 matmuls use TF32 only when cfg.tf32 asks."""
+def setup(cfg, shard=False) -> Placement:
+    """Device and process group from torchrun's RANK/WORLD_SIZE/LOCAL_RANK (plain python: one process; `shard`: FSDP,
+    which needs a group even then); the dtype is chosen later (pick_precision). On CUDA, fp32 matmuls use TF32 only
+    when cfg.tf32 asks."""
     use_cuda = cfg.device == "cuda" or (cfg.device == "auto" and torch.cuda.is_available())
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     device = torch.device(f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if use_cuda else "cpu")
     if use_cuda:
         torch.cuda.set_device(device)
         torch.backends.cuda.matmul.fp32_precision = "tf32" if cfg.tf32 else "ieee"
-    if world > 1 or cfg.parallel == "fsdp":  # FSDP needs a process group, one process or many
+    if world > 1 or shard:  # FSDP needs a process group, one process or many
         init_process_group("nccl" if use_cuda else "gloo", rank, world, cfg.rank_timeout)
     return Placement(rank, world, device)
 
@@ -88,7 +89,7 @@ def end_process_group():
         dist.destroy_process_group()
 
 
-def agreed_min(value: int, world: int, device) -> int:
+def reduce_min(value: int, world: int, device) -> int:
     if world == 1:
         return value
     t = torch.tensor(value, device=device)

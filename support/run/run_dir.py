@@ -8,13 +8,8 @@ is read with weights_only: tensors and plain values, never a pickle that would r
 import dataclasses
 import difflib
 import json
-import math
 import os
 import pickle
-import signal
-import sys
-import threading
-from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -35,13 +30,12 @@ from support.run import ranks
 from support.run.config import resume_keys
 
 
-def claim_inputs(cfg) -> tuple[str, dict]:
-    """Fail before any work when out_dir is not writable or holds another run, an input is missing, or context_length
-    is beyond the model's positions; returns (the model directory, data_files(cfg)). A preview claims no out_dir."""
-    model_dir = hub.model_dir(cfg.model, only_config=bool(cfg.plan)) if cfg.model else gguf_read.smollm2_dir()
+def find_model(cfg, only_config=False) -> str:
+    """The model directory, before any work: a missing model, a context_length beyond the model's positions or a GGUF
+    type llama.cpp cannot read fails here. only_config: a plan reads the model's config.json alone."""
+    model_dir = hub.model_dir(cfg.model, only_config=only_config) if cfg.model else gguf_read.smollm2_dir()
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise FileNotFoundError(f"model: {os.path.join(model_dir, 'config.json')} not found (not a model directory)")
-    files = data_files(cfg)
     max_positions = hf.read_config(model_dir)[0].max_position_embeddings
     if isinstance(cfg.context_length, int) and cfg.context_length > max_positions:
         raise ValueError(
@@ -50,41 +44,40 @@ def claim_inputs(cfg) -> tuple[str, dict]:
         )
     if cfg.export_gguf:  # what llama.cpp cannot read is refused now, not after the training
         gguf_write.check_gguf_export(model_dir, cfg.export_gguf)
-    if not (cfg.preview or cfg.plan):
-        claim_out_dir(cfg)
-    return model_dir, files
+    return model_dir
 
 
-def data_files(cfg) -> dict:
-    """{"data": [...], "val_data": [...]}: the files of each; none for "" (the stdlib dataset) or for a plan."""
-    return {key: hub.data_files(getattr(cfg, key)) if getattr(cfg, key) and not cfg.plan else []
-            for key in ("data", "val_data")}  # fmt: skip
+def data_files(cfg, keys=("data", "val_data")) -> dict:
+    """{key: the files cfg.key names} for each of `keys`, none for "" (the stdlib's); a missing one fails naming key."""
+    return {key: hub.data_files(getattr(cfg, key)) if getattr(cfg, key) else [] for key in keys}
 
 
-def claim_out_dir(cfg):
-    """Make sure this run may write to out_dir. A run already there is continued with --resume or replaced with
-    --overwrite; otherwise a chosen out_dir is refused and the default one moves on to out-2, out-3, ... (in cfg)."""
-    ckpt = os.path.join(cfg.out_dir, "checkpoint.pt")
+def claim_out_dir(cfg) -> str:
+    """The folder this run writes to, made sure it may. A run already in out_dir is continued with --resume or
+    replaced with --overwrite; otherwise a chosen out_dir is refused and the default one moves on to out-2, out-3..."""
+    out_dir = cfg.out_dir
+    ckpt = os.path.join(out_dir, "checkpoint.pt")
     if cfg.resume and not os.path.isfile(ckpt):
         raise FileNotFoundError(f"{ckpt}: no checkpoint to resume from")
-    if (held := run_files(cfg.out_dir)) and not (cfg.resume or cfg.overwrite):
-        if cfg.out_dir != type(cfg).out_dir:  # a chosen out_dir, not the default
+    if (held := run_files(out_dir)) and not (cfg.resume or cfg.overwrite):
+        if out_dir != type(cfg).out_dir:  # a chosen out_dir, not the default
             raise FileExistsError(
-                f"out_dir: {cfg.out_dir} already holds a run ({held[0]}); continue it with --resume, replace it with "
+                f"out_dir: {out_dir} already holds a run ({held[0]}); continue it with --resume, replace it with "
                 "--overwrite, or choose another out_dir"
             )
         n = 2  # the first out-N without a run (every rank of a torchrun finds the same one)
-        while run_files(f"{cfg.out_dir}-{n}"):
+        while run_files(f"{out_dir}-{n}"):
             n += 1
-        print(f"out_dir: {cfg.out_dir} holds an earlier run, kept as it is; this run writes to {cfg.out_dir}-{n}")
-        cfg.out_dir = f"{cfg.out_dir}-{n}"
+        print(f"out_dir: {out_dir} holds an earlier run, kept as it is; this run writes to {out_dir}-{n}")
+        out_dir = f"{out_dir}-{n}"
     try:
-        os.makedirs(cfg.out_dir, exist_ok=True)
-        probe = os.path.join(cfg.out_dir, f".write-test-{os.getpid()}")  # one per process: torchrun's ranks race
+        os.makedirs(out_dir, exist_ok=True)
+        probe = os.path.join(out_dir, f".write-test-{os.getpid()}")  # one per process: torchrun's ranks race
         atomic_write(probe, lambda tmp: None)
         os.remove(probe)
     except OSError as e:
-        raise PermissionError(f"out_dir: cannot write to '{cfg.out_dir}' ({e.strerror})") from None
+        raise PermissionError(f"out_dir: cannot write to '{out_dir}' ({e.strerror})") from None
+    return out_dir
 
 
 def run_files(out_dir) -> list[str]:
@@ -169,13 +162,13 @@ def save(cfg, model, opt, scaler, step, history, main=True) -> int:
     """out_dir/checkpoint.pt and metrics.jsonl, written by rank 0 (every rank calls it); returns the step saved."""
     save_checkpoint(os.path.join(cfg.out_dir, "checkpoint.pt"), model, opt, scaler, step, cfg, main)
     if main:
-        save_metrics(cfg, history)
+        save_metrics(cfg.out_dir, history)
     return step
 
 
-def save_metrics(cfg, history):
+def save_metrics(out_dir, history):
     lines = "".join(json.dumps(h) + "\n" for h in history)
-    atomic_write(os.path.join(cfg.out_dir, "metrics.jsonl"), lambda tmp: Path(tmp).write_text(lines))
+    atomic_write(os.path.join(out_dir, "metrics.jsonl"), lambda tmp: Path(tmp).write_text(lines))
 
 
 def resume(cfg, model, opt, scaler) -> tuple[int, list[dict]]:
@@ -188,12 +181,6 @@ def resume(cfg, model, opt, scaler) -> tuple[int, list[dict]]:
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}:{i}: invalid JSON ({e.msg}); fix or delete that line to resume") from None
     return step, [h for h in history if h["step"] <= step]
-
-
-def last_checkpoint(cfg, step) -> str:
-    """Which checkpoint a run stopped early leaves intact (step None: none was written)."""
-    intact = f"the checkpoint of step {step} in {cfg.out_dir} is intact"
-    return "no checkpoint was written yet" if step is None else intact
 
 
 def write_outputs(cfg, model, tok, prompts, history, adapter, model_dir, tracker=None):
@@ -235,7 +222,7 @@ def export(cfg, model, history, model_dir, prompt_ids, tracker=None):
     original = hf.Checkpoint(model_dir) if cfg.quantize and not hf.is_prequantized(model_dir) else None
     _, report = merge_and_check_(model, [prompt_ids], original=original)
     history.append({"step": cfg.max_steps, "merge": report})
-    save_metrics(cfg, history)
+    save_metrics(cfg.out_dir, history)
     if tracker:
         tracker.log(history[-1])
     hf.export_merged(model, merged_dir, tokenizer_dir=model_dir)
@@ -261,67 +248,3 @@ def plot_losses(history, path):
     fig.tight_layout()
     atomic_write(path, lambda tmp: fig.savefig(tmp, format="png"))
     plt.close(fig)
-
-
-@contextmanager
-def stop_requests():
-    """Ctrl-C (SIGINT) or SIGTERM while training asks the loop to stop after the step under way; a second one stops at
-    once. Yields a list that is non-empty once a stop was asked for. Outside the main thread: no-op."""
-    asked: list = []
-
-    def on_signal(signum, frame):
-        if asked:
-            raise KeyboardInterrupt
-        asked.append(signum)
-        name = "Ctrl-C" if signum == signal.SIGINT else signal.Signals(signum).name
-        # os.write, not print: a handler that prints while the loop is inside a print fails ("reentrant call")
-        os.write(2, f"\n{name}: stopping after this step (again: stop at once, without a checkpoint)\n".encode())
-
-    main = threading.current_thread() is threading.main_thread()
-    previous = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)} if main else {}
-    try:
-        yield asked
-    finally:  # None: a handler set outside Python, which cannot be put back; the default takes its place
-        for s, handler in previous.items():
-            signal.signal(s, signal.SIG_DFL if handler is None else handler)
-
-
-def any_rank(asked, world, device) -> bool:
-    """Whether any rank was asked to stop: all ranks must leave the loop at the same step."""
-    if world == 1:
-        return bool(asked)
-    flag = torch.tensor(float(bool(asked)), device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
-
-
-def stop_not_finite(cfg, history, last_saved, main=True):
-    """Stop on a NaN or inf loss or gradient norm (the update was not applied), writing the metrics up to it."""
-    record, kept = history[-1], last_checkpoint(cfg, last_saved)
-    if main:
-        save_metrics(cfg, history)
-    raise FloatingPointError(
-        f"loss {record['loss']}, gradient norm {record['grad_norm']} at step {record['step']}: stopped before the "
-        f"update; {kept}"
-    )
-
-
-def finite(record, scaler) -> bool:
-    """Whether a step's loss and gradient norm are finite; fp16's scaler skips steps with inf gradients itself, so
-    with it only the loss counts."""
-    return math.isfinite(record["loss"]) and (math.isfinite(record["grad_norm"]) or scaler.is_enabled())
-
-
-@contextmanager
-def abrupt_ends(cfg, run):
-    """The loop's two abrupt ends, a second Ctrl-C and another rank lost, each in one line naming the checkpoint that
-    is intact (run.last_saved)."""
-    try:
-        yield
-    except KeyboardInterrupt:
-        print(f"\nstopped at once: {last_checkpoint(cfg, run.last_saved)}", file=sys.stderr)
-        raise SystemExit(130) from None
-    except Exception as e:
-        if not ranks.lost(e):
-            raise
-        raise ranks.RankLost(ranks.lost_during(e, run.step + 1, last_checkpoint(cfg, run.last_saved))) from None
