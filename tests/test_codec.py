@@ -1,0 +1,207 @@
+"""support/evaluation/codec.py: what crosses from the candidate's process to the judge is data and nothing else.
+
+Proves: every carried type comes back equal and of its exact builtin type, nested as deep as allowed; encoding refuses
+what is not exactly a carried type (an object equal to everything, subclasses of int, str, list and dict, functions);
+decoding refuses any message that is not one whole value (a bad length, an unknown tag, a truncated item, trailing
+bytes, a pickle), an int that is not plain digits, text that is not UTF-8, unhashable keys, a bad Fraction or
+Decimal, and values past the depth, item and size caps, each as a CodecError.
+"""
+
+import math
+import pickle
+import struct
+from decimal import Decimal
+from fractions import Fraction
+
+import pytest
+
+from support.evaluation import codec
+from support.evaluation.codec import CodecError, decode, encode
+
+VALUES = [
+    None,
+    True,
+    False,
+    0,
+    -7,
+    10**300,
+    -(2**64),
+    1.5,
+    -0.0,
+    math.inf,
+    complex(1, -2.5),
+    "",
+    "héllo \N{SNOWMAN}",
+    "\ud800 lone surrogate",
+    b"",
+    b"\x00\xff",
+    [],
+    (),
+    (1,),
+    [1, [2, [3, (4, "x")]]],
+    {1, "a", (2, 3)},
+    frozenset({b"k", 4.0}),
+    {},
+    {"a": [1, {2: (3, None)}], (1, 2): frozenset({1}), 3.5: b"v", None: True},
+    Fraction(-3, 4),
+    Fraction(10**40, 3),
+    Decimal("1.10"),
+    Decimal("-Infinity"),
+]
+
+
+def message(item: bytes) -> bytes:
+    return struct.pack(">I", len(item)) + item
+
+
+def sized(data: bytes) -> bytes:
+    return struct.pack(">I", len(data)) + data
+
+
+def exact_types(value):
+    """(type name, ...) of value and everything inside it, in order: equality alone would accept a subclass."""
+    kinds = [type(value).__name__]
+    if isinstance(value, dict):
+        for k, v in value.items():
+            kinds += exact_types(k) + exact_types(v)
+    elif isinstance(value, list | tuple | set | frozenset):
+        for v in sorted(value, key=repr) if isinstance(value, set | frozenset) else value:
+            kinds += exact_types(v)
+    return kinds
+
+
+@pytest.mark.parametrize("value", VALUES, ids=repr)
+def test_every_carried_type_comes_back_equal_and_exact(value):
+    back = decode(encode(value))
+    assert back == value and exact_types(back) == exact_types(value)
+    if isinstance(value, float) and value == 0:
+        assert math.copysign(1, back) == math.copysign(1, value)  # -0.0 stays negative
+
+
+def test_nan_and_decimal_nan_cross():
+    back = decode(encode([math.nan, Decimal("NaN")]))
+    assert math.isnan(back[0]) and back[1].is_nan() and type(back[1]) is Decimal
+
+
+def test_decoded_containers_are_fresh_objects():
+    """Two decodes of one message share nothing: a judge may mutate what it got."""
+    data = encode([[1], {"a": [2]}])
+    first, second = decode(data), decode(data)
+    first[0].append(9)
+    first[1]["a"].append(9)
+    assert second == [[1], {"a": [2]}]
+
+
+class AlwaysEqual:
+    def __eq__(self, other):
+        return True
+
+    __hash__ = object.__hash__
+
+
+class Int(int):
+    def __eq__(self, other):
+        return True
+
+    __hash__ = int.__hash__
+
+
+class Text(str):
+    pass
+
+
+class Items(list):
+    pass
+
+
+class Mapping(dict):
+    pass
+
+
+@pytest.mark.parametrize(
+    "value",
+    [AlwaysEqual(), Int(3), Text("x"), Items([1]), Mapping(a=1), [1, AlwaysEqual()], {"k": Int(1)}, len, AlwaysEqual],
+    ids=[
+        "always-equal",
+        "int-subclass",
+        "str-subclass",
+        "list-subclass",
+        "dict-subclass",
+        "nested",
+        "nested-value",
+        "function",
+        "class",
+    ],
+)
+def test_encoding_refuses_what_is_not_exactly_a_carried_type(value):
+    with pytest.raises(CodecError, match="cannot carry"):
+        encode(value)
+
+
+BAD = {
+    "empty": b"",
+    "short prefix": b"\x00\x00",
+    "prefix too long": struct.pack(">I", 9) + b"N",
+    "prefix too short": struct.pack(">I", 1) + b"NN",
+    "unknown tag": message(b"X"),
+    "truncated length": message(b"s\x00\x00"),
+    "truncated text": message(b"s" + struct.pack(">I", 5) + b"ab"),
+    "truncated float": message(b"f\x00\x00\x00"),
+    "empty int": message(b"i" + sized(b"")),
+    "int with a sign": message(b"i" + sized(b"+5")),
+    "int negative zero": message(b"i" + sized(b"-0")),
+    "int with space": message(b"i" + sized(b" 5")),
+    "int with underscore": message(b"i" + sized(b"1_000")),
+    "int too long": message(b"i" + sized(b"9" * (codec.MAX_DIGITS + 1))),
+    "bad utf-8": message(b"s" + sized(b"\xff\xfe")),
+    "unhashable key": message(b"m" + struct.pack(">I", 1) + b"l" + struct.pack(">I", 0) + b"N"),
+    "unhashable set item": message(b"S" + struct.pack(">I", 1) + b"m" + struct.pack(">I", 0)),
+    "fraction zero denominator": message(b"q" + sized(b"1") + sized(b"0")),
+    "fraction negative denominator": message(b"q" + sized(b"1") + sized(b"-2")),
+    "bad decimal": message(b"d" + sized(b"1.2.3")),
+    "count past the items": message(b"l" + struct.pack(">I", 3) + b"NN"),
+    "count past the cap": message(b"l" + struct.pack(">I", codec.MAX_ITEMS + 1)),
+    "a pickle": pickle.dumps(AlwaysEqual()),
+    "a framed pickle": message(pickle.dumps(AlwaysEqual())),
+}
+
+
+@pytest.mark.parametrize("data", BAD.values(), ids=BAD.keys())
+def test_decoding_refuses_what_is_not_one_whole_value(data):
+    with pytest.raises(CodecError):
+        decode(data)
+
+
+def test_depth_cap_both_ways():
+    """A list nested past MAX_DEPTH is refused by encode, and the same bytes made by hand are refused by decode;
+    one level less crosses."""
+    deep = []
+    for _ in range(codec.MAX_DEPTH):
+        deep = [deep]
+    assert decode(encode(deep)) == deep
+    with pytest.raises(CodecError, match="too deep"):
+        encode([deep])
+    nested = b"l\x00\x00\x00\x01" * (codec.MAX_DEPTH + 1) + b"l\x00\x00\x00\x00"
+    with pytest.raises(CodecError, match="too deep"):
+        decode(message(nested))
+
+
+def test_size_cap_both_ways(monkeypatch):
+    """Past MAX_BYTES a message is refused by encode and by decode (the cap lowered to keep the test small)."""
+    monkeypatch.setattr(codec, "MAX_BYTES", 1000)
+    assert decode(encode(b"x" * 900)) == b"x" * 900
+    with pytest.raises(CodecError, match="over 1000"):
+        encode(b"x" * 1000)
+    with pytest.raises(CodecError, match="over 1000"):
+        decode(message(b"b" + sized(b"x" * 1000)))
+
+
+def test_item_cap_both_ways(monkeypatch):
+    """Past MAX_ITEMS (all levels together) a value is refused by encode and by decode."""
+    monkeypatch.setattr(codec, "MAX_ITEMS", 100)
+    assert decode(encode([[0] * 40, [0] * 40])) == [[0] * 40, [0] * 40]
+    with pytest.raises(CodecError, match="too large"):
+        encode([[0] * 60, [0] * 60])
+    items = b"l" + struct.pack(">I", 2) + (b"l" + struct.pack(">I", 60) + b"N" * 60) * 2
+    with pytest.raises(CodecError, match="too large"):
+        decode(message(items))
