@@ -223,9 +223,8 @@ def build_model(cfg: Config, place: ranks.Placement, model_dir: str, mlp_tile: i
     return load_model(model_dir, place.dtype, place.device, cfg.quantize, adapters, options=options, shard=shard)
 
 
-def build(cfg: Config, place: ranks.Placement, model_dir: str, context: int):
+def build(cfg: Config, place: ranks.Placement, model_dir: str, architecture, context: int):
     """The model, with MLP tiles if a row of `context` tokens needs them, and its optimizer."""
-    architecture = hf.read_config(model_dir)[0]
     mlp_tile = mlp_tile_tokens(cfg, place, architecture, context)  # 0 unless needed
     model = build_model(cfg, place, model_dir, mlp_tile)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -385,7 +384,9 @@ def train(cfg: Config) -> list[dict]:
     if cfg.preview:
         return []
     context = trainset.context_length
-    run = lifecycle.open_run(cfg, place, tok, model_dir, task, lambda p: build(cfg, p, model_dir, context))
+    run = lifecycle.open_run(
+        cfg, place, tok, model_dir, task, lambda p: build(cfg, p, model_dir, architecture, context)
+    )
     micro_rows = micro_batch_rows(cfg, place, run.model, trainset, rows, forward_loss)
     micro_rows = ranks.reduce_min(micro_rows, place.world, place.device)  # fits every rank
     run.estimated, peak_flops = progress.describe_step(cfg, place, run.model, context, rows, micro_rows)
