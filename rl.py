@@ -5,8 +5,8 @@
     python rl.py --data=problems.jsonl --kl_coef=0.04 --loss_norm=sequence
 
 train.py shows the model right answers. Here the model answers and is told how well it did, by a
-check no one can argue with: whether its program passes the tests, run in the sandbox
-(support/evaluation/sandbox.py; a reward the program could forge would teach forging). One step of
+check no one can argue with: whether its code passes the tests, judged in another process than the
+one it runs in (support/evaluation/sandbox.py: a reward it could forge would teach forging). One step of
 GRPO (Shao et al. 2024, https://arxiv.org/abs/2402.03300), P problems, G answers each, N = P*G
 sequences, n answer tokens:
 
@@ -364,9 +364,9 @@ def rl(cfg: RLConfig) -> list[dict]:
     model_dir = run_dir.find_model(cfg)
     run_dir.data_files(cfg, ["data"])  # a missing problem file is named as `data`
     tok = Tokenizer(model_dir)
-    problems = problem_sets.training_problems(cfg, tok)  # fails with nothing written
+    problems, said = problem_sets.training_problems(cfg, tok)  # fails with nothing written
     cfg = dataclasses.replace(cfg, out_dir=run_dir.claim_out_dir(cfg))
-    print(f"{len(problems)} problems; {cfg.problems_per_step} x {cfg.group_size} answers a step")
+    print(f"{said}; {cfg.problems_per_step} x {cfg.group_size} answers a step")
     place = ranks.setup(cfg)
     run = lifecycle.open_run(cfg, place, tok, model_dir, task, lambda p: build_policy(cfg, p, model_dir))
     if not lifecycle.resume(run) and cfg.eval_every:  # a fresh run: eval_task's pass@1 before training

@@ -72,7 +72,7 @@ def trl_peer(steps, out):
     cfg = load_config(rl.RLConfig, [CONFIG, *SETTINGS])
     model_dir = gguf_read.smollm2_dir()
     tok = Tokenizer(model_dir)
-    found = problem_sets.training_problems(cfg, tok)
+    found, _ = problem_sets.training_problems(cfg, tok)
     by_id = {p["task_id"]: p for p in found}
 
     def prompt(p):

@@ -335,12 +335,10 @@ FIXED_OUTCOMES = {"any": "pass", "none": "assert False", "hang": "while True:\n 
 
 def fixed_outcome_problems(path, names=("any", "none")):
     """A HumanEval-format file of problems whose tests pass ("any"), fail ("none") or hang ("hang") whatever a model
-    writes: each prompt opens a string literal that its test closes, so any answer lands inside it."""
-    test = '"""\ndef f():\n    pass\ndef check(c):\n    {}\n'
-    rows = [
-        dict(task_id=name, prompt='text = r"""', entry_point="f", test=test.format(FIXED_OUTCOMES[name]))
-        for name in names
-    ]
+    writes: the test never calls the answer, which runs in a process of its own (support/evaluation/sandbox.py)."""
+    prompt = "def f():\n    '''Anything.'''\n"
+    test = "def check(c):\n    {}\n"
+    rows = [dict(task_id=k, prompt=prompt, entry_point="f", test=test.format(FIXED_OUTCOMES[k])) for k in names]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
 

@@ -4,7 +4,9 @@ Proves: every carried type comes back equal and of its exact builtin type, neste
 what is not exactly a carried type (an object equal to everything, subclasses of int, str, list and dict, functions);
 decoding refuses any message that is not one whole value (a bad length, an unknown tag, a truncated item, trailing
 bytes, a pickle), an int that is not plain digits, text that is not UTF-8, unhashable keys, a bad Fraction or
-Decimal, and values past the depth, item and size caps, each as a CodecError.
+Decimal, and values past the depth, item and size caps, each as a CodecError. Objects of the classes the judge lists
+cross as their builtin value and attributes, rebuilt around the judge's class; unlisted, C-written or forged ones do
+not.
 """
 
 import math
@@ -205,3 +207,65 @@ def test_item_cap_both_ways(monkeypatch):
     items = b"l" + struct.pack(">I", 2) + (b"l" + struct.pack(">I", 60) + b"N" * 60) * 2
     with pytest.raises(CodecError, match="too large"):
         decode(message(items))
+
+
+class Point:
+    def __init__(self, x, y):
+        self.x = x
+        self.y = y
+
+    def __eq__(self, other):
+        return type(other) is Point and (self.x, self.y) == (other.x, other.y)
+
+
+class Tally(dict):
+    """A dict subclass with an attribute, as collections.Counter is one."""
+
+
+class Slotted:
+    __slots__ = ("a", "b")
+
+    def __init__(self, a):
+        self.a = a
+
+
+class Pair(tuple):
+    def __new__(cls, a, b):  # wants its fields: decoding must not call it
+        return super().__new__(cls, (a, b))
+
+
+def test_listed_classes_cross_as_their_builtin_value_and_attributes():
+    """An object of a class the judge lists comes back as a fresh object of the judge's class, its attributes (in
+    __dict__ or __slots__, unset slots left unset) and its builtin value (a dict subclass's items, a tuple subclass's
+    fields) equal, without its __init__ or __new__ being called; a listed class itself crosses by position."""
+    classes = (Point, Tally, Slotted, Pair)
+    tally = Tally(a=1)
+    tally.note = "x"
+    value = [Point(1, [2]), tally, Slotted(3), Pair(4, 5), Point, {Pair: 1}]
+    out = decode(encode(value, classes), classes)
+    assert out[0] == Point(1, [2]) and out[0] is not value[0]
+    assert type(out[1]) is Tally and out[1] == {"a": 1} and out[1].note == "x"
+    assert type(out[2]) is Slotted and out[2].a == 3 and not hasattr(out[2], "b")
+    assert type(out[3]) is Pair and out[3] == (4, 5)
+    assert out[4] is Point and out[5] == {Pair: 1}
+
+
+def test_objects_of_unlisted_or_c_classes_and_forged_objects_are_refused():
+    """Encoding refuses an object of a class not listed, and of a listed class written in C (its state is not in
+    attributes: an itertools.chain would come back empty); decoding refuses a position past the list, an object whose
+    builtin value is of the wrong type, and attribute names that are not plain (a dunder would reach the class's
+    machinery)."""
+    import itertools
+
+    with pytest.raises(CodecError, match="cannot carry a Point"):
+        encode(Point(1, 2))
+    with pytest.raises(CodecError, match="cannot carry a chain"):
+        encode(itertools.chain([1]), (itertools.chain,))
+    message = encode(Point(1, 2), (Point,))
+    with pytest.raises(CodecError, match="did not list"):
+        decode(message, ())
+    with pytest.raises(CodecError, match="not its builtin value"):
+        decode(encode(Point(1, 2), (Point,)), (Tally,))
+    forged = b"o" + struct.pack(">I", 0) + b"N" + encode({"__class__": 1})[4:]
+    with pytest.raises(CodecError, match="not a plain name"):
+        decode(struct.pack(">I", len(forged)) + forged, (Point,))

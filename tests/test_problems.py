@@ -26,7 +26,7 @@ def test_the_stdlib_holds_about_290_doctested_functions(candidates):
     HumanEval's fields and its own body as canonical_solution, the prompt naming the function above its signature."""
     assert 250 <= len(candidates) <= 400
     median = candidates["stdlib/statistics.median"]
-    assert set(median) == {*humaneval.FIELDS, "canonical_solution"} and median["entry_point"] == "median"
+    assert set(median) == {*humaneval.FIELDS, "serve", "canonical_solution"} and median["entry_point"] == "median"
     assert median["prompt"].startswith("# statistics.median, from Python's standard library\ndef median(data):\n")
     assert ">>> median([1, 3, 5])" in median["prompt"] and "return" in median["canonical_solution"]
     assert (
@@ -43,7 +43,7 @@ def test_a_problem_runs_its_doctests_against_the_answer_in_its_module(candidates
     median, common = candidates["stdlib/statistics.median"], candidates["stdlib/collections.Counter.most_common"]
     wrong = "    data = sorted(data)\n    return data[len(data) // 2 - 1]\n"
     answers = [(median, median["canonical_solution"]), (median, wrong), (common, common["canonical_solution"])]
-    verdicts = sandbox.run_many([humaneval.program(p, a) for p, a in [*answers, (common, problems.STUB)]])
+    verdicts = sandbox.run_many([humaneval.answer(p, a) for p, a in [*answers, (common, problems.STUB)]])
     assert verdicts[0] == "passed" and verdicts[2] == "passed"
     assert verdicts[1].startswith("failed: AssertionError:") and "doctest examples failed" in verdicts[1]
     assert verdicts[3].startswith("failed")
@@ -55,8 +55,13 @@ def test_stdlib_problems_keeps_the_decisive_tests(candidates):
     out."""
     keep = {"stdlib/statistics.median", "stdlib/statistics.mode", "stdlib/secrets.token_hex"}
     assert "+SKIP" in candidates["stdlib/secrets.token_hex"]["prompt"]
-    found = problems.stdlib_problems(too_long=lambda p: "" if p["task_id"] in keep else "left out")
+    found, said = problems.stdlib_problems(too_long=lambda p: "" if p["task_id"] in keep else "left out")
     assert {p["task_id"] for p in found} == {"stdlib/statistics.median", "stdlib/statistics.mode"}
+    n = len(problems.stdlib_candidates())
+    assert (
+        said
+        == f"2 of {n} doctested stdlib functions (1 whose test does not decide, {n - 3} without room for an answer)"
+    )
     assert [len(p["canonical_solution"]) for p in found] == sorted(len(p["canonical_solution"]) for p in found)
 
 
@@ -96,4 +101,7 @@ def test_a_bad_problem_file_is_one_line_naming_its_line(tmp_path, row, message):
 def test_a_good_problem_file_loads(tmp_path):
     """Problems with and without a canonical_solution load, in order, with HumanEval's four fields."""
     path = write(tmp_path / "p.jsonl", [ADD | {"canonical_solution": "    return a + b\n"}, ADD | {"task_id": "b"}])
-    assert problems.read_problems(path) == [ADD, ADD | {"task_id": "b"}]
+    assert problems.read_problems(path) == (
+        [ADD, ADD | {"task_id": "b"}],
+        f"2 of 2 problems in {path} (0 cannot cross)",
+    )

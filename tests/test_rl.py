@@ -145,11 +145,17 @@ def test_adapters_off_is_the_base_model_bit_for_bit(tiny_dir):
     assert torch.equal(torch.cat([ref for *_, ref in parts]), want)
 
 
-OPEN, CLOSE = 'text = r"""', '"""\ndef f():\n    pass\ndef check(c):\n    assert {}\n'  # the answer is a string
+TEST = "def check(c):\n    text = c()\n    assert {}\n"  # the answer's function returns its sampled text
 PROBLEMS = [  # whose tests look at it: rewards that vary with what is sampled
-    dict(task_id=name, prompt=OPEN, entry_point="f", test=CLOSE.format(condition))
+    dict(task_id=name, prompt="def f():\n", entry_point="f", test=TEST.format(condition))
     for name, condition in (("even", "len(text) % 2 == 0"), ("e", "'e' in text"), ("three", "len(text) % 3"))
 ]
+
+
+def returning_text(text, chat):
+    """In place of humaneval.completion: the body of a function returning the sampled text, so that the judge, in
+    another process, sees the text through the answer's function."""
+    return f"    return {text!r}\n"
 
 
 def rl_args(tiny_dir, tmp_path, *extra):
@@ -190,6 +196,7 @@ def test_a_stopped_and_resumed_run_equals_one_run_straight_through(tiny_dir, tmp
     """Ctrl-C during step 2 ends the run after that step with its checkpoint; resumed, it gives every step's problems,
     rewards, loss and KL, and the final adapters, exactly as the run that was never stopped. The rewards vary within
     groups and the adapters move, so there is something to get wrong."""
+    monkeypatch.setattr(rl.humaneval, "completion", returning_text)
     full = rl.rl(load_config(rl.RLConfig, rl_args(tiny_dir, tmp_path / "full")))
     real = rl.step_problems
 

