@@ -3,7 +3,8 @@
 What this file proves: the standard library holds about 290 functions and methods with doctests, found with their
 signature + docstring as the prompt and their own body as the canonical solution; a problem's test runs the doctests
 against the answer in the function's module (its helpers in scope, a method put back on its class): the original body
-passes, a wrong one fails; a problem whose doctests pass any answer (+SKIP) is left out. A user's file: every mistake
+passes, a wrong one fails; a problem whose doctests pass any answer (+SKIP) is left out; the prompt shows half the
+examples, and answers that look up the shown examples, or all of them, fail. A user's file: every mistake
 is one line naming the file and line (a missing field, a canonical_solution that fails its test or is not text, a
 prompt with no room for an answer), and a good file loads whole.
 """
@@ -105,3 +106,18 @@ def test_a_good_problem_file_loads(tmp_path):
         [ADD, ADD | {"task_id": "b"}],
         f"2 of 2 problems in {path} (0 cannot cross)",
     )
+
+
+def test_what_the_prompt_does_not_show_decides(candidates):
+    """statistics.median's prompt shows the first of its two examples, not the second, which its test still runs: an
+    answer that looks up the shown example fails on the hidden one; an answer that looks up both fails when the test
+    calls it again on altered inputs and compares with the original; the original passes."""
+    median = candidates["stdlib/statistics.median"]
+    assert "median([1, 3, 5])" in median["prompt"] and "median([1, 3, 5, 7])" not in median["prompt"]
+    shown = "    if data == [1, 3, 5]:\n        return 3\n    return None\n"
+    both = "    if data == [1, 3, 5, 7]:\n        return 4.0\n" + shown
+    answers = [humaneval.answer(median, a) for a in (shown, both, median["canonical_solution"])]
+    verdicts = sandbox.run_many(answers)
+    assert verdicts[0] == "failed: AssertionError: 1 of 2 doctest examples failed"
+    assert verdicts[1].startswith("failed: AssertionError: on altered input ")
+    assert verdicts[2] == "passed"

@@ -1,12 +1,15 @@
 """What does rl.py train on? Problems whose tests decide, by running, whether an answer is right.
 
 A problem has HumanEval's fields (support/evaluation/humaneval.py): `prompt`, `test` (defining check(candidate)),
-`entry_point` and `task_id`; prompt + completion + test + check(entry_point) runs in the sandbox, and the answer is
-right when it runs to the end. The offline set is the standard library's doctested functions (docs/rl.md), each tested
-in its own module; a user's JSONL file is checked before anything is written, one line naming each mistake.
+`entry_point` and `task_id`; the sandbox runs prompt + completion in one process and the prompt and test, calling
+the answer, in another, and the answer is right when check(entry_point) runs to the end. The offline set is the
+standard library's doctested functions (docs/rl.md), each tested in its own module on all its examples, of which the
+prompt shows half, and on altered inputs compared with the original; a user's JSONL file is checked before anything is
+written, one line naming each mistake.
 """
 
 import ast
+import doctest
 import json
 from pathlib import Path
 
@@ -16,25 +19,100 @@ from support.evaluation import humaneval, sandbox
 CHECK_TIMEOUT = 30.0  # seconds for a canonical solution: a busy machine must not change which problems are kept
 STUB = "    raise NotImplementedError\n"  # an answer that answers nothing: a test it passes decides nothing
 UNCROSSABLE = "failed: cannot cross"  # the verdict of an answer whose call cannot cross as data (sandbox.py)
-TEST = """
+ALTERED_CALLS = 8  # of the calls the doctests made, how many are repeated on altered inputs (two each)
+HEADER = """
 DOCSTRING = {doc!r}
-
+MODULE = {module!r}
+CLASSES = {classes!r}
+NAME = {name!r}
+QUALNAME = {qualname!r}
+ALTERED_CALLS = {altered}
+"""
+CHECK = '''
 
 def check(candidate):
+    import copy
     import doctest
     import importlib
+    import random
 
-    module = importlib.import_module({module!r})
+    module = importlib.import_module(MODULE)
     owner = module
-    for name in {classes!r}:
+    for name in CLASSES:
         owner = getattr(owner, name)
+    original = vars(owner)[NAME]
     # the classes of the module's namespace cross as their attributes (support/evaluation/codec.py)
     candidate.classes += [v for v in vars(module).values() if isinstance(v, type) and v.__module__ != "builtins"]
-    setattr(owner, {name!r}, candidate)  # the answer, wherever the module calls the original
-    test = doctest.DocTestParser().get_doctest(DOCSTRING, dict(vars(module)), {qualname!r}, None, 0)
+    seen = []
+
+    def recording(*args, **kwargs):  # the answer, wherever the module calls the original; its calls kept
+        try:
+            seen.append(copy.deepcopy((args, kwargs)))
+        except Exception:  # arguments that cannot be copied are not altered
+            pass
+        return candidate(*args, **kwargs)
+
+    setattr(owner, NAME, recording)
+    test = doctest.DocTestParser().get_doctest(DOCSTRING, dict(vars(module)), QUALNAME, None, 0)
     result = doctest.DocTestRunner(verbose=False).run(test, out=lambda text: None)
-    assert result.failed == 0, f"{{result.failed}} of {{result.attempted}} doctest examples failed"
-"""
+    assert result.failed == 0, f"{result.failed} of {result.attempted} doctest examples failed"
+    rng = random.Random(QUALNAME)
+    for args, kwargs in seen[:ALTERED_CALLS]:
+        for _ in range(2):
+            changed = (altered(args, rng), altered(kwargs, rng))
+            if changed == (args, kwargs):
+                continue
+            setattr(owner, NAME, original)
+            expected = [outcome(original, copy.deepcopy(changed)) for _ in range(2)]
+            setattr(owner, NAME, recording)
+            if not alike(*expected):  # the original does not answer the same twice: nothing to compare with
+                continue
+            got = outcome(candidate, copy.deepcopy(changed))
+            assert alike(got, expected[0]), f"on altered input {changed!r}: {got!r}, expected {expected[0]!r}"
+
+
+def outcome(function, call):
+    args, kwargs = call
+    try:
+        return ("returned", function(*args, **kwargs))
+    except Exception as e:
+        return ("raised", type(e))
+
+
+def alike(a, b) -> bool:
+    """Both returned, or both raised, values of one type that are equal or (nan, objects compared by identity) equal
+    in repr."""
+    if a[0] != b[0] or type(a[1]) is not type(b[1]):
+        return False
+    try:
+        return a[1] == b[1] or repr(a[1]) == repr(b[1])
+    except Exception:
+        return False
+
+
+def altered(value, rng):
+    """A copy of `value` with one small change where it holds a number, a string or a list: what the docstring's
+    examples did not show."""
+    kind = type(value)
+    if kind is int:
+        return value + rng.choice((-2, -1, 1, 2))
+    if kind is float:
+        return value * rng.choice((0.5, 1.5, -1.0)) + rng.choice((0.0, 0.25))
+    if kind is str and value:
+        i = rng.randrange(len(value))
+        return value[:i] + rng.choice((value[i] * 2, "", value[-1 - i]))
+    if kind in (list, tuple) and value:
+        items = list(value)
+        i = rng.randrange(len(items))
+        items[i] = altered(items[i], rng)
+        if kind is list and rng.random() < 0.3:  # a tuple is a call's arguments, or a record: its order stays
+            rng.shuffle(items)
+        return kind(items)
+    if kind is dict and value:
+        key = rng.choice(list(value))
+        return value | {key: altered(value[key], rng)}
+    return value
+'''
 SERVE = """
 def _install():
     import importlib
@@ -74,11 +152,33 @@ def doctested(body, lines, module, classes=()) -> list[dict]:
         head, tail = (part + "\n" for part in parts)
         qualname = ".".join((*classes, node.name))
         where = dict(module=module, classes=list(classes), name=node.name)
-        test = TEST.format(doc=doc, qualname=qualname, **where)
-        prompt = f"# {module}.{qualname}, from Python's standard library\n{head}"
+        test = HEADER.format(doc=doc, qualname=qualname, altered=ALTERED_CALLS, **where) + CHECK
+        prompt = f"# {module}.{qualname}, from Python's standard library\n{shown(head, doc)}"
         out.append(dict(task_id=f"stdlib/{module}.{qualname}", prompt=prompt, test=test, entry_point=node.name,
                         serve=SERVE.format(**where), canonical_solution=tail))  # fmt: skip
     return out
+
+
+def shown(head: str, doc: str) -> str:
+    """The signature and docstring with the second half of the docstring's examples taken out: the test still runs
+    them all, so an answer that reproduces only what the prompt shows fails. `head` as it is when it has fewer than two
+    examples, or when its example lines cannot be matched one to one with doctest's."""
+    found = doctest.DocTestParser().get_examples(doc)
+    lines = head.split("\n")
+    starts = [i for i, line in enumerate(lines) if line.lstrip().startswith(">>>")]
+    if len(found) < 2 or len(starts) != len(found):
+        return head
+    visible = (len(found) + 1) // 2
+    cut = set()
+    for i, example in zip(starts[visible:], found[visible:], strict=True):
+        cut.update(range(i, i + example.source.count("\n") + example.want.count("\n")))
+    kept = "\n".join(line for i, line in enumerate(lines) if i not in cut)
+    try:
+        left = doctest.DocTestParser().get_examples(ast.get_docstring(ast.parse(kept).body[0]) or "")
+    except (SyntaxError, IndexError, ValueError):
+        return head
+    same = [(e.source, e.want) for e in left] == [(e.source, e.want) for e in found[:visible]]
+    return kept if same else head
 
 
 def stdlib_candidates() -> list[dict]:

@@ -13,9 +13,10 @@ fresh temporary directory, its output going to /dev/null, each setting its rlimi
 What comes back from the answer is data (codec.py): no object of the answer's making, so its frames, gc, tracing,
 patched builtins or doctest, values equal to everything and lines on every descriptor reach nothing that decides the
 verdict. Not covered: an answer that recognises the inputs the test calls it with (a lookup table of the examples a
-prompt shows), a test that never calls the entry point or checks too little, the answer's changes to a mutable
-argument that a weak test compares with itself, and, under confine=False, a program that gets around the Python guards
-to the judge's process (same user, no Landlock). docs/internals.md and docs/support.md say more.
+prompt shows, where the test checks no others: support/data/problems.py hides examples and alters inputs), a test
+that never calls the entry point or checks too little, the answer's changes to a mutable argument that a weak test
+compares with itself, and, under confine=False, a program that gets around the Python guards to the judge's process
+(same user, no Landlock). docs/internals.md and docs/support.md say more.
 """
 
 import functools
