@@ -110,6 +110,7 @@ RETURN = {  # name: what the entry point returns instead of its answer
     "a str equal to everything": "type('S', (str,), {'__eq__': lambda s, o: True})('')",
     "a list equal to everything": "type('L', (list,), {'__eq__': lambda s, o: True})()",
     "SystemExit raised at the call": "(_ for _ in ()).throw(SystemExit(0))",
+    "StopIteration raised at the call": "(_ for _ in ()).throw(StopIteration)",
 }
 
 TASKS = ["HumanEval/0", "HumanEval/2", "HumanEval/13", "HumanEval/32", "HumanEval/33", "HumanEval/53"]
@@ -138,7 +139,7 @@ def battery(humaneval_problems, stdlib) -> list[tuple[str, str, sandbox.Answer]]
 
 @pytest.mark.parametrize("confine", [True, False], ids=["confined", "unconfined"])
 def test_no_forgery_passes(humaneval_problems, stdlib, confine):
-    """Each of the 32 forgeries, on each of the 8 problems (256 answers), fails; none fails for a typo of its own
+    """Each of the 33 forgeries, on each of the 8 problems (264 answers), fails; none fails for a typo of its own
     (no SyntaxError or NameError in any verdict). The same answers without the forgery fail too (they are wrong)."""
     if confine and WHY:
         pytest.skip(f"the kernel cannot confine programs here: {WHY}")
