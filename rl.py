@@ -46,10 +46,8 @@ see one policy), AdamW and its schedule, the run around the loop (support/run/li
 
 import dataclasses
 import math
-import os
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -64,8 +62,7 @@ from model import Options
 from support.data import problems as problem_sets
 from support.data.tokenizer import Tokenizer
 from support.evaluation import humaneval
-from support.evaluation.sampling import dense_weights, generate_batch
-from support.run import config, lifecycle, ranks, run_dir, stopping
+from support.run import answer_log, config, lifecycle, ranks, run_dir, stopping
 from support.run.config import above, at_least, integer_at_least, setting, within
 
 LOSS_NORMS = ("token", "sequence", "constant")  # DAPO's, GRPO's, Dr. GRPO's
@@ -73,8 +70,8 @@ LOSS_NORMS = ("token", "sequence", "constant")  # DAPO's, GRPO's, Dr. GRPO's
 
 @dataclass
 class RLConfig(train.Common):
-    """GRPO's settings. Of train.Common's, data is a JSONL of problems ("" = the stdlib's) and
-    context_length holds a prompt and its answer (docs/rl.md)."""
+    """GRPO's settings. Of train.Common's, data is a JSONL of problems ("" = the stdlib's, "easy" =
+    small functions from templates) and context_length holds a prompt and its answer (docs/rl.md)."""
 
     group_size: int = setting(8, integer_at_least(2), resume=True)  # G answers a problem
     problems_per_step: int = setting(2, integer_at_least(1), resume=True)  # P
@@ -85,6 +82,9 @@ class RLConfig(train.Common):
     scale_rewards: bool = setting(True)  # advantages / the group's std
     updates_per_batch: int = setting(1, integer_at_least(1))  # > 1: the clip acts
     clip_eps: float = setting(0.2, above(0))  # ratio clipped to [1 - eps, 1 + eps]
+    learnable_only: bool = setting(False, resume=True)  # problems the base sometimes passes
+    skip_no_signal: bool = setting(False)  # groups of one reward dropped (dynamic sampling)
+    shuffle_rewards: bool = setting(False, resume=True)  # a control: blind rewards
 
 
 def step_problems(cfg: RLConfig, n: int, step: int) -> list[int]:
@@ -99,40 +99,32 @@ def step_problems(cfg: RLConfig, n: int, step: int) -> list[int]:
 # ----------------------------------------------------------------------------- rollout and rewards
 @torch.no_grad()
 def rollout(cfg: RLConfig, run, problems, step: int) -> dict:
-    """G answers sampled for each of the step's problems, and their rewards from the sandbox."""
+    """G answers sampled for each of the step's problems, all N in one batch, their rewards from the
+    sandbox, each answer's line for answers.jsonl and the rollout's part of the step's record."""
     G = cfg.group_size
-    picked = step_problems(cfg, len(problems), step)
-    chosen = [problems[i] for i in picked for _ in range(G)]
+    chosen = [problems[i] for i in step_problems(cfg, len(problems), step) for _ in range(G)]
     tok = run.tok
     template = cfg.template or None
-    chat = humaneval.is_chat(tok, template)
-    prompts = [humaneval.prompt_ids(p, tok, template) for p in chosen]
-    stop = [tok.eos_id] if isinstance(tok.eos_id, int) else list(tok.eos_id or [])
-
-    def done(i, new):  # its code block has closed
-        return humaneval.finished(tok.decode(new), chat)
-
     start = time.perf_counter()
-    run.model.eval()
-    cpu = run.place.device.type == "cpu"
-    with dense_weights(run.model) if cpu else nullcontext(), run.place.autocast():
-        sampling = (cfg.temperature, cfg.top_p)
-        seed = cfg.seed * 1_000_003 + step
-        pad = stop[0] if stop else 0
-        answers = generate_batch(run.model, prompts, cfg.sample_tokens, stop, done, pad, *sampling, seed=seed)
-    run.model.train()
+    with run.place.autocast():
+        args = (template, cfg.sample_tokens, len(chosen), (cfg.temperature, cfg.top_p), cfg.seed * 1_000_003 + step)
+        answers = humaneval.generate_answers(run.model, tok, chosen, *args)
     generated = time.perf_counter()
-    texts = [tok.decode([t for t in a if t not in stop]) for a in answers]
-    completions = [humaneval.completion(t, chat) for t in texts]
+    texts = [humaneval.text(tok, a) for a in answers]
+    completions = [humaneval.completion(t, humaneval.is_chat(tok, template)) for t in texts]
     verdicts = humaneval.score(chosen, completions, confine=not cfg.eval_task_unconfined)
     rewards = torch.tensor([v == "passed" for v in verdicts], dtype=torch.float32)
-    prompt = chosen[0]["prompt"]  # the first group's
-    shown = [dict(prompt=prompt, answer=texts[i], reward=float(rewards[i])) for i in range(G)]
-    roll = dict(seqs=list(zip(prompts, answers, strict=True)), rewards=rewards, samples=shown)
-    roll["task_ids"] = [p["task_id"] for p in chosen[::G]]
-    roll["generate_s"] = generated - start
-    roll["reward_s"] = time.perf_counter() - generated
-    return roll
+    lines = answer_log.lines(step + 1, chosen, texts, completions, verdicts)
+    prompts = [humaneval.prompt_ids(p, tok, template) for p in chosen]
+    shown = [dict(prompt=chosen[0]["prompt"], answer=x["answer"], reward=x["reward"]) for x in lines[:G]]
+    lengths = [len(a) for a in answers]
+    record = {"answer_tokens": sum(lengths) / len(lengths), "answer_tokens_max": max(lengths)}
+    record |= {"generate_s": generated - start, "reward_s": time.perf_counter() - generated}
+    record |= {"generated_per_s": sum(lengths) / (generated - start), "problems": [p["task_id"] for p in chosen[::G]]}
+    record["audit"] = sum(x["audit"] for x in lines if x["reward"])  # passed, but flagged
+    return dict(
+        seqs=list(zip(prompts, answers, strict=True)), rewards=rewards, answers=lines, samples=shown, record=record
+    )
 
 
 def advantages(rewards, group_size: int, scale: bool = True):
@@ -202,14 +194,18 @@ def packed_row(row):
 
 
 def token_logprobs(model, batch, temperature, place):
-    """lp (m,): log softmax(logits / T) of a micro-batch's answer tokens, from the training forward:
-    logits (m, vocab) at `where` only, in fp32."""
+    """(lp, entropy), both (m,): log softmax(logits / T) of a micro-batch's answer tokens, from the
+    training forward, and the entropy of each token's distribution (no gradient); logits (m, vocab)
+    at `where` only, in fp32."""
     with place.autocast():
         ids, pos, where, mask = (batch[k].to(place.device) for k in ("ids", "position_ids", "where", "mask"))
         logits = model(ids, pos, only=where, mask=mask)
     logits = logits.float() / temperature
     targets = batch["targets"].to(place.device)[:, None]
-    return logits.log_softmax(-1).gather(-1, targets)[:, 0]
+    logp = logits.log_softmax(-1)
+    with torch.no_grad():
+        entropy = -(logp.exp() * logp).sum(-1)
+    return logp.gather(-1, targets)[:, 0], entropy
 
 
 def token_weights(lengths, loss_norm: str, sample_tokens: int):
@@ -274,22 +270,25 @@ def prepare(cfg: RLConfig, run, roll: dict) -> list[Part]:
 @torch.no_grad()
 def all_logprobs(cfg, run, batches):
     """lp (n,) of every answer token of the step, without gradient."""
-    return torch.cat([token_logprobs(run.model, b, cfg.temperature, run.place) for b in batches])
+    return torch.cat([token_logprobs(run.model, b, cfg.temperature, run.place)[0] for b in batches])
 
 
-def backward(cfg: RLConfig, run, parts) -> tuple[float, float | None]:
-    """One update's forward and backward over the micro-batches, gradients summed: (the loss, its
-    tokens' mean KL)."""
+def backward(cfg: RLConfig, run, parts) -> dict:
+    """One update's forward and backward over the micro-batches, gradients summed: its loss, its
+    tokens' mean entropy and mean KL (when weighed)."""
     loss = torch.zeros((), dtype=torch.float64)
     kls = []
+    entropies = []
     for b, adv, w, old, ref in parts:
-        lp = token_logprobs(run.model, b, cfg.temperature, run.place)
+        lp, entropy = token_logprobs(run.model, b, cfg.temperature, run.place)
         part, kl = grpo_loss(lp, lp.detach() if old is None else old, ref, adv, w, cfg)
         run.scaler.scale(part).backward()
         loss += part.detach().double().cpu()
+        entropies.append(entropy)
         if kl is not None:
             kls.append(kl.detach())
-    return loss.item(), float(torch.cat(kls).mean()) if kls else None
+    record = {"loss": loss.item(), "entropy": float(torch.cat(entropies).mean())}
+    return record | ({"kl": float(torch.cat(kls).mean())} if kls else {})
 
 
 def grpo_step(cfg: RLConfig, run, roll: dict) -> dict:
@@ -299,11 +298,11 @@ def grpo_step(cfg: RLConfig, run, roll: dict) -> dict:
     params = [p for group in run.opt.param_groups for p in group["params"]]
     parts = prepare(cfg, run, roll)
     for update in range(cfg.updates_per_batch):
-        loss, kl = backward(cfg, run, parts)
+        losses = backward(cfg, run, parts)
         run.scaler.unscale_(run.opt)
         norm = float(torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip or math.inf))
-        if update == 0:  # the step's record: the loss and KL of the policy that sampled
-            record = {"loss": loss} | ({"kl": kl} if kl is not None else {})
+        if update == 0:  # the step's record: the loss, entropy and KL of the policy that sampled
+            record = losses
         if not stopping.finite(record | {"grad_norm": norm}, run.scaler):
             return record | {"grad_norm": norm}  # never applied; the loop stops
         run.scaler.step(run.opt)
@@ -323,23 +322,40 @@ def rl_step(run, problems) -> tuple[dict, list]:
         group["lr"] = lr
     roll = rollout(cfg, run, problems, run.step)
     rewards = roll["rewards"]
-    lengths = [len(a) for _, a in roll["seqs"]]
-    groups = rewards.view(-1, cfg.group_size)
     record = {"step": run.step + 1, "lr": lr, "reward": float(rewards.mean()), "reward_std": float(rewards.std())}
-    record["no_signal"] = float((groups.std(1) == 0).float().mean())
-    record |= {"answer_tokens": sum(lengths) / len(lengths), "answer_tokens_max": max(lengths)}
-    record |= {"generate_s": roll["generate_s"], "reward_s": roll["reward_s"]}
-    record["generated_per_s"] = sum(lengths) / roll["generate_s"]
-    record["problems"] = roll["task_ids"]
-    record |= grpo_step(cfg, run, roll)
+    record["no_signal"] = float((rewards.view(-1, cfg.group_size).std(1) == 0).float().mean())
+    record |= roll["record"]
+    if run.place.main:
+        answer_log.append(cfg.out_dir, roll["answers"])
+    if cfg.shuffle_rewards:  # the control: each reward given to a random answer of its group
+        roll["rewards"] = shuffled(rewards, cfg.group_size, cfg.seed * 1_000_003 + run.step)
+    if cfg.skip_no_signal:
+        roll = with_signal(roll, cfg.group_size)
+    # a step without a group with signal (all skipped) has nothing to learn: no update
+    record |= grpo_step(cfg, run, roll) if roll["seqs"] else {"loss": 0.0, "grad_norm": 0.0}
     stopping.stop_unless_finite(run, record)
     run.step += 1
     return record, roll["samples"]
 
 
+def shuffled(rewards, group_size: int, seed: int):
+    """The control's rewards (N,): each group's permuted at random, blind to the answers."""
+    gen = torch.Generator().manual_seed(seed)
+    order = torch.stack([torch.randperm(group_size, generator=gen) for _ in range(len(rewards) // group_size)])
+    return rewards.view(-1, group_size).gather(1, order).flatten()
+
+
+def with_signal(roll: dict, group_size: int) -> dict:
+    """The rollout without its groups of one reward (DAPO's dynamic sampling, by skipping)."""
+    keep = (roll["rewards"].view(-1, group_size).std(1) > 0).repeat_interleave(group_size)
+    seqs = [seq for seq, kept in zip(roll["seqs"], keep.tolist(), strict=True) if kept]
+    return roll | {"seqs": seqs, "rewards": roll["rewards"][keep]}
+
+
 def step_line(record) -> str:
     """The progress bar's line for a step."""
-    line = f"reward {record['reward']:.2f} no-signal {record['no_signal']:.2f} loss {record['loss']:.4f}"
+    reward = f"reward {record['reward']:.2f} (audit {record['audit']})"
+    line = f"{reward} no-signal {record['no_signal']:.2f} loss {record['loss']:.4f}"
     return f"{line} gen {record['generated_per_s']:.0f} tok/s"
 
 
@@ -358,18 +374,20 @@ def build_policy(cfg: RLConfig, place, model_dir):
 def rl(cfg: RLConfig) -> list[dict]:
     """Train as `cfg` says; returns the metrics history (step 0's record, then one per step)."""
     config.check_config(cfg, config.rl_conflicts(cfg))
-    if os.environ.get("WORLD_SIZE", "1") != "1":
-        raise ValueError("rl.py runs in one process: start it with python, not torchrun")
     task = humaneval.task_problems(cfg)  # a bad eval_task file fails first
     model_dir = run_dir.find_model(cfg)
-    run_dir.data_files(cfg, ["data"])  # a missing problem file is named as `data`
+    run_dir.data_files(cfg, [] if cfg.data == "easy" else ["data"])  # a missing file named as `data`
     tok = Tokenizer(model_dir)
     problems, said = problem_sets.training_problems(cfg, tok)  # fails with nothing written
     cfg = dataclasses.replace(cfg, out_dir=run_dir.claim_out_dir(cfg))
     print(f"{said}; {cfg.problems_per_step} x {cfg.group_size} answers a step")
     place = ranks.setup(cfg)
     run = lifecycle.open_run(cfg, place, tok, model_dir, task, lambda p: build_policy(cfg, p, model_dir))
-    if not lifecycle.resume(run) and cfg.eval_every:  # a fresh run: eval_task's pass@1 before training
+    resumed = lifecycle.resume(run)
+    answer_log.keep_until(cfg.out_dir, run.step)  # a fresh run: none
+    if cfg.learnable_only:  # those the base model sometimes passes
+        problems = problem_sets.learnable(cfg, run.model, tok, problems, place.autocast)
+    if not resumed and cfg.eval_every:  # a fresh run: eval_task's pass@1 before training
         if record := humaneval.task_record(cfg, run.model, tok, task, place.autocast, 0):
             lifecycle.keep(run, {"step": 0} | record)
     loop(run, problems)

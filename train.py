@@ -93,9 +93,11 @@ class Common:
     resume: bool = setting(False)  # continue from out_dir/checkpoint.pt
     overwrite: bool = setting(False)  # replace the run in out_dir
     sample_tokens: int = setting(96, config.at_least(1))  # max new tokens of an answer
-    eval_task: str = setting("", config.TASK)  # "humaneval" or a problems JSONL: pass@1
+    eval_task: str = setting("", config.TASK)  # "humaneval", "easy" or a problems JSONL
     eval_task_at: str = setting("evals", ("evals", "ends"))  # or first and last only
     eval_task_problems: int = setting(0, config.ALL)  # only its first N problems
+    eval_task_samples: int = setting(1, config.integer_at_least(1))  # k > 1: pass@1 and pass@k
+    eval_task_temperature: float = setting(0.8, config.above(0))  # of those k answers
     eval_task_unconfined: bool = setting(False)  # Python guards alone, no Landlock
     log: str = setting("", ("", "tensorboard", "wandb"))  # also to TensorBoard or W&B
     export_merged: bool = setting(False)  # also out_dir/merged, in the run's dtype

@@ -106,7 +106,7 @@ def test_each_chapter_declares_what_it_uses():
     own = {f.name for f in dataclasses.fields(rl.RLConfig)} - common
     assert common < {f.name for f in dataclasses.fields(train.Config)}
     assert own == {"group_size", "problems_per_step", "temperature", "top_p", "kl_coef", "loss_norm", "scale_rewards",
-                   "updates_per_batch", "clip_eps"}  # fmt: skip
+                   "updates_per_batch", "clip_eps", "learnable_only", "skip_no_signal", "shuffle_rewards"}  # fmt: skip
     with pytest.raises(ValueError) as e:
         load_config(rl.RLConfig, ["--batch_tokens=64"], elsewhere=(train.Config, "train.py's"))
     assert str(e.value) == "--batch_tokens: batch_tokens is train.py's"

