@@ -64,13 +64,8 @@ def package_versions(names) -> dict:
 def machine() -> dict:
     versions = {"python": platform.python_version(), "torch": torch.__version__}
     versions |= package_versions(("transformers", "peft", "bitsandbytes"))
-    return dict(
-        cpu=cpu_name(),
-        cores=os.cpu_count(),
-        threads=torch.get_num_threads(),
-        ram_gib=round(psutil.virtual_memory().total / 2**30, 1),
-        **versions,
-    )
+    ram = round(psutil.virtual_memory().total / 2**30, 1)
+    return dict(cpu=cpu_name(), cores=os.cpu_count(), threads=torch.get_num_threads(), ram_gib=ram, **versions)
 
 
 def run_child(argv, log_path, with_workers=False):

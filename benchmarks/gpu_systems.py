@@ -257,14 +257,10 @@ def peer_system(key, model, device, dtype, compile=False):
 
 def build_system(key, cfg, base, device, dtype):
     """One system on the weights `base` (the state dict of our random dense Llama)."""
-    if key == "peer-lora":
-        return peer_system(key, peer_llama(cfg, base, device, dtype), device, dtype)
-    if key == "peer-qlora":
-        return peer_system(key, peer_qlora_llama(cfg, base, device, dtype), device, dtype)
-    if key == "peer-liger":
-        return peer_system(key, peer_liger_llama(cfg, base, device, dtype), device, dtype)
-    if key == "peer-compile":
-        return peer_system(key, peer_llama(cfg, base, device, dtype), device, dtype, compile=True)
+    peers = {"peer-lora": peer_llama, "peer-qlora": peer_qlora_llama, "peer-liger": peer_liger_llama}
+    if key.startswith("peer"):  # peer-compile: the LoRA peer's model, compiled
+        model = peers.get(key, peer_llama)(cfg, base, device, dtype)
+        return peer_system(key, model, device, dtype, compile=key == "peer-compile")
     options = Options(compile=key.endswith("-compiled"))
     model = our_llama(cfg, base, device, dtype, options, nf4=key.startswith("ours-qlora"))
     return ours_system(key, model, device, dtype)
