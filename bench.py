@@ -127,8 +127,7 @@ def arguments():
 
 def under_load_problem(args) -> str:
     """What is wrong with under-load's arguments, or ""."""
-    unknown = set(args.workloads.split(",")) - set(WORKLOADS)
-    if unknown:
+    if unknown := set(args.workloads.split(",")) - set(WORKLOADS):
         return f"--workloads: {', '.join(sorted(unknown))}: not a workload (train, rl)"
     return "--rounds must be at least 1" if args.rounds < 1 else ""
 

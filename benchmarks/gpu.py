@@ -174,10 +174,8 @@ def gpu_machine(device):
     info = dict(torch=torch.__version__, cuda=torch.version.cuda or "none", python=platform.python_version())
     info |= package_versions(("transformers", "peft", "bitsandbytes", "flash-attn", "triton"))
     if device.type == "cuda":
-        info |= dict(
-            device=torch.cuda.get_device_name(device), memory=torch.cuda.get_device_properties(device).total_memory
-        )
-        info["capability"] = ".".join(map(str, torch.cuda.get_device_capability(device)))
+        props = torch.cuda.get_device_properties(device)  # what get_device_name and get_device_capability read
+        info |= dict(device=props.name, memory=props.total_memory, capability=f"{props.major}.{props.minor}")
     else:
         info |= dict(device=f"{cpu_name()} ({torch.get_num_threads()} threads)", memory=None)
     return info

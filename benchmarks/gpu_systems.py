@@ -216,10 +216,8 @@ def peer_qlora_llama(cfg, base, device, dtype):
     import transformers
 
     with tempfile.TemporaryDirectory(dir=scratch_dir(sum(v.nbytes for v in base.values()))) as tmp:
-        tied = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
-        atomic.write_safetensors(
-            os.path.join(tmp, "model.safetensors"), {k: v for k, v in base.items() if k not in tied}
-        )
+        stored = {k: v for k, v in base.items() if not (k == "lm_head.weight" and cfg.tie_word_embeddings)}
+        atomic.write_safetensors(os.path.join(tmp, "model.safetensors"), stored)
         atomic.write_json(os.path.join(tmp, "config.json"), hf.config_json(cfg, dtype))
         where = device.index if device.type == "cuda" else "cpu"
         return transformers.LlamaForCausalLM.from_pretrained(

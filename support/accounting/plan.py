@@ -86,8 +86,7 @@ def plan(config, budget, context, max_rows, dtype, lora, chunked=True, shards=0,
 def report(config, spec, context, max_rows, dtype, lora, chunked=True, base=(True, 8)):
     """The plan as text: the longest single row for `base` (quantize, optimizer bytes), the table, the choice. On
     several GPUs it tries DDP, then FSDP, then FSDP with CPU offload."""
-    gpus = gpu_count(spec)
-    budget = budget_bytes(spec)
+    gpus, budget = gpu_count(spec), budget_bytes(spec)
     loss = "chunked" if chunked else "full-vocabulary"
     lines = [
         f"memory plan for {spec} ({fmt(budget)}{' per GPU' * (gpus > 1)} after the CUDA context), rows of {context} "
