@@ -74,9 +74,7 @@ def _training_data(path, cache):
     found = [("one process", json.loads(Path(out).read_text()))]
     argv = ["-m", "benchmarks.pack", "train", path, cache, os.path.join(cache, "rank{}.json")]
     run_two_ranks(argv, os.path.join(cache, "log"), "the 2 ranks")
-    for r in (0, 1):
-        found.append((f"rank {r} of 2", json.loads(Path(cache, f"rank{r}.json").read_text())))
-    return found
+    return found + [(f"rank {r} of 2", json.loads(Path(cache, f"rank{r}.json").read_text())) for r in (0, 1)]
 
 
 def _child(mode, path, cache, out):

@@ -13,7 +13,7 @@ import os
 import signal
 import sys
 import threading
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -106,10 +106,8 @@ def lost(e: BaseException) -> bool:
 def tell_the_others(lines: list[str]) -> list[str]:
     """Keep this rank's error lines in the store for the other ranks (the first error of a run wins); returns them."""
     if store is not None and dist.is_initialized() and dist.get_world_size() > 1:
-        try:
+        with suppress(RuntimeError, dist.DistError):  # the store's host may be gone too: this rank still says it
             store.compare_set(ERROR_KEY, "", f"{dist.get_rank()}\n" + "\n".join(lines))
-        except (RuntimeError, dist.DistError):  # the store's host is gone too: this rank still says it
-            pass
     return lines
 
 
