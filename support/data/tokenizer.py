@@ -85,9 +85,7 @@ class Tokenizer:
         else:
             raise FileNotFoundError(f"{d}: no tokenizer.json or tokenizer.model")
         self.files += [f for f in (cfg_file, d / "chat_template.jinja") if f.exists()]
-        self.bos_id, self.eos_id, pad = (
-            ids.get(self.special_tokens.get(k)) for k in SPECIAL_NAMES[:2] + ("pad_token",)
-        )
+        self.bos_id, self.eos_id, pad = (ids.get(self.special_tokens.get(f"{k}_token")) for k in ("bos", "eos", "pad"))
         self.pad_id = pad if pad is not None else self.eos_id
         # Whether plain (non-chat) prompts start with BOS: the config says so, else what the tokenizer does by itself.
         default = self._sp is not None or self._tok.encode("a").ids[:1] == [self.bos_id]
@@ -98,9 +96,8 @@ class Tokenizer:
         if self._sp is None:
             return [e.ids for e in self._tok.encode_batch_fast(list(texts), add_special_tokens=False)]
         parts = [[p for p in self._split.split(t) if p] if self._special else [t] for t in texts]
-        plain = iter(
-            self._sp.encode([p for ps in parts for p in ps if p not in self._special], num_threads=self.encode_threads)
-        )
+        pieces = [p for ps in parts for p in ps if p not in self._special]  # the text between special tokens
+        plain = iter(self._sp.encode(pieces, num_threads=self.encode_threads))
         return [[i for p in ps for i in ([self._special[p]] if p in self._special else next(plain))] for ps in parts]
 
     def encode(self, text, bos=False, eos=False):
