@@ -50,8 +50,7 @@ def run_trl(steps, folder) -> dict:
     out = os.path.join(folder, "trl.json")
     run_child_ok(["bench.py", "grpo-peer", f"--steps={steps}", f"--out={out}"], os.path.join(folder, "trl.log"), "TRL")
     steps_ = json.load(open(out))["steps"][1:]
-    return dict(seconds=[s["seconds"] for s in steps_], generated=[s["generated"] for s in steps_],
-                reward=[s["reward"] for s in steps_])  # fmt: skip
+    return {key: [s[key] for s in steps_] for key in ("seconds", "generated", "reward")}
 
 
 def trl_peer(steps, out):
