@@ -37,8 +37,16 @@ from support.kernels import dropout, dropout_cuda, nf4_ops
 from support.kernels.attention import varlen_attention
 from support.run import ranks
 
-_LLAMA3 = dict(model_type="llama", architectures=["LlamaForCausalLM"], vocab_size=128256, num_key_value_heads=8)
-_LLAMA3 |= dict(head_dim=128, rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=131072)
+_LLAMA3 = dict(
+    model_type="llama",
+    architectures=["LlamaForCausalLM"],
+    vocab_size=128256,
+    num_key_value_heads=8,
+    head_dim=128,
+    rms_norm_eps=1e-5,
+    rope_theta=500000.0,
+    max_position_embeddings=131072,
+)
 _ROPE = dict(rope_type="llama3", low_freq_factor=1.0, high_freq_factor=4.0, original_max_position_embeddings=8192)
 
 
@@ -71,9 +79,16 @@ SYSTEMS = {  # key: row label
     "peer-liger": "transformers + PEFT + Liger LoRA",
     "peer-compile": "transformers + PEFT LoRA, compiled",
 }
-PAIRS = [("ours-lora", "peer-lora"), ("ours-qlora", "peer-qlora"), ("ours-qlora", "peer-lora")]
-PAIRS += [("ours-qlora", "ours-lora"), ("ours-lora", "peer-liger"), ("ours-lora-compiled", "peer-compile")]
-PAIRS += [("ours-qlora-compiled", "peer-compile"), ("ours-lora-compiled", "ours-lora")]
+PAIRS = [
+    ("ours-lora", "peer-lora"),
+    ("ours-qlora", "peer-qlora"),
+    ("ours-qlora", "peer-lora"),
+    ("ours-qlora", "ours-lora"),
+    ("ours-lora", "peer-liger"),
+    ("ours-lora-compiled", "peer-compile"),
+    ("ours-qlora-compiled", "peer-compile"),
+    ("ours-lora-compiled", "ours-lora"),
+]
 EAGER = [k for k in SYSTEMS if not k.endswith("compile") and not k.endswith("compiled")]
 COMPILED = [k for k in SYSTEMS if k not in EAGER]
 # What a system can fail with while built or stepped (out of memory is a RuntimeError); reported in its row.

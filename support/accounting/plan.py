@@ -23,9 +23,20 @@ from support.accounting.memory import (
 )
 
 CUDA_CONTEXT = GIB  # the CUDA context and kernels, outside torch's allocator
-# each card's total as nvidia-smi reports it (often less than the GB it is sold as), for --plan=NAME
-GPU_MIB = {"H200": 143771, "H100": 81559, "A100-80GB": 81920, "A100-40GB": 40960, "L40S": 46068, "A6000": 49140}
-GPU_MIB |= {"L4": 23034, "A10G": 23028, "RTX4090": 24564, "RTX3090": 24576, "T4": 15360, "V100": 16160}
+GPU_MIB = {  # each card's total as nvidia-smi reports it (often less than the GB it is sold as), for --plan=NAME
+    "H200": 143771,
+    "H100": 81559,
+    "A100-80GB": 81920,
+    "A100-40GB": 40960,
+    "L40S": 46068,
+    "A6000": 49140,
+    "L4": 23034,
+    "A10G": 23028,
+    "RTX4090": 24564,
+    "RTX3090": 24576,
+    "T4": 15360,
+    "V100": 16160,
+}
 
 
 def gpu_count(spec) -> int:

@@ -22,8 +22,11 @@ import numpy as np
 
 BLOCK_BYTES = 16 << 20  # JSON lines are read 16 MiB at a time
 BLOCK_ROWS = 4096  # and Parquet 4,096 rows at a time
-FORMATS = {"magicoder": ("problem", "solution"), "alpaca": ("instruction", "output")}
-FORMATS["pairs"] = ("instruction", "response")
+FORMATS = {
+    "magicoder": ("problem", "solution"),
+    "alpaca": ("instruction", "output"),
+    "pairs": ("instruction", "response"),
+}
 STDLIB_SKIP = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "__pycache__"}
 
 
