@@ -1,7 +1,7 @@
 """rl.py: reinforcement learning from execution: GRPO over LoRA, rewarded by running tests.
 
-    python rl.py configs/grpo_stdlib.py           # the stdlib's doctested functions
-    python rl.py configs/grpo_stdlib.py --resume  # on from out_dir/checkpoint.pt
+    python rl.py configs/grpo_easy.py             # small functions: it learns, on 2 CPU cores
+    python rl.py configs/grpo_stdlib.py --resume  # the stdlib's doctests, on from a checkpoint
     python rl.py --data=problems.jsonl --kl_coef=0.04 --loss_norm=sequence
 
 train.py shows the model right answers. Here the model answers and is told how well it did, by a
@@ -17,7 +17,8 @@ sequences, n answer tokens:
        A_i = (r_i - mean(r)) / (std(r) + 1e-4)
    std with Bessel's correction, as TRL; scale_rewards=False drops the division (Dr. GRPO,
    https://arxiv.org/abs/2503.20783). A group whose answers all got one reward has every A_i = 0 and
-   teaches nothing (`no_signal`: the share of such groups).
+   teaches nothing (`no_signal`: the share of such groups): learnable_only keeps the problems the
+   base model sometimes passes, skip_no_signal leaves such groups out (DAPO's dynamic sampling).
 4. Loss, on the sampled tokens. lp = log softmax(z / T) at o_t, from the training forward with gradient;
    lp_old: the policy that sampled (lp detached, with one update a batch).
        ratio = exp(lp - lp_old)
@@ -62,7 +63,7 @@ from model import Options
 from support.data import problems as problem_sets
 from support.data.tokenizer import Tokenizer
 from support.evaluation import humaneval
-from support.run import answer_log, config, lifecycle, ranks, run_dir, stopping
+from support.run import answer_log, config, lifecycle, progress, ranks, run_dir, stopping
 from support.run.config import above, at_least, integer_at_least, setting, within
 
 LOSS_NORMS = ("token", "sequence", "constant")  # DAPO's, GRPO's, Dr. GRPO's
@@ -87,44 +88,31 @@ class RLConfig(train.Common):
     shuffle_rewards: bool = setting(False, resume=True)  # a control: blind rewards
 
 
-def step_problems(cfg: RLConfig, n: int, step: int) -> list[int]:
-    """The P problems of step `step`: seeded permutations of the n, epoch by epoch."""
-    chosen = []
-    for k in range(step * cfg.problems_per_step, (step + 1) * cfg.problems_per_step):
-        epoch = torch.Generator().manual_seed(cfg.seed + k // n)
-        chosen.append(int(torch.randperm(n, generator=epoch)[k % n]))
-    return chosen
-
-
 # ----------------------------------------------------------------------------- rollout and rewards
 @torch.no_grad()
 def rollout(cfg: RLConfig, run, problems, step: int) -> dict:
-    """G answers sampled for each of the step's problems, all N in one batch, their rewards from the
-    sandbox, each answer's line for answers.jsonl and the rollout's part of the step's record."""
+    """G answers to each of the step's problems, sampled in one batch, judged in the sandbox."""
     G = cfg.group_size
-    chosen = [problems[i] for i in step_problems(cfg, len(problems), step) for _ in range(G)]
-    tok = run.tok
+    picked = problem_sets.step_problems(cfg.seed, cfg.problems_per_step, len(problems), step)  # seeded
+    chosen = [problems[i] for i in picked for _ in range(G)]
     template = cfg.template or None
     start = time.perf_counter()
     with run.place.autocast():
         args = (template, cfg.sample_tokens, len(chosen), (cfg.temperature, cfg.top_p), cfg.seed * 1_000_003 + step)
-        answers = humaneval.generate_answers(run.model, tok, chosen, *args)
+        answers = humaneval.generate_answers(run.model, run.tok, chosen, *args)
     generated = time.perf_counter()
-    texts = [humaneval.text(tok, a) for a in answers]
-    completions = [humaneval.completion(t, humaneval.is_chat(tok, template)) for t in texts]
+    texts = [humaneval.text(run.tok, a) for a in answers]
+    completions = [humaneval.completion(t, humaneval.is_chat(run.tok, template)) for t in texts]
     verdicts = humaneval.score(chosen, completions, confine=not cfg.eval_task_unconfined)
     rewards = torch.tensor([v == "passed" for v in verdicts], dtype=torch.float32)
     lines = answer_log.lines(step + 1, chosen, texts, completions, verdicts)
-    prompts = [humaneval.prompt_ids(p, tok, template) for p in chosen]
+    prompts = [humaneval.prompt_ids(p, run.tok, template) for p in chosen]
     shown = [dict(prompt=chosen[0]["prompt"], answer=x["answer"], reward=x["reward"]) for x in lines[:G]]
-    lengths = [len(a) for a in answers]
-    record = {"answer_tokens": sum(lengths) / len(lengths), "answer_tokens_max": max(lengths)}
-    record |= {"generate_s": generated - start, "reward_s": time.perf_counter() - generated}
-    record |= {"generated_per_s": sum(lengths) / (generated - start), "problems": [p["task_id"] for p in chosen[::G]]}
+    record = progress.rollout_record(answers, generated - start, time.perf_counter() - generated)
+    record |= {"problems": [p["task_id"] for p in chosen[::G]]}
     record["audit"] = sum(x["audit"] for x in lines if x["reward"])  # passed, but flagged
-    return dict(
-        seqs=list(zip(prompts, answers, strict=True)), rewards=rewards, answers=lines, samples=shown, record=record
-    )
+    seqs = list(zip(prompts, answers, strict=True))
+    return dict(seqs=seqs, rewards=rewards, answers=lines, samples=shown, record=record)
 
 
 def advantages(rewards, group_size: int, scale: bool = True):
@@ -352,13 +340,6 @@ def with_signal(roll: dict, group_size: int) -> dict:
     return roll | {"seqs": seqs, "rewards": roll["rewards"][keep]}
 
 
-def step_line(record) -> str:
-    """The progress bar's line for a step."""
-    reward = f"reward {record['reward']:.2f} (audit {record['audit']})"
-    line = f"{reward} no-signal {record['no_signal']:.2f} loss {record['loss']:.4f}"
-    return f"{line} gen {record['generated_per_s']:.0f} tok/s"
-
-
 # ----------------------------------------------------------------------------- the run
 def build_policy(cfg: RLConfig, place, model_dir):
     """train.py's QLoRA model without dropout (sampling and the loss see one policy), and its
@@ -406,7 +387,7 @@ def loop(run, problems):
                 record["samples"] = samples
                 args = (run.model, run.tok, run.task, run.place.autocast, run.step)
                 record |= humaneval.task_record(cfg, *args)
-            lifecycle.end_step(run, record, step_line(record))
+            lifecycle.end_step(run, record, progress.rl_step_line(record))
     lifecycle.end_loop(run)
 
 

@@ -96,7 +96,7 @@ class Common:
     eval_task: str = setting("", config.TASK)  # "humaneval", "easy" or a problems JSONL
     eval_task_at: str = setting("evals", ("evals", "ends"))  # or first and last only
     eval_task_problems: int = setting(0, config.ALL)  # only its first N problems
-    eval_task_samples: int = setting(1, config.integer_at_least(1))  # k > 1: pass@1 and pass@k
+    eval_task_samples: int = setting(1, config.integer_at_least(1))  # k > 1: pass@k too
     eval_task_temperature: float = setting(0.8, config.above(0))  # of those k answers
     eval_task_unconfined: bool = setting(False)  # Python guards alone, no Landlock
     log: str = setting("", ("", "tensorboard", "wandb"))  # also to TensorBoard or W&B
@@ -109,8 +109,7 @@ class Common:
     def adapters(self, dropout=0.0) -> dict:
         """The LoRA settings, as lora.add_lora_ and memory.estimate take them."""
         targets = self.lora_targets
-        if targets != "all-linear":
-            targets = targets.split(",")
+        targets = targets if targets == "all-linear" else targets.split(",")
         scale = dict(r=self.lora_r, alpha=self.lora_alpha, use_rslora=self.use_rslora)
         return dict(targets=targets, dropout=dropout, **scale)
 

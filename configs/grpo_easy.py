@@ -5,7 +5,8 @@
 # each of 24 problems from 4 templates never trained on) before and after.
 #
 # The base is not quantized: SmolLM2-135M in NF4 passes 2 of HumanEval's 164 problems where the 16-bit model passes 9,
-# and a group learns only from answers that sometimes pass. docs/rl.md has a run's numbers and its shuffled control.
+# and a group learns only from answers that sometimes pass. About 30 minutes on 2 CPU cores; held-out pass@1 rose
+# from 26% to 37% and from 25% to 53% over two seeds, against 0% for a shuffled-reward control (docs/performance.md).
 
 data = "easy"
 max_examples = 32

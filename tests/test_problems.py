@@ -7,16 +7,23 @@ passes, a wrong one fails; a problem whose doctests pass any answer (+SKIP) is l
 examples, and answers that look up the shown examples, or all of them, fail. A user's file: every mistake
 is one line naming the file and line (a missing field, a canonical_solution that fails its test or is not text, a
 prompt with no room for an answer), and a good file loads whole. data "easy" draws the easy family's training
-templates; the learnable band keeps exactly the problems some but not all of whose answers passed, and says how many
-of each kind there were.
+templates; a step's problems are a function of (seed, step); the learnable band keeps exactly the problems some but
+not all of whose answers passed, and says how many of each kind there were, its answers sampled from the base model
+(adapters off, so trained adapters change nothing).
 """
 
 import json
+from contextlib import nullcontext
 
 import pytest
+import torch
+from conftest import fixed_outcome_problems
 
+import rl
 from support.data import easy, problems
+from support.data.tokenizer import Tokenizer
 from support.evaluation import humaneval, sandbox
+from train import load_model
 
 
 @pytest.fixture(scope="module")
@@ -147,3 +154,32 @@ def test_the_learnable_band_keeps_problems_with_signal():
     assert [p["task_id"] for p in kept] == ["1", "3", "4"]
     counted = "(60% of groups with signal; 1 never, 1 always passed in 8 answers of the base model)"
     assert said == f"learnable band: 3 of 5 problems {counted}"
+
+
+def test_the_problems_of_a_step_are_a_function_of_seed_and_step():
+    """rl.py's steps take the problems in seeded permutations, one epoch after another: every problem once per epoch,
+    the same for the same seed and step, another order for another seed."""
+    epochs = [sum((problems.step_problems(5, 3, 7, s) for s in range(7 * e, 7 * e + 7)), []) for e in range(2)]
+    assert [sorted(x[i : i + 7]) for x in epochs for i in (0, 7, 14)] == [list(range(7))] * 6
+    assert problems.step_problems(5, 3, 7, 4) == [x for x in epochs[0][12:15]]
+    assert epochs[0] != sum((problems.step_problems(6, 3, 7, s) for s in range(7)), [])
+
+
+def test_learnable_samples_the_base_model_with_its_adapters_off(tiny_dir, tmp_path, monkeypatch):
+    """learnable samples group_size answers to each problem from the model with its adapters off: of a problem every
+    answer passes, one none passes and one whose test passes an even-length answer text, only the last is kept, and
+    the same with adapters that change what is sampled. Where none is left, one line says so."""
+    monkeypatch.setattr(humaneval, "completion", lambda text, chat: f"    return {text!r}\n")
+    rows = [json.loads(line) for line in fixed_outcome_problems(tmp_path / "p.jsonl").read_text().splitlines()]
+    even = dict(rows[0], task_id="even", test="def check(c):\n    assert len(c()) % 2 == 0\n")
+    cfg = rl.RLConfig(group_size=8, sample_tokens=8, temperature=1.0)
+    tok = Tokenizer(tiny_dir)
+    model = load_model(tiny_dir, torch.float32, add_lora=dict(targets="all-linear", r=4, alpha=8, dropout=0.0))
+    kept = problems.learnable(cfg, model, tok, [*rows, even], nullcontext)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 1.0, generator=torch.Generator().manual_seed(0))
+    assert kept == [even] and problems.learnable(cfg, model, tok, [*rows, even], nullcontext) == kept
+    with pytest.raises(ValueError, match=r"^learnable_only: learnable band: 0 of 2 problems .* no problem is left"):
+        problems.learnable(cfg, model, tok, rows, nullcontext)

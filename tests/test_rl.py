@@ -7,7 +7,7 @@ without, with and without the group's std, and with old log-probabilities that m
 switched off the QLoRA model's log-probabilities are the base model's bit for bit (the free reference policy); answers
 that share one copy of their prompt get the log-probabilities they get alone; the mean token entropy equals the one TRL
 logs; a run stopped and resumed equals one run straight through (losses, rewards, adapters, and answers.jsonl line for
-line); the problems of a step are a function of (seed, step); the control's shuffled rewards keep each group's rewards,
+line); the control's shuffled rewards keep each group's rewards,
 and skipping groups without signal drops exactly those (a step with none makes no update); a bad problem file or a
 setting of train.py's own is one line, with nothing written.
 """
@@ -205,15 +205,15 @@ def test_a_stopped_and_resumed_run_equals_one_run_straight_through(tiny_dir, tmp
     groups and the adapters move, so there is something to get wrong."""
     monkeypatch.setattr(rl.humaneval, "completion", returning_text)
     full = rl.rl(load_config(rl.RLConfig, rl_args(tiny_dir, tmp_path / "full")))
-    real = rl.step_problems
+    real = rl.problem_sets.step_problems
 
-    def interrupt(cfg, n, step):
+    def interrupt(seed, per_step, n, step):
         if step == 1:
             signal.raise_signal(signal.SIGINT)
-        return real(cfg, n, step)
+        return real(seed, per_step, n, step)
 
     with monkeypatch.context() as m, pytest.raises(SystemExit) as e:
-        m.setattr(rl, "step_problems", interrupt)
+        m.setattr(rl.problem_sets, "step_problems", interrupt)
         rl.rl(load_config(rl.RLConfig, rl_args(tiny_dir, tmp_path / "stopped")))
     assert e.value.code == 130 and "interrupted: checkpoint at step 2" in capsys.readouterr().out
     resumed = rl.rl(load_config(rl.RLConfig, rl_args(tiny_dir, tmp_path / "stopped", "--resume")))
@@ -226,16 +226,6 @@ def test_a_stopped_and_resumed_run_equals_one_run_straight_through(tiny_dir, tmp
     a, b = (torch.load(tmp_path / d / "out" / "checkpoint.pt", weights_only=True)["lora"] for d in ("full", "stopped"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     assert any(v.abs().max() > 0 for k, v in a.items() if "lora_B" in k)
-
-
-def test_the_problems_of_a_step_are_a_function_of_seed_and_step():
-    """Steps take the problems in seeded permutations, one epoch after another: every problem once per epoch, the same
-    for the same seed and step, another order for another seed."""
-    cfg = rl.RLConfig(problems_per_step=3, seed=5)
-    epochs = [sum((rl.step_problems(cfg, 7, s) for s in range(7 * e, 7 * e + 7)), []) for e in range(2)]
-    assert [sorted(x[i : i + 7]) for x in epochs for i in (0, 7, 14)] == [list(range(7))] * 6
-    assert rl.step_problems(cfg, 7, 4) == rl.step_problems(rl.RLConfig(problems_per_step=3, seed=5), 7, 4)
-    assert epochs[0] != sum((rl.step_problems(rl.RLConfig(problems_per_step=3, seed=6), 7, s) for s in range(7)), [])
 
 
 def test_shuffled_rewards_stay_in_their_groups():

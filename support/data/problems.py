@@ -15,6 +15,8 @@ import doctest
 import json
 from pathlib import Path
 
+import torch
+
 import lora
 from support.data import easy, examples
 from support.evaluation import humaneval, sandbox
@@ -282,6 +284,16 @@ def training_problems(cfg, tok) -> tuple[list[dict], str]:
     if cfg.max_examples and cfg.max_examples < len(found):
         said += f"; the first {cfg.max_examples} (max_examples)"
     return found[: cfg.max_examples or None], said
+
+
+def step_problems(seed: int, per_step: int, n: int, step: int) -> list[int]:
+    """The per_step problems (indices of the n) of step `step`: seeded permutations of the n, one epoch after another,
+    a function of (seed, step) alone, so that a resumed run takes up the same order."""
+    chosen = []
+    for k in range(step * per_step, (step + 1) * per_step):
+        epoch = torch.Generator().manual_seed(seed + k // n)
+        chosen.append(int(torch.randperm(n, generator=epoch)[k % n]))
+    return chosen
 
 
 def easy_problems(n, too_long=None) -> tuple[list[dict], str]:

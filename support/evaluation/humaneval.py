@@ -224,8 +224,9 @@ def task_record(cfg, model, tok, problems, autocast, step) -> dict:
     sampled = dict(k=k, sampling=(cfg.eval_task_temperature, 1.0), seed=cfg.seed) if k > 1 else {}
     confine = not cfg.eval_task_unconfined
     result = evaluate(model, tok, problems, cfg.template or None, autocast, confine=confine, **sampled)
-    answered = f"{result['passed']}/{result.get('answers', result['problems'])}"
-    line = f"step {step}: {label(cfg.eval_task)} pass@1 {100 * result['pass@1']:.1f}% ({answered} answers)"
+    out_of = f"{result['answers']} answers" if k > 1 else f"{len(problems)} problems"
+    answered = f"{result['passed']}/{out_of}"
+    line = f"step {step}: {label(cfg.eval_task)} pass@1 {100 * result['pass@1']:.1f}% ({answered})"
     tqdm.write(line + (f", pass@{k} {100 * result[f'pass@{k}']:.1f}%" if k > 1 else ""))
     return {"eval_task": result}
 

@@ -171,6 +171,20 @@ def step_line(record) -> str:
     )
 
 
+def rl_step_line(record) -> str:
+    """The progress bar's line for an rl.py step: the reward with the audit's count beside it."""
+    reward = f"reward {record['reward']:.2f} (audit {record['audit']})"
+    line = f"{reward} no-signal {record['no_signal']:.2f} loss {record['loss']:.4f}"
+    return f"{line} gen {record['generated_per_s']:.0f} tok/s"
+
+
+def rollout_record(answers, generate_s, reward_s) -> dict:
+    """A rollout's answer lengths (tokens; answers: their ids) and rates."""
+    lengths = [len(a) for a in answers]
+    record = {"answer_tokens": sum(lengths) / len(lengths), "answer_tokens_max": max(lengths)}
+    return record | {"generate_s": generate_s, "reward_s": reward_s, "generated_per_s": sum(lengths) / generate_s}
+
+
 def with_rates(record, batch, seconds, place, config, peak_flops) -> dict:
     """A step's record with its rates: tokens/s (all ranks), supervised tokens/s (in place of the count), this rank's
     model FLOPs and MFU over this rank's device."""
