@@ -105,7 +105,7 @@ def rollout(cfg: RLConfig, run, problems, step: int) -> dict:
     completions = [humaneval.completion(t, humaneval.is_chat(run.tok, template)) for t in texts]
     verdicts = humaneval.score(chosen, completions, confine=not cfg.eval_task_unconfined)
     rewards = torch.tensor([v == "passed" for v in verdicts], dtype=torch.float32)
-    lines = answer_log.lines(step + 1, chosen, texts, completions, verdicts)
+    lines = answer_log.lines(step + 1, chosen, texts, completions, verdicts, rewards.tolist())
     prompts = [humaneval.prompt_ids(p, run.tok, template) for p in chosen]
     shown = [dict(prompt=chosen[0]["prompt"], answer=x["answer"], reward=x["reward"]) for x in lines[:G]]
     record = progress.rollout_record(answers, generated - start, time.perf_counter() - generated)

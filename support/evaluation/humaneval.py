@@ -125,7 +125,7 @@ def generate_answers(
     chat, ids = is_chat(tok, template), [prompt_ids(p, tok, template) for p in problems]
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     out = [[] for _ in ids]
-    stop = [tok.eos_id] if isinstance(tok.eos_id, int) else list(tok.eos_id or [])
+    stop = stop_ids(tok)
     was_training = model.training
     model.eval()
     on_cpu = model.model.embed_tokens.weight.device.type == "cpu"
@@ -143,14 +143,18 @@ def generate_answers(
 
 def answers(model, tok, problems, template=None, max_new_tokens=MAX_NEW_TOKENS, batch=BATCH, **sampled) -> list[str]:
     """The text of each problem's answer (generate_answers')."""
-    return [
-        text(tok, ids) for ids in generate_answers(model, tok, problems, template, max_new_tokens, batch, **sampled)
-    ]
+    new = generate_answers(model, tok, problems, template, max_new_tokens, batch, **sampled)
+    return [text(tok, ids) for ids in new]
+
+
+def stop_ids(tok) -> list[int]:
+    """The ids that end an answer: the tokenizer's eos, one or several."""
+    return [tok.eos_id] if isinstance(tok.eos_id, int) else list(tok.eos_id or [])
 
 
 def text(tok, ids) -> str:
     """An answer's text: its ids decoded, stop tokens dropped."""
-    stop = {tok.eos_id} if isinstance(tok.eos_id, int) else set(tok.eos_id or ())
+    stop = stop_ids(tok)
     return tok.decode([t for t in ids if t not in stop])
 
 

@@ -16,12 +16,13 @@ from support.formats.atomic import atomic_write
 NAME = "answers.jsonl"
 
 
-def lines(step, problems, texts, completions, verdicts) -> list[dict]:
-    """A line for each answer of `step`: its problem, whole text and verdict (the reward: 1 when it passed), and the
-    audit's flag on its completion (the code the judge ran)."""
+def lines(step, problems, texts, completions, verdicts, rewards) -> list[dict]:
+    """A line for each answer of `step`: its problem, whole text, verdict and reward (rl.py's), and the audit's flag on
+    its completion (the code the judge ran)."""
     rows = []
-    for problem, text, code, verdict in zip(problems, texts, completions, verdicts, strict=True):
-        row = dict(step=step, task_id=problem["task_id"], reward=float(verdict == "passed"), verdict=verdict)
+    answers = zip(problems, texts, completions, verdicts, rewards, strict=True)
+    for problem, text, code, verdict, reward in answers:
+        row = dict(step=step, task_id=problem["task_id"], reward=reward, verdict=verdict)
         rows.append(row | dict(audit=audit.flagged(problem["prompt"], code), answer=text))
     return rows
 
