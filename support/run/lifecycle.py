@@ -60,9 +60,7 @@ def open_run(cfg, place, tok, model_dir, task, build) -> Run:
     place.dtype = choice.broadcast_dtype(dtype, place.world, place.device)
     model, opt = build(place)
     scaler = torch.amp.GradScaler("cuda", enabled=place.dtype == torch.float16)
-    run = Run(cfg, place, tok, model_dir, model, opt, scaler, task)
-    run.tracker = progress.open_tracker(cfg) if place.main else None
-    return run
+    return Run(cfg, place, tok, model_dir, model, opt, scaler, task, progress.open_tracker(cfg) if place.main else None)
 
 
 def resume(run) -> bool:
@@ -91,7 +89,7 @@ def steps(run):
     bar = tqdm(total=run.cfg.max_steps, initial=run.step, disable=not run.place.main, dynamic_ncols=True)
     with bar, stopping.stop_requests() as asked, stopping.abrupt_ends(run):
         run.bar = bar
-        progress.reset_peak(run.place)
+        memory.reset_peak(run.place.device)  # the measured peak starts here (on CUDA; a CPU's is the process's)
         yield functools.partial(stopping.any_rank, asked, run.place.world, run.place.device)
 
 
@@ -144,8 +142,7 @@ def close_run(run, prompts=()) -> list[dict]:
     if run.place.main:
         run_dir.write_outputs(run.cfg, run.model, run.tok, prompts, run.history, adapter, run.model_dir, run.tracker)
         progress.print_peak(run.place)
-    history = run.history
     run.model = None  # a sharded model holds the process group until freed
     run.opt = None
     ranks.end_process_group()
-    return history
+    return run.history

@@ -194,11 +194,6 @@ def with_rates(record, batch, seconds, place, config, peak_flops) -> dict:
     return {k: v for k, v in record.items() if k != "supervised"} | rates
 
 
-def reset_peak(place):
-    """The measured peak starts here (on CUDA; a CPU's is the process's)."""
-    memory.reset_peak(place.device)
-
-
 def print_peak(place):
     print(f"peak {'RSS' if place.device.type == 'cpu' else 'GPU memory'}: {memory.fmt(memory.peak(place.device))}")
 

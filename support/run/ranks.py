@@ -266,11 +266,8 @@ class Unread:
 
 def resident_bytes(model) -> tuple[int, int]:
     """(bytes of the parameters this rank holds now, bytes of the whole model's)."""
-    held = whole = 0
-    for p in model.parameters():
-        held += (p.to_local() if isinstance(p, DTensor) else p).nbytes
-        whole += p.numel() * p.element_size()
-    return held, whole
+    held = sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for p in model.parameters())
+    return held, sum(p.numel() * p.element_size() for p in model.parameters())
 
 
 def is_sharded(model) -> bool:

@@ -158,12 +158,11 @@ def read_checkpoint(path) -> dict:
     return state
 
 
-def save(cfg, model, opt, scaler, step, history, main=True) -> int:
-    """out_dir/checkpoint.pt and metrics.jsonl, written by rank 0 (every rank calls it); returns the step saved."""
+def save(cfg, model, opt, scaler, step, history, main=True):
+    """out_dir/checkpoint.pt and metrics.jsonl, written by rank 0 (every rank calls it)."""
     save_checkpoint(os.path.join(cfg.out_dir, "checkpoint.pt"), model, opt, scaler, step, cfg, main)
     if main:
         save_metrics(cfg.out_dir, history)
-    return step
 
 
 def save_metrics(out_dir, history):

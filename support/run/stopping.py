@@ -12,9 +12,6 @@ import sys
 import threading
 from contextlib import contextmanager
 
-import torch
-import torch.distributed as dist
-
 from support.run import ranks, run_dir
 
 
@@ -43,11 +40,7 @@ def stop_requests():
 
 def any_rank(asked, world, device) -> bool:
     """Whether any rank was asked to stop: all ranks must leave the loop at the same step."""
-    if world == 1:
-        return bool(asked)
-    flag = torch.tensor(float(bool(asked)), device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-    return bool(flag.item())
+    return ranks.reduce_min(int(not asked), world, device) == 0  # 0: some rank was asked
 
 
 def last_checkpoint(out_dir, step) -> str:
