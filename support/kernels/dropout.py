@@ -10,7 +10,7 @@ C++ code for the hash is wrong (docs/internals.md), so they drop by the same eag
 op's backward is the op again on the gradient (dropout is linear in x): no mask is kept, the hash runs twice.
 """
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn as nn
@@ -127,34 +127,30 @@ class KeyedDropout(nn.Module):
         return f"p={self.p}"
 
 
-@contextmanager
 def tile_of_rows(module, first_token):
     """Within the block, the KeyedDropouts of `module` see tiles of their rows (x (rows, tile, in), from token
     first_token) and drop what the whole rows would (tile_keys; a tile's first element a multiple of 4, else an
     error)."""
-    dropouts = [m for m in module.modules() if isinstance(m, KeyedDropout)]
-    for dropout in dropouts:
-        dropout.first_token = first_token
-    try:
-        yield
-    finally:
-        for dropout in dropouts:
-            dropout.first_token = 0
+    return _setting(module, "first_token", lambda index: first_token, 0)
 
 
-@contextmanager
 def dropout_rows(model, keys):
     """Within the block, every KeyedDropout of `model` drops by the row keys `keys` (row_keys: one per row of the
     micro-batch), each hashing them with its index among the model's dropouts; forward and backward (and any
     recomputation) must run inside. keys None: a model without dropout."""
     if keys is None:
-        yield
-        return
-    dropouts = [m for m in model.modules() if isinstance(m, KeyedDropout)]
+        return nullcontext()
+    return _setting(model, "keys", lambda index: mix64_(keys ^ _signed((index + 1) * GOLDEN % 2**64)), None)
+
+
+@contextmanager
+def _setting(module, name, value, after):
+    """Within the block, attribute `name` of the index-th KeyedDropout of `module` is value(index); then `after`."""
+    dropouts = [m for m in module.modules() if isinstance(m, KeyedDropout)]
     for index, dropout in enumerate(dropouts):
-        dropout.keys = mix64_(keys ^ _signed((index + 1) * GOLDEN % 2**64))
+        setattr(dropout, name, value(index))
     try:
         yield
     finally:
         for dropout in dropouts:
-            dropout.keys = None
+            setattr(dropout, name, after)

@@ -16,7 +16,7 @@ from support.kernels.dropout import tile_of_rows
 
 def tiled_mlp(mlp, x, tile):
     """mlp(x) for x (B, T, hidden), `tile` tokens of every row at a time, each tile recomputed in backward."""
-    tiles = [(first, part) for first, part in zip(range(0, x.shape[1], tile), x.split(tile, dim=1), strict=True)]
+    tiles = zip(range(0, x.shape[1], tile), x.split(tile, dim=1), strict=True)
     return torch.cat([checkpoint(mlp_tile, mlp, part, first, use_reentrant=False) for first, part in tiles], dim=1)
 
 
