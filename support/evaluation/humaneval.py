@@ -48,7 +48,7 @@ def load_problems(task: str) -> list[dict]:
     path = problems_file(task)
     with gzip.open(path, "rt", encoding="utf-8") if path.endswith(".gz") else open(path, encoding="utf-8") as f:
         lines = list(f)
-    problems, seen = [], set()
+    problems = {}  # by task_id
     for n, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -59,13 +59,12 @@ def load_problems(task: str) -> list[dict]:
         missing = [k for k in FIELDS if not isinstance(row, dict) or not isinstance(row.get(k), str)]
         if missing:
             raise ValueError(f"{path}:{n}: missing field {missing[0]!r} (a problem has {', '.join(FIELDS)})")
-        if row["task_id"] in seen:
+        if row["task_id"] in problems:
             raise ValueError(f"{path}:{n}: task_id {row['task_id']!r} appears twice")
-        seen.add(row["task_id"])
-        problems.append({k: row[k] for k in FIELDS})
+        problems[row["task_id"]] = {k: row[k] for k in FIELDS}
     if not problems:
         raise ValueError(f"{path}: no problems in it (expected one JSON object per line with {', '.join(FIELDS)})")
-    return problems
+    return list(problems.values())
 
 
 def is_chat(tok, template) -> bool:
@@ -124,21 +123,20 @@ def generate_answers(
     dense copies of NF4 weights (on CUDA the NF4 kernel is fast and a dense copy may not fit beside the run)."""
     chat, ids = is_chat(tok, template), [prompt_ids(p, tok, template) for p in problems]
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-    out = [[] for _ in ids]
+    out = {}  # each problem's answer, by its index
     stop = stop_ids(tok)
+    done = lambda i, new: finished(tok.decode(new), chat)  # noqa: E731
+    pad = stop[0] if stop else 0  # any id: padding is never attended
     was_training = model.training
     model.eval()
     on_cpu = model.model.embed_tokens.weight.device.type == "cpu"
     with dense_weights(model) if on_cpu else nullcontext():
         for s in range(0, len(order), batch):
             chunk = order[s : s + batch]
-            done = lambda i, new: finished(tok.decode(new), chat)  # noqa: E731
-            pad = stop[0] if stop else 0  # any id: padding is never attended
             new = generate_batch(model, [ids[i] for i in chunk], max_new_tokens, stop, done, pad, *sampling, seed + s)
-            for i, answer_ids in zip(chunk, new, strict=True):
-                out[i] = answer_ids
+            out.update(zip(chunk, new, strict=True))
     model.train(was_training)
-    return out
+    return [out[i] for i in range(len(ids))]
 
 
 def answers(model, tok, problems, template=None, max_new_tokens=MAX_NEW_TOKENS, batch=BATCH, **sampled) -> list[str]:
@@ -229,8 +227,7 @@ def task_record(cfg, model, tok, problems, autocast, step) -> dict:
     confine = not cfg.eval_task_unconfined
     result = evaluate(model, tok, problems, cfg.template or None, autocast, confine=confine, **sampled)
     out_of = f"{result['answers']} answers" if k > 1 else f"{len(problems)} problems"
-    answered = f"{result['passed']}/{out_of}"
-    line = f"step {step}: {label(cfg.eval_task)} pass@1 {100 * result['pass@1']:.1f}% ({answered})"
+    line = f"step {step}: {label(cfg.eval_task)} pass@1 {100 * result['pass@1']:.1f}% ({result['passed']}/{out_of})"
     tqdm.write(line + (f", pass@{k} {100 * result[f'pass@{k}']:.1f}%" if k > 1 else ""))
     return {"eval_task": result}
 

@@ -19,12 +19,10 @@ NAME = "answers.jsonl"
 def lines(step, problems, texts, completions, verdicts, rewards) -> list[dict]:
     """A line for each answer of `step`: its problem, whole text, verdict and reward (rl.py's), and the audit's flag on
     its completion (the code the judge ran)."""
-    rows = []
-    answers = zip(problems, texts, completions, verdicts, rewards, strict=True)
-    for problem, text, code, verdict, reward in answers:
-        row = dict(step=step, task_id=problem["task_id"], reward=reward, verdict=verdict)
-        rows.append(row | dict(audit=audit.flagged(problem["prompt"], code), answer=text))
-    return rows
+    return [
+        dict(step=step, task_id=p["task_id"], reward=r, verdict=v, audit=audit.flagged(p["prompt"], c), answer=t)
+        for p, t, c, v, r in zip(problems, texts, completions, verdicts, rewards, strict=True)
+    ]
 
 
 def append(out_dir, rows):
