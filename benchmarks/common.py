@@ -68,29 +68,20 @@ def machine() -> dict:
     return dict(cpu=cpu_name(), cores=os.cpu_count(), threads=torch.get_num_threads(), ram_gib=ram, **versions)
 
 
-def run_child(argv, log_path, with_workers=False):
-    """(exit code, peak RSS bytes, wall seconds) of `python argv...`, output to log_path. The peak is the child's own
-    VmHWM, read from /proc while it runs (wait4's ru_maxrss would include this process's own high-water mark, which
-    Linux carries across fork and exec); with_workers: plus the peaks of the processes it starts (an upper bound)."""
+def run_child_ok(argv, log_path, what, with_workers=False):
+    """(peak RSS bytes, wall seconds) of `python argv...`, the benchmark stopped (child_failed) when the child fails.
+    The peak is the child's own VmHWM, read from /proc while it runs (wait4's ru_maxrss would include this process's
+    own high-water mark, which Linux carries across fork and exec); with_workers: plus the peaks of the processes it
+    starts (an upper bound)."""
     start = time.perf_counter()
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen([sys.executable, *argv], cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
-        peaks = peaks_while_running(proc, descendants=with_workers, itself=True)
-    peak = sum(peaks.values()) if with_workers else peaks.get(proc.pid, 0)
-    return proc.returncode, peak, time.perf_counter() - start
+    peaks, pid = run_watched([sys.executable, *argv], log_path, what, descendants=with_workers)
+    peak = sum(peaks.values()) if with_workers else peaks.get(pid, 0)
+    return peak, time.perf_counter() - start
 
 
 def child_failed(what, code, log_path):
     """Stop the benchmark: `what` failed with exit code `code`; the end of its log says why."""
     raise SystemExit(f"error: {what} failed (exit code {code}); see {log_path}:\n{Path(log_path).read_text()[-3000:]}")
-
-
-def run_child_ok(argv, log_path, what, with_workers=False):
-    """run_child's (peak RSS bytes, wall seconds), the benchmark stopped (child_failed) when the child fails."""
-    code, peak, wall = run_child(argv, log_path, with_workers)
-    if code:
-        child_failed(what, code, log_path)
-    return peak, wall
 
 
 def run_two_ranks(argv, log_path, what, env=None):
@@ -99,28 +90,28 @@ def run_two_ranks(argv, log_path, what, env=None):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ranks = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={port}", *argv]
+    peaks, pid = run_watched(ranks, log_path, what, env, descendants=True)
+    peaks.pop(pid, None)  # torchrun itself
+    return peaks
+
+
+def run_watched(cmd, log_path, what, env=None, descendants=False):
+    """({pid: peak RSS bytes (VmHWM)} of `cmd`'s process, and with `descendants` of every process it starts, polled
+    until it exits; its pid): `cmd` run in the repository, its output to log_path; child_failed if it fails."""
+    peaks = {}
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(ranks, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
-        peaks = peaks_while_running(proc, descendants=True)
+        proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT)
+        while proc.poll() is None:
+            try:
+                watched = [proc, *(psutil.Process(proc.pid).children(recursive=True) if descendants else [])]
+            except psutil.NoSuchProcess:  # it exited since the poll
+                break
+            for p in watched:
+                peaks[p.pid] = max(peaks.get(p.pid, 0), memory.vm_hwm(p.pid))
+            time.sleep(0.05)
     if proc.returncode:
         child_failed(what, proc.returncode, log_path)
-    return peaks
-
-
-def peaks_while_running(proc, descendants=False, itself=False) -> dict:
-    """{pid: peak RSS bytes (VmHWM)} of `proc`, or of every process it starts (and `proc` too if itself), polled until
-    it exits."""
-    peaks = {}
-    while proc.poll() is None:
-        try:
-            children = psutil.Process(proc.pid).children(recursive=True) if descendants else []
-            watched = children + ([proc] if itself or not descendants else [])
-        except psutil.NoSuchProcess:  # it exited since the poll
-            break
-        for p in watched:
-            peaks[p.pid] = max(peaks.get(p.pid, 0), memory.vm_hwm(p.pid))
-        time.sleep(0.05)
-    return peaks
+    return peaks, proc.pid
 
 
 def median_ratio(pairs):

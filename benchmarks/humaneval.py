@@ -135,19 +135,13 @@ def bench_speed(model_dir, tok, problems, tokens=48):
     call, batch 1), dense weights at batch 1, and generate_batch at 1, 4, 16 and humaneval.BATCH rows."""
     model = load_model(model_dir, torch.float32, quantize=True).eval()
     ids = [humaneval.prompt_ids(p, tok) for p in problems[: humaneval.BATCH]]
-    start = time.perf_counter()
-    generate(model, ids[0], tokens // 4)
-    today = tokens // 4 / (time.perf_counter() - start)
+    today = tokens // 4 / timed(generate, model, ids[0], tokens // 4)["seconds"]
     rows = [["today: generate, NF4 per call, batch 1", f"{today:.1f}", "1.0x"]]
     with dense_weights(model):
         generate(model, ids[0], 4)  # warm-up
-        start = time.perf_counter()
-        generate(model, ids[0], tokens)
-        rate = tokens / (time.perf_counter() - start)
+        rate = tokens / timed(generate, model, ids[0], tokens)["seconds"]
         rows.append(["generate, dense weights, batch 1", f"{rate:.1f}", f"{rate / today:.1f}x"])
         for batch in sorted({1, 4, 16, humaneval.BATCH}):
-            start = time.perf_counter()
-            generate_batch(model, ids[:batch], tokens)
-            rate = batch * tokens / (time.perf_counter() - start)
+            rate = batch * tokens / timed(generate_batch, model, ids[:batch], tokens)["seconds"]
             rows.append([f"generate_batch, dense weights, batch {batch}", f"{rate:.1f}", f"{rate / today:.1f}x"])
     print_table(["sampler (SmolLM2-135M-Instruct NF4, fp32 compute)", "generated tokens/s", "vs today"], rows)
