@@ -206,7 +206,7 @@ def summary(task: str, history) -> str | None:
     scores = [h["eval_task"] for h in history if "eval_task" in h]
     if not scores:
         return None
-    rates = " -> ".join(f"{100 * s['pass@1']:.1f}%" for s in (scores[0], scores[-1])[: min(2, len(scores))])
+    rates = " -> ".join(f"{100 * s['pass@1']:.1f}%" for s in (scores[0], scores[-1])[: len(scores)])
     return f"{label(task)} pass@1: {rates} ({scores[-1]['problems']} problems)"
 
 

