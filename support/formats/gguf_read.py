@@ -157,14 +157,12 @@ def _weights(reader, path, cfg, dtype):
 
 
 def _pre_tokenizer(steps):
-    made = []
-    for step in steps:
-        if step[0] == "ByteLevel":
-            made.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=step[1]))
-        elif step[0] == "Digits":
-            made.append(pre_tokenizers.Digits(individual_digits=True))
-        else:
-            made.append(pre_tokenizers.Split(Regex(step[1]), behavior="isolated", invert=False))
+    make = {
+        "ByteLevel": lambda use_regex: pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=use_regex),
+        "Digits": lambda: pre_tokenizers.Digits(individual_digits=True),
+        "Split": lambda regex: pre_tokenizers.Split(Regex(regex), behavior="isolated", invert=False),
+    }
+    made = [make[kind](*args) for kind, *args in steps]
     return made[0] if len(made) == 1 else pre_tokenizers.Sequence(made)
 
 

@@ -233,11 +233,9 @@ def _write_vocab(w, vocab):
     w.add_token_list(vocab.tokens)
     w.add_token_types(vocab.types)
     w.add_token_merges(vocab.merges)
-    adders = {"bos": w.add_bos_token_id, "eos": w.add_eos_token_id, "unk": w.add_unk_token_id}
-    adders["pad"] = w.add_pad_token_id
-    for key, add in adders.items():
-        if vocab.ids[key] is not None:
-            add(vocab.ids[key])
+    for key, token_id in vocab.ids.items():  # bos, eos, unk, pad
+        if token_id is not None:
+            getattr(w, f"add_{key}_token_id")(token_id)
     w.add_add_bos_token(vocab.tok.add_bos)  # always written: some pre-tokenizer names imply a default otherwise
     w.add_add_eos_token(vocab.add_eos)
     if vocab.tok.chat_template:
