@@ -117,9 +117,7 @@ def run_watched(cmd, log_path, what, env=None, descendants=False):
 def median_ratio(pairs):
     """The median, lowest and highest of a / b over (a, b) pairs measured together, or None without pairs."""
     ratios = [a / b for a, b in pairs]
-    if not ratios:
-        return None
-    return dict(median=statistics.median(ratios), low=min(ratios), high=max(ratios), n=len(ratios))
+    return dict(median=statistics.median(ratios), low=min(ratios), high=max(ratios), n=len(ratios)) if ratios else None
 
 
 def hf_batch(batch):
