@@ -97,8 +97,7 @@ def problem(template: Template, rng: random.Random, index: int) -> dict:
     signature = ", ".join(f"{n}: {t}" for n, (_, t, _) in zip(names, template.args, strict=True))
     words = rng.choice(template.words).format(**fields)
     prompt = f'def {entry}({signature}) -> {template.returns}:\n    """{words}\n\n    {shown}\n    """\n'
-    seed = rng.randrange(2**32)
-    test = TEST.format(seed=seed, n=TESTS, inputs=inputs, params=", ".join(names), expr=expr)
+    test = TEST.format(seed=rng.randrange(2**32), n=TESTS, inputs=inputs, params=", ".join(names), expr=expr)
     task_id = f"easy/{template.task}/{index}"
     return dict(task_id=task_id, prompt=prompt, test=test, entry_point=entry, canonical_solution=f"    return {expr}\n")
 

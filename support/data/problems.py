@@ -289,11 +289,8 @@ def training_problems(cfg, tok) -> tuple[list[dict], str]:
 def step_problems(seed: int, per_step: int, n: int, step: int) -> list[int]:
     """The per_step problems (indices of the n) of step `step`: seeded permutations of the n, one epoch after another,
     a function of (seed, step) alone, so that a resumed run takes up the same order."""
-    chosen = []
-    for k in range(step * per_step, (step + 1) * per_step):
-        epoch = torch.Generator().manual_seed(seed + k // n)
-        chosen.append(int(torch.randperm(n, generator=epoch)[k % n]))
-    return chosen
+    places = range(step * per_step, (step + 1) * per_step)  # in the run's sequence of epochs
+    return [int(torch.randperm(n, generator=torch.Generator().manual_seed(seed + k // n))[k % n]) for k in places]
 
 
 def easy_problems(n, too_long=None) -> tuple[list[dict], str]:

@@ -152,9 +152,8 @@ def torch_varlen(q, k, v, docs, window=None):
     """torch's own FlashAttention varlen kernel, the same contract. Causal is window_size=(-1, 0), a window W is
     (W - 1, 0); 2.9 takes is_causal instead (and no window); later releases ask for enable_gqa=True."""
     c, m, _ = docs
-    kw = {"enable_gqa": True} if "enable_gqa" in VARLEN_PARAMS else {}
-    if "is_causal" in VARLEN_PARAMS:  # its default is False: without it, attention would see the whole document
-        kw["is_causal"] = True
+    # is_causal's default is False: without it, attention would see the whole document
+    kw = {name: True for name in ("enable_gqa", "is_causal") if name in VARLEN_PARAMS}
     if "window_size" in VARLEN_PARAMS or window is not None:  # asked for a window, a release without one fails loudly
         kw["window_size"] = (-1 if window is None else window - 1, 0)
     return varlen_attn(q, k, v, c, c, m, m, **kw)
