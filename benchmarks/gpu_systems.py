@@ -304,10 +304,8 @@ def documents(lengths, vocab, prompt_share=PROMPT_SHARE):
     rng = np.random.default_rng([SEED, 2])
     offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
     tokens = rng.integers(1, vocab, int(offsets[-1]), dtype=np.uint32)
-    mask = np.ones(int(offsets[-1]), dtype=np.uint8)
     prompts = np.rint(np.asarray(lengths) * rng.uniform(*prompt_share, len(lengths))).astype(np.int64)
-    for start, n in zip(offsets[:-1], prompts, strict=True):
-        mask[start : start + n] = 0
+    mask = (np.arange(offsets[-1]) >= np.repeat(offsets[:-1] + prompts, lengths)).astype(np.uint8)  # past the prompt
     return dict(tokens=tokens, mask=mask, offsets=offsets)
 
 
