@@ -22,6 +22,7 @@ from support.kernels.dropout import (
     register_backward_,
     tile_keys,
 )
+from support.kernels.nf4_ops import matches_reference
 from support.run import optional
 
 TRITON_BLOCK = 1024  # elements of one row per Triton program
@@ -128,13 +129,4 @@ def runs_like_reference(impl, device):
     reference's bits; if not, one line says so."""
     x = torch.randn(3, 7, 11, generator=torch.Generator().manual_seed(0)).bfloat16().to(device)
     keys = torch.tensor([1, -2, 3**39], dtype=torch.int64, device=device)
-    try:
-        out = impl(x, 0.3, keys)
-    except Exception as e:  # a missing compiler, a driver too old for the PTX: anything but a result
-        why = (str(e).strip().splitlines() or [""])[0][:200]
-        print(f"{impl.__name__} does not run here ({type(e).__name__}: {why}); LoRA dropout runs in PyTorch")
-        return False
-    if not torch.equal(out, keyed_dropout(x, 0.3, keys)):
-        print(f"{impl.__name__} differs from the reference here; LoRA dropout runs in PyTorch")
-        return False
-    return True
+    return matches_reference(impl, keyed_dropout, (x, 0.3, keys), "LoRA dropout runs in PyTorch")

@@ -129,14 +129,20 @@ def runs_like_reference(impl, device):
     bf16 bits; if not (Triton's launcher needs a C compiler and Python's headers), one line says so."""
     shape = [3, 100]
     q = quant.quantize_nf4(torch.randn(shape, generator=torch.Generator().manual_seed(0))).to(device)
+    return matches_reference(impl, quant.dequantize_nf4, (*q, shape, torch.bfloat16), "NF4 dequantizes with PyTorch")
+
+
+def matches_reference(impl, reference, args, instead) -> bool:
+    """Whether impl(*args) runs and returns reference(*args)'s bits (a kernel's trial, here and in dropout_cuda.py);
+    if not, one line naming impl says why and `instead`, what runs in its place."""
     try:
-        out = impl(*q, shape, torch.bfloat16)
+        out = impl(*args)
     except Exception as e:  # a missing compiler, a driver too old for the PTX: anything but a result
         why = (str(e).strip().splitlines() or [""])[0][:200]
-        print(f"{impl.__name__} does not run here ({type(e).__name__}: {why}); NF4 dequantizes with PyTorch")
+        print(f"{impl.__name__} does not run here ({type(e).__name__}: {why}); {instead}")
         return False
-    if not torch.equal(out, quant.dequantize_nf4(*q, shape, torch.bfloat16)):
-        print(f"{impl.__name__} differs from the reference here; NF4 dequantizes with PyTorch")
+    if not torch.equal(out, reference(*args)):
+        print(f"{impl.__name__} differs from the reference here; {instead}")
         return False
     return True
 
