@@ -25,15 +25,17 @@ SEED = 1337  # train.Config's seed (data order, LoRA init)
 LORA = dict(r=16, alpha=32.0, dropout=0.05)  # every benchmark's adapters (train.Config's), on every block linear
 
 
+def timed(fn, *args, **kwargs):
+    """{"texts": fn(*args, **kwargs), "seconds": how long it took} (the keys of bench.py humaneval's saved phases)."""
+    start = time.perf_counter()
+    texts = fn(*args, **kwargs)
+    return {"texts": texts, "seconds": time.perf_counter() - start}
+
+
 def best_time(fn, repeat):
     """Seconds of the fastest of `repeat` calls, after one warm-up call (lazy tables, first allocations)."""
     fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
+    return min(timed(fn)["seconds"] for _ in range(repeat))
 
 
 def print_table(headers, rows):

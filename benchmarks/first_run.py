@@ -8,11 +8,10 @@ import json
 import os
 import re
 import tempfile
-import time
 
 import torch
 
-from benchmarks.common import OUT_DIR, cpu_name, fmt_gb, print_table, run_child_ok
+from benchmarks.common import OUT_DIR, cpu_name, fmt_gb, print_table, run_child_ok, timed
 from support.formats import gguf_read
 
 
@@ -28,9 +27,8 @@ def bench_first_run(repeat=1):
     print(f"CPU: {cpu_name()} ({cpu_kind()}), {os.cpu_count()} cores; torch {torch.__version__}")
     os.makedirs(os.path.join(OUT_DIR, "logs"), exist_ok=True)
     with tempfile.TemporaryDirectory(dir=OUT_DIR) as tmp:
-        start = time.perf_counter()
-        gguf_read.convert_gguf(gguf_read.smollm2_gguf_path(), os.path.join(tmp, "smollm2"))
-        print(f"converting SmolLM2 from GGUF (once, before the first run): {time.perf_counter() - start:.1f} s")
+        seconds = timed(gguf_read.convert_gguf, gguf_read.smollm2_gguf_path(), os.path.join(tmp, "smollm2"))["seconds"]
+        print(f"converting SmolLM2 from GGUF (once, before the first run): {seconds:.1f} s")
         rows = []
         for r in range(repeat):
             out, log = os.path.join(tmp, f"run{r}"), os.path.join(OUT_DIR, "logs", f"first-run-{r}.log")

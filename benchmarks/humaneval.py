@@ -9,11 +9,10 @@ out/bench/humaneval-<phase>-<problems>x<tokens>.json as it ends and read back by
 
 import json
 import os
-import time
 
 import torch
 
-from benchmarks.common import OUT_DIR, print_table
+from benchmarks.common import OUT_DIR, print_table, timed
 from support.data.tokenizer import Tokenizer
 from support.evaluation import humaneval
 from support.evaluation.sampling import dense_weights, generate, generate_batch
@@ -72,13 +71,6 @@ def saved(phase, compute):
     json.dump(result, open(path, "w"))
     print(f"{phase}: {result['seconds']:.0f} s, saved to {path}", flush=True)
     return result
-
-
-def timed(answers, *args, **kwargs):
-    """{"texts": answers(*args, **kwargs), "seconds": how long it took}."""
-    start = time.perf_counter()
-    texts = answers(*args, **kwargs)
-    return {"texts": texts, "seconds": time.perf_counter() - start}
 
 
 def ours(model_dir, tok, problems, max_new_tokens, quantize=False, adapter=""):
