@@ -27,8 +27,7 @@ def flops_per_token(c, context):
 def batch_flops(c, position_ids) -> float:
     """Model FLOPs of a training step over rows of packed documents, position_ids (B, T): each span model.doc_bounds
     finds (a document, or a run of padding) at its own length, as varlen attention computes it."""
-    spans = doc_bounds(position_ids).bounds.diff().tolist()
-    return float(sum(n * flops_per_token(c, n) for n in spans))
+    return float(sum(n * flops_per_token(c, n) for n in doc_bounds(position_ids).bounds.diff().tolist()))
 
 
 # Dense bf16 (fp16 on pre-Ampere cards) tensor-core peaks in TFLOP/s, no sparsity, by the words of

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from jinja2 import TemplateError
 
+from support.formats.atomic import read_json
+
 DEFAULT_TEMPLATE = "### Instruction:\n{instruction}\n\n### Response:\n{response}"
 SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 
@@ -47,10 +49,7 @@ class Tokenizer:
     def __init__(self, path):
         self.path = d = Path(path) if Path(path).is_dir() else Path(path).parent
         cfg_file = d / "tokenizer_config.json"
-        try:
-            cfg = json.loads(cfg_file.read_text()) if cfg_file.exists() else {}
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{cfg_file}: invalid JSON ({e})") from None
+        cfg = read_json(cfg_file) if cfg_file.exists() else {}
         self.special_tokens = {k: _token_str(cfg[k]) for k in SPECIAL_NAMES if cfg.get(k)}
         template = cfg.get("chat_template")
         if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
