@@ -36,8 +36,7 @@ def phase_command(name, args, deadline):
     """The child process of phase `name`, as an argv."""
     if name == "tests":
         return [sys.executable, *CUDA_TESTS.split()]
-    out = os.path.join(args.out, f"{name}.json")
-    common = [f"--shape={args.shape}", f"--deadline={deadline:.1f}", f"--out={out}"]
+    common = [f"--shape={args.shape}", f"--deadline={deadline:.1f}", f"--out={os.path.join(args.out, name)}.json"]
     if name in ("step", "compiled"):
         systems = ",".join(EAGER if name == "step" else COMPILED)
         rounds = [f"--warmup={args.warmup}", f"--rounds={args.rounds}"]
@@ -184,10 +183,9 @@ def ratio_text(r):
 
 
 def md_tests(res):
-    counts = Counter(res["outcomes"].values())
     lines = [f"pytest: {res['summary'] or 'no summary line (cut off)'}; exit code {res['exit_code']}"]
     lines += [f"- {test}: {outcome}" for test, outcome in res["outcomes"].items() if outcome in ("FAILED", "ERROR")]
-    return lines + [", ".join(f"{k} {v}" for k, v in sorted(counts.items()))]
+    return lines + [", ".join(f"{k} {v}" for k, v in sorted(Counter(res["outcomes"].values()).items()))]
 
 
 def md_step(res):
