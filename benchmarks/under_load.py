@@ -46,8 +46,7 @@ def phases(workload, out) -> dict:
     """{phase: seconds} of a finished run, from its metrics.jsonl: train.py's median step after the first, rl.py's
     sampling and update of its one step."""
     with open(os.path.join(out, "metrics.jsonl")) as f:
-        records = [json.loads(line) for line in f]
-    steps = [r for r in records if "loss" in r]
+        steps = [r for r in map(json.loads, f) if "loss" in r]
     if workload == "train":
         return {"step": statistics.median(r["fwd_s"] + r["bwd_s"] + r["opt_s"] for r in steps[1:])}
     return {"sampling": steps[0]["generate_s"], "update": steps[0]["train_s"]}
