@@ -48,11 +48,9 @@ def atomic_write(path, write, directory=False):
         if directory and os.path.exists(path):
             os.rename(path, os.path.join(folder, ".old"))  # removed with the folder
         os.replace(tmp, path)
-    except BaseException as e:
-        if isinstance(e, OSError | RuntimeError | SafetensorError):  # RuntimeError: torch.save's zip writer
-            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0][:160]
-            raise OSError(f"{path}: could not write it ({why}); {kept}") from None
-        raise
+    except (OSError, RuntimeError, SafetensorError) as e:  # RuntimeError: torch.save's zip writer
+        why = e.strerror if isinstance(e, OSError) and e.strerror else str(e).splitlines()[0][:160]
+        raise OSError(f"{path}: could not write it ({why}); {kept}") from None
     finally:
         shutil.rmtree(folder, ignore_errors=True)  # the folder may never have been created
         if lock is not None:
