@@ -24,8 +24,7 @@ def run_ranks(parallel, steps, out):
     peaks = run_two_ranks(argv, out + ".log", f"torchrun with --parallel={parallel}", env)
     records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     times = [BATCH_TOKENS / r["tokens_per_s"] for r in records if "tokens_per_s" in r]
-    ranks = sorted(peaks.values())[-2:]  # the two workers: the largest resident sets under torchrun
-    return times, ranks
+    return times, sorted(peaks.values())[-2:]  # the two workers: the largest resident sets under torchrun
 
 
 def bench_fsdp(steps=6, warmup=2, rounds=2):

