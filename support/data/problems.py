@@ -175,9 +175,8 @@ def shown(head: str, doc: str) -> str:
     if len(found) < 2 or len(starts) != len(found):
         return head
     visible = (len(found) + 1) // 2
-    cut = set()
-    for i, example in zip(starts[visible:], found[visible:], strict=True):
-        cut.update(range(i, i + example.source.count("\n") + example.want.count("\n")))
+    hidden = zip(starts[visible:], found[visible:], strict=True)  # (first line, example) of those taken out
+    cut = {j for i, example in hidden for j in range(i, i + example.source.count("\n") + example.want.count("\n"))}
     kept = "\n".join(line for i, line in enumerate(lines) if i not in cut)
     try:
         left = doctest.DocTestParser().get_examples(ast.get_docstring(ast.parse(kept).body[0]) or "")
