@@ -36,12 +36,11 @@ def pick_precision(precision, device, config, main=True) -> torch.dtype:
     """The compute dtype for `precision` ("auto", "bf16", "fp16" or "fp32") on `device`, for a model of `config`'s
     shapes. Only `main` (rank 0) measures a CPU (others would compete for its cores); broadcast_dtype() shares its
     choice."""
-    p = precision
-    if device.type == "cuda" and p == "auto":
-        p = "bf16" if torch.cuda.get_device_capability(device)[0] >= 8 else "fp16"
-    elif p == "fp16" and device.type == "cpu":
+    if device.type == "cuda" and precision == "auto":
+        return PRECISIONS["bf16" if torch.cuda.get_device_capability(device)[0] >= 8 else "fp16"]
+    elif precision == "fp16" and device.type == "cpu":
         raise ValueError("precision: fp16 is not supported on CPU (its matmuls run single-threaded); use bf16 or fp32")
-    elif device.type == "cpu" and p in ("auto", "bf16"):
+    elif device.type == "cpu" and precision in ("auto", "bf16"):
         native = cpu_has_bf16()
         if native is None and main:  # nothing declared: measured
             native, why = measured_bf16(config, device)
@@ -49,12 +48,12 @@ def pick_precision(precision, device, config, main=True) -> torch.dtype:
             native, why = False, ""  # rank 0's measurement decides (broadcast_dtype)
         else:
             why = "it declares " + ("AMX or AVX512-BF16" if native else "neither AMX nor AVX512-BF16")
-        if p == "auto" and main:
+        if precision == "auto" and main:
             print(f"precision auto: {'bf16' if native else 'fp32'} on this CPU: {why}")
-        elif p == "bf16" and not native and main:
+        elif precision == "bf16" and not native and main:
             print(f"warning: precision bf16 on a CPU that emulates it, many times slower than fp32: {why}")
-        p = "bf16" if native or p == "bf16" else "fp32"
-    return PRECISIONS[p]
+        return PRECISIONS["bf16" if native or precision == "bf16" else "fp32"]
+    return PRECISIONS[precision]
 
 
 def cpu_has_bf16(cpuinfo="/proc/cpuinfo") -> bool | None:
