@@ -138,7 +138,7 @@ def run_estimate(cfg, config, tokens, place, tile_tokens=0) -> dict:
 
 
 def fmt(n):
-    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / 2**20:.1f} MiB"
+    return f"{n / GIB:.2f} GiB" if n >= GIB else f"{n / MIB:.1f} MiB"
 
 
 def peak(device) -> int:

@@ -131,7 +131,7 @@ def tile_of_rows(module, first_token):
     """Within the block, the KeyedDropouts of `module` see tiles of their rows (x (rows, tile, in), from token
     first_token) and drop what the whole rows would (tile_keys; a tile's first element a multiple of 4, else an
     error)."""
-    return _setting(module, "first_token", lambda index: first_token, 0)
+    return _set_within(module, "first_token", lambda index: first_token, 0)
 
 
 def dropout_rows(model, keys):
@@ -140,11 +140,11 @@ def dropout_rows(model, keys):
     recomputation) must run inside. keys None: a model without dropout."""
     if keys is None:
         return nullcontext()
-    return _setting(model, "keys", lambda index: mix64_(keys ^ _signed((index + 1) * GOLDEN % 2**64)), None)
+    return _set_within(model, "keys", lambda index: mix64_(keys ^ _signed((index + 1) * GOLDEN % 2**64)), None)
 
 
 @contextmanager
-def _setting(module, name, value, after):
+def _set_within(module, name, value, after):
     """Within the block, attribute `name` of the index-th KeyedDropout of `module` is value(index); then `after`."""
     dropouts = [m for m in module.modules() if isinstance(m, KeyedDropout)]
     for index, dropout in enumerate(dropouts):
