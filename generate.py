@@ -77,7 +77,7 @@ def main():
     ids = chat_prompt(tok, args.prompt)
     tokens = args.max_new_tokens or 200
     out = generate(model, ids, tokens, args.temperature, args.top_p, eos_id=tok.eos_id, seed=args.seed)
-    print(tok.decode([i for i in out if i != tok.eos_id]))
+    print(humaneval.text(tok, out))  # stop tokens dropped, one eos id or several
 
 
 if __name__ == "__main__":

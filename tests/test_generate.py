@@ -2,7 +2,8 @@
 answers a coding request greedily with Python that parses and runs, and the NF4-quantized base does too; an adapter
 without --model runs on the base it names, where that base is here; --eval_task prints pass@1 of a problems file
 instead of answering a prompt, and a missing file or a missing prompt is one line, and so is a kernel that cannot
-confine the model's code (without --eval_task_unconfined)."""
+confine the model's code (without --eval_task_unconfined); an answer's stop tokens are not printed, where the
+tokenizer has several."""
 
 import json
 import re
@@ -71,3 +72,21 @@ def test_eval_task_prints_pass_at_1(tiny_dir, tmp_path, monkeypatch, capsys):
     monkeypatch.setattr("sys.argv", sys.argv + ["--eval_task_unconfined", "--max_new_tokens", "4"])
     generate.main()
     assert capsys.readouterr().out.strip().endswith("p.jsonl pass@1: 50.0% (1/2 problems)")
+
+
+def test_no_stop_token_is_printed(tiny_dir, monkeypatch, capsys):
+    """A tokenizer with two eos ids (as Llama 3's): the answer prints without either."""
+    tok = Tokenizer(tiny_dir)
+    stops = [tok.eos_id, tok.encode("!")[-1]]
+    words = tok.encode(" hello")
+
+    def tokenizer(model_dir):
+        named = Tokenizer(model_dir)
+        named.eos_id = stops
+        return named
+
+    monkeypatch.setattr(generate, "Tokenizer", tokenizer)
+    monkeypatch.setattr(generate, "generate", lambda *args, **kw: [*words, stops[1], *words, stops[0]])
+    monkeypatch.setattr("sys.argv", ["generate.py", "--model", tiny_dir, "hi"])
+    generate.main()
+    assert capsys.readouterr().out == tok.decode(words + words) + "\n"
