@@ -35,7 +35,6 @@ BUILTIN = [
     c for c in vars(builtins).values() if isinstance(c, type) and issubclass(c, Exception) and c not in LOOP_ENDS
 ]
 EXCEPTIONS = tuple(sorted(BUILTIN, key=lambda c: c.__name__))
-MUTABLE = (list, dict, set)  # arguments whose new contents come back
 GONE = "the answer's process ended without a reply"
 
 
@@ -192,26 +191,19 @@ def apply_changes(candidate, arguments, changes, classes):
     if len(changes) != len(arguments):
         raise ended(candidate, "a malformed reply: changes do not match the arguments")
     for argument, new in zip(arguments, changes, strict=True):
-        kind = type(argument)
         if new is None:
             continue
-        if kind is list and type(new) is list:
-            argument[:] = new
-        elif kind in (dict, set) and type(new) is kind:
-            argument.clear()
-            argument.update(new)
-        elif kind in classes and type(new) is kind:
-            try:
-                copy_into(argument, new)
-            except codec.CodecError as e:
-                raise ended(candidate, f"a malformed reply: {e}") from None
-        else:
+        if type(new) is not type(argument) or changed(argument, classes) is None:  # not one the call could change
             raise ended(candidate, "a malformed reply: a change of the wrong kind")
+        try:
+            copy_into(argument, new)
+        except codec.CodecError as e:
+            raise ended(candidate, f"a malformed reply: {e}") from None
 
 
 def copy_into(argument, fresh):
-    """What the server's call left in an object of the problem's classes, put into the judge's own: its builtin
-    contents (a dict's, a list's, a set's) and its attributes."""
+    """What the server's call left in a list, dict, set or object of the problem's classes, put into the judge's own:
+    its builtin contents (a dict's, a list's, a set's) and its attributes."""
     base = codec.builtin_base(type(argument))
     if base in codec.MUTABLE:
         argument.clear()
@@ -267,7 +259,7 @@ def call(namespace, entry, args, kwargs, classes) -> tuple:
 
 def changed(argument, classes):
     """What comes back of an argument after the call: itself when the call could have changed it, else None."""
-    return argument if type(argument) in MUTABLE or type(argument) in classes else None
+    return argument if type(argument) in codec.MUTABLE or type(argument) in classes else None
 
 
 def encoded(reply: tuple, classes) -> bytes:
