@@ -209,9 +209,7 @@ def collect(pid: int, channel: int, deadline: float) -> tuple[bytes, bool]:
 
 def exited(pid: int) -> bool:
     """Whether the child has ended, leaving it unreaped (WNOWAIT). Without waitid (macOS) the closed pipe says so."""
-    if not hasattr(os, "waitid"):
-        return True
-    return os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    return not hasattr(os, "waitid") or os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
 
 
 def kill_session(child):
@@ -271,14 +269,14 @@ def readable() -> list[str]:
     return sorted(p for p in paths if p and os.path.exists(p))
 
 
-def load(*names) -> list:
-    """Modules of this folder (confine.py, codec.py, calls.py), its path on sys.path only meanwhile: the program must
+def load(name: str):
+    """A module of this folder (confine.py, codec.py, calls.py), its path on sys.path only meanwhile: the program must
     not import from the project."""
     import importlib
 
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     try:
-        return [importlib.import_module(name) for name in names]
+        return importlib.import_module(name)
     finally:
         del sys.path[0]
 
@@ -297,8 +295,7 @@ def inside(work):
 
     def checked(opener, name):
         def guarded(file, *args, **kwargs):
-            path = os.path.realpath(file if isinstance(file, str | bytes) else str(file))
-            path = os.fsdecode(path)
+            path = os.fsdecode(os.path.realpath(file if isinstance(file, str | bytes) else str(file)))
             if not isinstance(file, int) and os.path.commonpath([path, work]) != work:
                 raise PermissionError(f"sandbox: {name}({os.fsdecode(file)!r}) is outside the sandbox")
             return opener(file, *args, **kwargs)
@@ -405,14 +402,13 @@ def judge_answer(request, calls, timeout) -> str:
 def serve_answer(request, calls):
     """The answer's side: prompt + completion (and the problem's `serve`), then its entry point for each call."""
     failure = None
+    names = {}
     try:
-        module = problem_module(request["program"], "<completion>")
+        names = vars(problem_module(request["program"], "<completion>"))
         if request["serve"]:
-            exec(compile(request["serve"], "<serve>", "exec"), vars(module))
+            exec(compile(request["serve"], "<serve>", "exec"), names)
     except BaseException as e:  # the answer's own failure (SystemExit included) is every call's reply
-        module = None
         failure = ("ended", calls.described(e))
-    names = vars(module) if module else {}
     calls.serve(request["requests"], request["replies"], names, request["entry_point"], failure)
 
 
@@ -430,10 +426,10 @@ def child():
             write(request["channel"], f"{token} {text}\n".encode())
 
     limit(request["timeout"], request["memory"], processes=not request["confine"])
-    (calls,) = load("calls")  # with codec.py, which it imports
+    calls = load("calls")  # with codec.py, which it imports
     sys.path += request["site"]  # the installed packages, readable once confined too
     if request["confine"]:
-        (confine,) = load("confine")
+        confine = load("confine")
         try:
             confine.apply(readable(), [work, os.devnull], owned=[work])
         except confine.Unavailable as e:
