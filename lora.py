@@ -200,8 +200,7 @@ def rebase_(model, original=None):
         else:
             w = m.dequantize()
             sources[name] = "dequantized"
-        device = next(iter(m.state_dict().values())).device
-        dense = frozen_linear(w.to(device, m.compute_dtype), m.bias)
+        dense = frozen_linear(w.to(m.weight.device, m.compute_dtype), m.bias)
         if isinstance(m, LORA):  # the same adapter over the 16-bit weight
             dense = share_adapter(dense, m)
         model.set_submodule(name, dense.train(m.training))  # eval mode: dropout stays off

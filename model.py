@@ -379,8 +379,7 @@ def find_linears(model, targets="all-linear", types=(nn.Linear,)):
     if targets == "all-linear":
         return {n: m for n, m in found.items() if n.startswith("model.layers.")}
     hits = {t: [n for n in found if n == t or n.endswith("." + t)] for t in targets}
-    for t, names in hits.items():
-        if not names:
-            raise ValueError(f"target module {t!r} matches no linear layer of the model")
+    if missing := [t for t, names in hits.items() if not names]:
+        raise ValueError(f"target module {missing[0]!r} matches no linear layer of the model")
     picked = {n for names in hits.values() for n in names}
     return {n: m for n, m in found.items() if n in picked}

@@ -186,14 +186,13 @@ def token_logprobs(model, batch, temperature, place):
     training forward, and the entropy of each token's distribution (no gradient); logits (m, vocab)
     at `where` only, in fp32."""
     with place.autocast():
-        ids, pos, where, mask = (batch[k].to(place.device) for k in ("ids", "position_ids", "where", "mask"))
-        logits = model(ids, pos, only=where, mask=mask)
+        batch = {k: v.to(place.device) for k, v in batch.items()}
+        logits = model(batch["ids"], batch["position_ids"], only=batch["where"], mask=batch["mask"])
     logits = logits.float() / temperature
-    targets = batch["targets"].to(place.device)[:, None]
     logp = logits.log_softmax(-1)
     with torch.no_grad():
         entropy = -(logp.exp() * logp).sum(-1)
-    return logp.gather(-1, targets)[:, 0], entropy
+    return logp.gather(-1, batch["targets"][:, None])[:, 0], entropy
 
 
 def token_weights(lengths, loss_norm: str, sample_tokens: int):
@@ -236,17 +235,14 @@ def prepare(cfg: RLConfig, run, roll: dict) -> list[Part]:
     computed before any update (lp_ref with the adapters off); without lp_old each update uses its
     own lp, detached."""
     lengths = torch.tensor([len(a) for _, a in roll["seqs"]])
-    adv = advantages(roll["rewards"], cfg.group_size, cfg.scale_rewards)
-    adv = adv.repeat_interleave(lengths)
+    adv = advantages(roll["rewards"], cfg.group_size, cfg.scale_rewards).repeat_interleave(lengths)
     w = token_weights(lengths, cfg.loss_norm, cfg.sample_tokens)
     limit = cfg.micro_batch_tokens
     limit = limit if isinstance(limit, int) else group_tokens(roll["seqs"], cfg)  # "auto": about a group
     window = min(layer.self_attn.window or math.inf for layer in run.model.model.layers)
     batches = micro_batches(roll["seqs"], min(limit, window))  # a mask knows no window
-    old = None
+    old = all_logprobs(cfg, run, batches) if cfg.updates_per_batch > 1 else None
     ref = None
-    if cfg.updates_per_batch > 1:
-        old = all_logprobs(cfg, run, batches)
     if cfg.kl_coef:
         with lora.adapters_off(run.model):  # the reference: this model as its base
             ref = all_logprobs(cfg, run, batches)
