@@ -84,12 +84,13 @@ def proxy(requests: int, replies: int, classes: list):
 
     def candidate(*args, **kwargs):
         known = tuple(candidate.classes)
+        data = io.BytesIO()
         try:
-            data = pickled((args, kwargs, known), known)
+            Pickler(data, known).dump((args, kwargs, known))
         except Exception as e:  # a lambda, a generator, an open file: no data to send
             raise uncrossable(candidate, f"arguments: {type(e).__name__}: {e}") from None
         try:
-            write_message(requests, data)
+            write_message(requests, data.getvalue())
         except OSError:  # a broken pipe: the answer's process has ended
             raise ended(candidate, GONE) from None
         reply = read_reply(candidate, replies, known)
@@ -120,12 +121,6 @@ class Pickler(pickle.Pickler):
         if isinstance(obj, type) and obj in self.homes:
             return home_class, self.homes[obj]
         return NotImplemented
-
-
-def pickled(value, classes) -> bytes:
-    out = io.BytesIO()
-    Pickler(out, classes).dump(value)
-    return out.getvalue()
 
 
 def home(cls) -> tuple[str, str]:
@@ -253,8 +248,7 @@ def call(namespace, entry, args, kwargs, classes) -> tuple:
         return ("raised", k, e.args, described(e))
     except BaseException as e:  # SystemExit, KeyboardInterrupt: the answer stopped, it did not answer
         return ("ended", described(e))
-    changes = [changed(a, classes) for a in (*args, *kwargs.values())]
-    return ("returned", value, changes)
+    return ("returned", value, [changed(a, classes) for a in (*args, *kwargs.values())])
 
 
 def changed(argument, classes):
