@@ -43,7 +43,7 @@ def encode(value, classes=()) -> bytes:
     body = b"".join(out)
     if len(body) > MAX_BYTES:
         raise CodecError(f"message of {len(body)} bytes, over {MAX_BYTES}")
-    return struct.pack(">I", len(body)) + body
+    return _sized(body)
 
 
 def _put(value, out, depth, count, classes):
