@@ -71,23 +71,21 @@ PROBE = Answer(  # an extension module that loads a shared library, and a thread
 def run(answer: Answer, timeout: float = TIMEOUT, memory: int = MEMORY, confine: bool = True) -> str:
     """Judge `answer` sandboxed; its verdict: "passed" (the test ran to the end), "failed: <why>" or "timed out".
     confine=False: the limits and Python guards alone; else Unconfinable where the kernel cannot."""
-    if confine:
-        ensure_confinement()
+    ensure_confinement(confine)
     return judge(answer, timeout, memory, confine)
 
 
 def run_many(answers, timeout: float = TIMEOUT, workers: int | None = None, confine: bool = True) -> list[str]:
     """run() over many answers, `workers` at a time (default: the CPUs); verdicts in the answers' order."""
-    if confine:
-        ensure_confinement()
+    ensure_confinement(confine)
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:
         return list(pool.map(lambda a: judge(a, timeout, MEMORY, confine), answers))
 
 
-def ensure_confinement():
-    if why := confinement():
+def ensure_confinement(confine: bool):
+    if confine and (why := confinement()):
         raise Unconfinable(why)
 
 
