@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from support.kernels.dropout import tile_of_rows
 
 
+@torch.compiler.disable  # eager inside a compiled block: dynamo fails on a checkpoint around adapted linears
 def tiled_mlp(mlp, x, tile):
     """mlp(x) for x (B, T, hidden), `tile` tokens of every row at a time, each tile recomputed in backward."""
     tiles = zip(range(0, x.shape[1], tile), x.split(tile, dim=1), strict=True)
