@@ -65,12 +65,7 @@ def dense_weights(model):
     restored on exit: the same products without dequantizing on every call, for the dense weights' memory."""
     swapped = {n: m for n, m in model.named_modules() if isinstance(m, quant.NF4Linear)}
     try:
-        with torch.no_grad():
-            for name, m in swapped.items():
-                dense = lora.frozen_linear(m.dequantize(), m.bias)
-                if isinstance(m, lora.LORA):  # the same adapter tensors over the dense weight
-                    dense = lora.share_adapter(dense, m)
-                model.set_submodule(name, dense.train(m.training))
+        lora.rebase_(model)  # each NF4 linear's dequantized copy, the same adapter tensors over it
         yield model
     finally:
         for name, m in swapped.items():
