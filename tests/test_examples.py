@@ -16,7 +16,12 @@ import pytest
 from conftest import CONVERSATIONS
 
 from support.data import examples
-from support.data.examples import load_examples, stdlib_examples
+from support.data.examples import read_examples, stdlib_examples
+
+
+def load_examples(path, **options):
+    """Every example of the file in a list."""
+    return list(read_examples(path, **options))
 
 
 def _write(path, rows):

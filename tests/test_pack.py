@@ -31,7 +31,7 @@ from conftest import CONVERSATIONS, FAMILIES, QWEN, reference, tokenizer_dir, tu
 
 import pack
 from pack import PackedDataset, build_dataset, pack_bfd, tokenize_chunk
-from support.data.examples import load_examples, stdlib_examples
+from support.data.examples import read_examples, stdlib_examples
 from support.data.preview import packing_report, preview
 from support.data.token_cache import tokenize_cached
 from support.data.tokenizer import Tokenizer, renders
@@ -153,7 +153,7 @@ def test_a_row_the_template_rejects_names_its_line_or_is_skipped(tmp_path, famil
     rows = [CONVERSATIONS[0], system + CONVERSATIONS[0], CONVERSATIONS[0][:1] + [{"role": "assistant", "content": "x"}]]
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
-    examples = load_examples(path)
+    examples = list(read_examples(path))
     with pytest.raises(ValueError, match=rf"^{re.escape(str(path))}:2: chat template: messages\[:2\] rendered"):
         tokenize_examples(examples, tok)
     kept = tokenize_examples(examples, tok, skip_bad_rows=True)

@@ -14,7 +14,7 @@ from conftest import DATA, reference
 from test_pack import tokenize_examples
 
 from pack import build_dataset
-from support.data.examples import load_examples, stdlib_examples
+from support.data.examples import read_examples, stdlib_examples
 from support.data.preview import check_examples, preview
 from support.data.tokenizer import Tokenizer
 from support.run.progress import data_report
@@ -39,7 +39,7 @@ def test_preview_default_data(smollm2_dir):
 def test_preview_flags_double_bos(sp_dir):
     """Llama-2 data exported with its "<s>" and passed through as it is, with a tokenizer that prepends BOS."""
     tok, ref = Tokenizer(sp_dir), reference(sp_dir)
-    examples = load_examples(DATA / "llama2_preformatted.jsonl")
+    examples = list(read_examples(DATA / "llama2_preformatted.jsonl"))
     text = preview(examples, tok, template="{instruction}{response}")
     tokens, _, offsets = tokenize_examples(examples, tok, template="{instruction}{response}")
     for i, ex in enumerate(examples):
@@ -53,7 +53,7 @@ def test_preview_flags_double_bos(sp_dir):
 def test_preview_flags_missing_eos(tmp_path, family_dirs, capsys):
     """A base model's tokenizer (eos <|endoftext|>) under the instruct model's ChatML template: no assistant turn
     ends with EOS, so the model would never learn to stop. The instruct tokenizer (eos <|im_end|>) is clean."""
-    examples = load_examples(DATA / "chat.jsonl")
+    examples = list(read_examples(DATA / "chat.jsonl"))
     turns = sum(m["role"] == "assistant" for ex in examples for m in ex["messages"])
     base = family_dirs["qwen2.5-base"]
     ref = reference(base)

@@ -150,7 +150,7 @@ def test_quantization_error_is_nf4_sized():
 def test_nf4linear_matches_linear4bit_and_f_linear(bnb, compute_dtype):
     """Forward output and input gradient equal bitsandbytes' Linear4bit (same bytes, bias on) and F.linear on the
     dequantized weight; only the bias is a parameter, the buffers never get a gradient; bitsandbytes' kernel (the
-    CUDA path's QuantState over our buffers, nf4_ops.dequantize_layer_bnb) gives the same weight."""
+    CUDA path's QuantState over our buffers, nf4_ops.dequantize_bnb) gives the same weight."""
     linear = nn.Linear(128, 96, bias=True)
     ours = nf4_linear(linear, compute_dtype)
     ref = bnb.nn.Linear4bit(128, 96, bias=True, compute_dtype=compute_dtype, quant_type="nf4", compress_statistics=True)
@@ -158,7 +158,8 @@ def test_nf4linear_matches_linear4bit_and_f_linear(bnb, compute_dtype):
     ref.bias = nn.Parameter(linear.bias.data.clone())
     ref = ref.to("cpu")  # quantizes
     assert torch.equal(ref.weight.data, ours.weight)
-    assert torch.equal(nf4_ops.dequantize_layer_bnb(ours), ours.dequantize())
+    bnb_weight = nf4_ops.dequantize_bnb(*ours.nf4_weight(), (96, 128), compute_dtype)
+    assert torch.equal(bnb_weight, ours.dequantize())
 
     x = torch.randn(2, 5, 128, dtype=compute_dtype, requires_grad=True)
     x_ref, x_f = (x.detach().clone().requires_grad_(True) for _ in range(2))

@@ -189,11 +189,6 @@ def read_examples(paths, fmt="auto", skip_bad_rows=False, said=None):
             raise ValueError(f"{path}: no examples (empty file{' or only bad rows' if bad else ''})")
 
 
-def load_examples(path, fmt="auto", skip_bad_rows=False):
-    """Every example of a .jsonl / .json (array) / .parquet file in a list (see read_examples)."""
-    return list(read_examples(path, fmt, skip_bad_rows))
-
-
 def held_out(n, val_fraction, seed=0):
     """Which of n examples are held out for validation (bool (n,)): a seeded random `val_fraction` of them."""
     order = np.random.default_rng(seed).permutation(n)

@@ -145,9 +145,3 @@ def matches_reference(impl, reference, args, instead) -> bool:
         print(f"{impl.__name__} differs from the reference here; {instead}")
         return False
     return True
-
-
-def dequantize_layer_bnb(layer):
-    """An NF4Linear's weight through bitsandbytes' kernel (on CPU too: the tests compare it with the reference)."""
-    shape = (layer.out_features, layer.in_features)
-    return dequantize_bnb(*layer.nf4_weight(), shape, layer.compute_dtype)
