@@ -13,8 +13,14 @@ import tempfile
 from benchmarks.common import OUT_DIR, cpu_name, fmt_gb, median_ratio, print_table, run_two_ranks
 
 BATCH_TOKENS = 1024  # 2 ranks x 2 micro-batches of 1 row of 256 tokens (FSDP reduce-scatters once a step)
-SETTINGS = ["--precision=fp32", "--context_length=256", f"--batch_tokens={BATCH_TOKENS}", "--micro_batch_tokens=256"]
-SETTINGS += ["--eval_every=0", "--eval_samples=0"]
+SETTINGS = [
+    "--precision=fp32",
+    "--context_length=256",
+    f"--batch_tokens={BATCH_TOKENS}",
+    "--micro_batch_tokens=256",
+    "--eval_every=0",
+    "--eval_samples=0",
+]
 
 
 def run_ranks(parallel, steps, out):

@@ -31,8 +31,11 @@ from support.run import threads
 RL_STEP = ["configs/grpo_stdlib.py", "--max_steps=1", "--eval_task=", "--problems_per_step=1", "--group_size=4",
            "--sample_tokens=64"]  # fmt: skip
 WORKLOADS = {"train": "python train.py (the default run)", "rl": "one rl.py step (" + " ".join(RL_STEP) + ")"}
-CONDITIONS = {"idle": "nothing (idle)", "busy": "one busy single-threaded process"}
-CONDITIONS["copy"] = "a second copy (the slower)"
+CONDITIONS = {
+    "idle": "nothing (idle)",
+    "busy": "one busy single-threaded process",
+    "copy": "a second copy (the slower)",
+}
 
 
 def workload_argv(workload, out, cache) -> list[str]:

@@ -56,8 +56,10 @@ def estimate(config, tokens, dtype, quantize, lora, opt_bytes, checkpointing, ch
     quantized = sum(linears) if quantize else 0
     weights = a * (sizes["params"] - quantized) + (sum(nf4_bytes(n) for n in linears) if quantize else 0)
     lora_numbers = lora["r"] * sizes["adapted"]
-    h, i = config.hidden_size, config.intermediate_size
-    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    h = config.hidden_size
+    i = config.intermediate_size
+    q = config.num_attention_heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
     rest, mlp = block_saves(config, sizes["first_block"], a, lora, dropout_masks)
     tile = tile_tokens if 0 < tile_tokens < tokens else 0  # tiled MLP: its intermediates live for one tile at a time
     # the loss: 8 bytes a logit (fp32, and the matmul's output or the gradient) of one chunk, or of every token
@@ -93,8 +95,11 @@ def estimate(config, tokens, dtype, quantize, lora, opt_bytes, checkpointing, ch
 def block_saves(config, first, a, lora, dropout_masks) -> tuple[int, int]:
     """(bytes a block saves per token for backward outside its MLP (norms, attention), bytes its MLP saves), with
     `a`-byte values; first: {kind: in_features} of a block's adapted linears, which keep their LoRA's inputs."""
-    h, i, heads = config.hidden_size, config.intermediate_size, config.num_attention_heads
-    q, kv = heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    h = config.hidden_size
+    i = config.intermediate_size
+    heads = config.num_attention_heads
+    q = heads * config.head_dim
+    kv = config.num_key_value_heads * config.head_dim
     dropped = (a + dropout_masks) if lora["dropout"] > 0 else 0  # bytes a dropped input element keeps
     lora_kept = {kind: a * lora["r"] + dropped * n_in for kind, n_in in first.items()}
     mlp = 3 * a * i + sum(v for kind, v in lora_kept.items() if kind in MLP_LINEARS)  # gate, silu(gate), up, LoRA's

@@ -24,7 +24,12 @@ from support.formats.gguf_read import CONTROL, LAYER_NAMES, NORMAL, PRE_TOKENIZE
 
 GGUF_NAMES = {v: k for k, v in (LAYER_NAMES | TOP_NAMES).items()}  # Hugging Face module path -> GGUF name
 # config.json model_type -> GGUF architecture; only llama's W_q/W_k rows are permuted (gguf_read.rope_rows)
-GGUF_ARCHS = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+GGUF_ARCHS = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+}
 # --type -> (ggml tensor type of the weight matrices, general.file_type), names in gguf's enums
 FILE_TYPES = {"f32": ("F32", "ALL_F32"), "f16": ("F16", "MOSTLY_F16"), "bf16": ("BF16", "MOSTLY_BF16")}
 FILE_TYPES["q8_0"] = ("Q8_0", "MOSTLY_Q8_0")
