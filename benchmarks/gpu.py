@@ -34,7 +34,7 @@ from benchmarks.gpu_systems import (
     ours_system,
     pair_ratio,
     qlora_estimate,
-    random_llama,
+    random_weights,
     run_workload,
     timed_step,
     weights_of,
@@ -67,21 +67,20 @@ def kernel_kind(name):
 def profile_step(system, batch, device, cfg, top=15):
     """torch.profiler over one step: the `top` kernels by device time (on CPU: operators by own CPU time), and the
     share of each kind of KERNEL_KINDS."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     cuda = device.type == "cuda"
     with profile(activities=[ProfilerActivity.CPU, *[ProfilerActivity.CUDA] * cuda]) as prof:
         timed_step(system, batch, device, cfg)
     attr = "self_device_time_total" if cuda else "self_cpu_time_total"
-    events = [e for e in prof.key_averages() if not cuda or e.device_type == torch.autograd.DeviceType.CUDA]
-    total = sum(getattr(e, attr) for e in events) or 1
+    events = [(e, getattr(e, attr)) for e in prof.key_averages() if not cuda or e.device_type == DeviceType.CUDA]
+    total = sum(t for _, t in events) or 1
     kinds = dict.fromkeys([k for k, _ in KERNEL_KINDS] + ["other"], 0.0)
-    for e in events:
-        kinds[kernel_kind(e.key)] += getattr(e, attr) / total
-    ranked = sorted(events, key=lambda e: -getattr(e, attr))[:top]
-    kernels = [
-        dict(name=e.key, calls=e.count, ms=getattr(e, attr) / 1e3, share=getattr(e, attr) / total) for e in ranked
-    ]
+    for e, t in events:
+        kinds[kernel_kind(e.key)] += t / total
+    ranked = sorted(events, key=lambda et: -et[1])[:top]
+    kernels = [dict(name=e.key, calls=e.count, ms=t / 1e3, share=t / total) for e, t in ranked]
     return dict(measure=attr, total_ms=total / 1e3, kinds=kinds, kernels=kernels)
 
 
@@ -310,9 +309,7 @@ def one_row(length, doc, vocab):
 
 def qlora_weights(cfg, device, dtype):
     """Random weights of shape `cfg`, block linears in NF4 (the dense ones freed): each setting's model's weights."""
-    dense = dict(random_llama(cfg, device, dtype).state_dict())
-    weights = weights_of(our_llama(cfg, dense, device, dtype, nf4=True))
-    del dense
+    weights = weights_of(our_llama(cfg, random_weights(cfg, device, dtype), device, dtype, nf4=True))
     free_cache(device)
     return weights
 
@@ -403,7 +400,7 @@ RUNGS = [
 def build_rungs(cfg, device, dtype):
     """A System per rung, each its own model over one set of random weights; one that cannot be built keeps its row
     with the reason."""
-    base = dict(random_llama(cfg, device, dtype).state_dict())
+    base = random_weights(cfg, device, dtype)
     rungs = []
     for i, (_, _, chunk, checkpointing, compiled, nf4) in enumerate(RUNGS):
         options = Options(checkpointing=checkpointing, loss_chunk=chunk, compile=compiled)

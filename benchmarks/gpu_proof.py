@@ -8,7 +8,6 @@ eager), compiled (the same, compiled), context (bench.py gpu-context), ladder (b
 <phase>.json, proof.json (statuses, times, the machine), proof.md (every table) and log.txt, rewritten as phases end.
 """
 
-import json
 import os
 import re
 import signal
@@ -168,9 +167,8 @@ def bench_gpu_proof(args):
 def write_proof(out, proof):
     atomic.write_json(os.path.join(out, "proof.json"), proof)
     paths = {p["name"]: os.path.join(out, f"{p['name']}.json") for p in proof["phases"]}
-    phases = {name: json.loads(Path(path).read_text()) for name, path in paths.items() if os.path.exists(path)}
-    text = render(proof, phases)
-    atomic.atomic_write(os.path.join(out, "proof.md"), lambda tmp: Path(tmp).write_text(text))
+    phases = {name: atomic.read_json(path) for name, path in paths.items() if os.path.exists(path)}
+    atomic.atomic_write(os.path.join(out, "proof.md"), lambda tmp: Path(tmp).write_text(render(proof, phases)))
 
 
 def md_table(headers, rows):

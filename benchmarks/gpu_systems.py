@@ -138,15 +138,15 @@ def tie(model, cfg):
     return model
 
 
-def random_llama(cfg, device, dtype):
-    """Our Llama of shape `cfg` on `device` in `dtype` (no fp32 copy ever exists): weights N(0, 0.02) and norms 1 from a
-    seeded generator."""
+def random_weights(cfg, device, dtype):
+    """The state dict (references, no copies) of our Llama of shape `cfg` on `device` in `dtype` (no fp32 copy ever
+    exists): weights N(0, 0.02) and norms 1 from a seeded generator."""
     model = tie(meta_llama(cfg, device, dtype).to(dtype).to_empty(device=device), cfg)
     gen = torch.Generator(device).manual_seed(SEED)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02, generator=gen) if p.dim() > 1 else p.fill_(1.0)
-    return model
+    return dict(model.state_dict())
 
 
 def our_llama(cfg, base, device, dtype, options=None, nf4=False):
@@ -267,13 +267,11 @@ def build_system(key, cfg, base, device, dtype):
 def build_systems(cfg, keys, device, dtype):
     """The systems named in `keys`, in SYSTEMS order, on one set of random weights; one that cannot be built gets its
     reason as status."""
-    base = dict(random_llama(cfg, device, dtype).state_dict())  # references, no copies
+    base = random_weights(cfg, device, dtype)
     built = {}
     # Liger's peer after the other peers: applying it also swaps the classes transformers builds Llamas from.
-    order = ("peer-lora", "peer-compile", "peer-qlora", "peer-liger")
-    for key in (*order, *(k for k in SYSTEMS if k.startswith("ours"))):
-        if key not in keys:
-            continue
+    order = ("peer-lora", "peer-compile", "peer-qlora", "peer-liger", *(k for k in SYSTEMS if k.startswith("ours")))
+    for key in (k for k in order if k in keys):
         start = time.perf_counter()
         try:
             built[key] = build_system(key, cfg, base, device, dtype)

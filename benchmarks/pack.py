@@ -100,8 +100,7 @@ def _child(mode, path, cache, out):
         stepped = _resident()
         got = dict(added=stepped["all"] - before["all"], private=built["anon"] - before["anon"],
                    built=built["all"] - before["all"], stepped_private=stepped["anon"] - before["anon"])  # fmt: skip
-    with open(out.format(os.environ.get("RANK", 0)), "w") as f:
-        json.dump(got, f)
+    Path(out.format(os.environ.get("RANK", 0))).write_text(json.dumps(got))
     with open(os.path.join(OUT_DIR, "pack_results.jsonl"), "a") as f:  # every measurement, kept for the docs
         f.write(json.dumps(dict(mode=mode, path=path, rank=os.environ.get("RANK", 0), **got)) + "\n")
 
