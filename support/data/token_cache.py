@@ -235,17 +235,12 @@ def cached_packer(entry, packer):
             sizes = np.array([len(r) for r in rows], dtype=np.int64)
             docs = np.fromiter(itertools.chain.from_iterable(rows), dtype=np.int64, count=int(sizes.sum()))
             table = np.concatenate([[len(rows), 0], np.cumsum(sizes), docs])
-            atomic_write(path, lambda tmp: _save(tmp, table))
+            atomic_write(path, lambda tmp: np.save(tmp, table))  # tmp ends in .npy: np.save adds no suffix
         table = np.load(path)
         offsets, docs = table[1 : table[0] + 2].tolist(), table[table[0] + 2 :].tolist()
         return [docs[a:b] for a, b in itertools.pairwise(offsets)]
 
     return packed
-
-
-def _save(path, array):
-    with open(path, "wb") as f:  # a file object: given a name, np.save would append ".npy" to it
-        np.save(f, array)
 
 
 def _open(entry, again):

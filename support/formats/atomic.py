@@ -57,14 +57,14 @@ def atomic_write(path, write, directory=False):
             os.close(lock)
 
 
-def remove_dead_temps(parent, name, min_age=60):
+def remove_dead_temps(parent, name):
     """Remove atomic_write's temp folders for `name` whose writer is gone: nobody holds its flock (the kernel drops it
     when the process dies) and nothing in it changed for a minute, so a writer not yet locked is never taken."""
     pattern = re.compile(re.escape(f".{name}.") + r"[0-9a-f]{8}\.tmp")
     for entry in filter(pattern.fullmatch, os.listdir(parent)):
         folder = os.path.join(parent, entry)
         with contextlib.suppress(OSError):  # gone meanwhile, not ours to open, or locked by a live writer
-            if time.time() - os.stat(folder).st_mtime < min_age:
+            if time.time() - os.stat(folder).st_mtime < 60:
                 continue
             fd = os.open(os.path.join(folder, ".lock"), os.O_CREAT | os.O_WRONLY, 0o600)
             try:
