@@ -93,7 +93,7 @@ def arguments():
     h.add_argument("--start", type=int, default=0, help="skip the first N problems")
     h.add_argument("--max_new_tokens", type=int, default=384)
     h.add_argument("--adapter", default="", help="also score this PEFT adapter on the NF4 base")
-    h.add_argument("--speed", action="store_true", help="only generated tokens/s, today's sampler vs ours")
+    h.add_argument("--speed", action="store_true", help="only generated tokens/s, NF4 per call and dense")
     h.add_argument("--threads", type=int, default=0, help="torch threads (default torch's; 1 on an oversubscribed CPU)")
     h.add_argument("--only", default="", help="comma-separated phases: ours-fp32, transformers, ours-nf4, ours-adapter")
     h.set_defaults(run=bench_humaneval)

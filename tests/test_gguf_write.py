@@ -34,7 +34,7 @@ import convert
 import lora
 from model import Llama, LlamaConfig
 from support.data import tokenizer
-from support.evaluation.sampling import generate
+from support.evaluation.sampling import generate_batch
 from support.formats import atomic, gguf_read, gguf_write, hf
 from support.formats.hf import from_hf
 from train import load_model
@@ -120,10 +120,10 @@ def test_smollm2_round_trip_generates_the_same(smol_export, smollm2_dir):
 def _assert_same_generations(src, backs, prompts, new_tokens=12):
     """Greedy continuations of each prompt by the model in `src` and by each model in `backs` are identical."""
     model = load_model(src, torch.float32)
-    expected = [generate(model, ids, new_tokens) for ids in prompts]
+    expected = [generate_batch(model, [ids], new_tokens)[0] for ids in prompts]
     for back in backs:
         model = load_model(back, torch.float32)
-        assert [generate(model, ids, new_tokens) for ids in prompts] == expected, back
+        assert [generate_batch(model, [ids], new_tokens)[0] for ids in prompts] == expected, back
 
 
 # ----------------------------------------------------------------------------- tiny models, every file type

@@ -32,7 +32,7 @@ import model as M
 import quant
 import support.kernels.attention as A
 from model import Llama, LlamaConfig
-from support.evaluation.sampling import generate
+from support.evaluation.sampling import generate_batch
 from support.formats.hf import to_hf
 from support.kernels import dropout_cuda, nf4_ops
 from support.kernels.dropout import dropout_rows, row_keys
@@ -179,7 +179,7 @@ def test_family_logits_match_transformers(tmp_path, name):
         assert (again(ids).logits - ours(ids)).abs().max() < 1e-4
     prompt = [1, 40, 41, 9, 13, 77]
     want = ref.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, pad_token_id=0)[0, len(prompt) :]
-    assert generate(ours, prompt, 20, eos_id=ref.generation_config.eos_token_id) == want.tolist()
+    assert generate_batch(ours, [prompt], 20, eos_id=ref.generation_config.eos_token_id)[0] == want.tolist()
 
 
 def tiny_config(**kw):
@@ -418,7 +418,7 @@ def test_compiled_training_step_has_no_breaks_and_no_recompiles(device, dtype):
     frames = counters["frames"]["total"]
     with torch.no_grad():
         compiled(ids, pos)
-    generate(compiled, [1, 2, 3], 3)
+    generate_batch(compiled, [[1, 2, 3]], 3)
     assert counters["frames"]["total"] == frames
 
 

@@ -5,7 +5,7 @@ model built with activation checkpointing, in training mode, too), the cache fed
 logits at each chunk's last position, generation stops at any of several eos ids, nucleus sampling with a vanishing
 top_p is greedy and a seed repeats a sample; and greedy generation equals transformers' generate on the same weights
 (the families' own cases, sliding windows included, are in tests/test_model.py). Batched greedy generation with left
-padding gives every prompt what generate() gives it alone (rows ending at eos or at the caller's `done` at different
+padding gives every prompt what it gets alone (rows ending at eos or at the caller's `done` at different
 steps, sliding windows too, a prompt given twice read once), and dense_weights computes the NF4 model's logits bit for
 bit and puts the NF4 layers back. Sampled batches (rl.py's groups): at temperature 0 they are the greedy answers
 whatever top_p and seed say, at temperature 1 a seed repeats them, and the first token's frequencies over many draws
@@ -20,8 +20,13 @@ from test_model import hf_model, tiny_config
 import lora
 import quant
 from model import Llama, Options
-from support.evaluation.sampling import KVCache, dense_weights, generate, generate_batch, next_tokens
+from support.evaluation.sampling import KVCache, dense_weights, generate_batch, next_tokens
 from train import load_model
+
+
+def generate(model, prompt, max_new_tokens, **options):
+    """One prompt's new tokens: generate_batch with a batch of one."""
+    return generate_batch(model, [prompt], max_new_tokens, **options)[0]
 
 
 def test_kv_cache_generation_matches_full_recompute():
@@ -63,7 +68,7 @@ def test_greedy_generation_matches_transformers(tmp_path):
 
 
 def test_batched_generation_equals_one_prompt_at_a_time():
-    """Left-padded prompts of lengths 1 to 9 generated together equal generate() on each alone, token for token, when
+    """Left-padded prompts of lengths 1 to 9 generated together equal each generated alone, token for token, when
     rows end at different steps (an eos, the caller's `done`, max_new_tokens) and the batch drops finished rows; the
     same with a sliding window shorter than the sequences."""
     for window in (None, 4):
@@ -107,7 +112,7 @@ PROMPTS = [[5, 17, 3, 60, 8, 1, 9, 4, 11], [7], [30, 31, 32], [12, 40, 41, 42, 4
 
 
 def test_sampled_batches_are_greedy_at_temperature_0_and_seeded_at_1():
-    """Temperature 0 is today's greedy (generate()'s answers, one prompt at a time), whatever top_p and seed say; at
+    """Temperature 0 is greedy (the answers of one prompt at a time), whatever top_p and seed say; at
     temperature 1 the same seed gives the same answers and another seed other answers, which are not the greedy ones."""
     model = Llama(tiny_config()).eval()
     greedy = [generate(model, p, 10) for p in PROMPTS]

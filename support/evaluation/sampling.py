@@ -32,29 +32,12 @@ class KVCache:
 COMPACT = 0.1  # drop finished rows from the batch once they are this share of it (each drop copies the cache)
 
 
-@torch.inference_mode()
-def generate(model, prompt_ids, max_new_tokens, temperature=0.0, top_p=1.0, eos_id=None, seed=None):
-    """Continue prompt_ids: the new tokens (ending with the eos token if one was produced), as next_tokens picks."""
-    weight = model.model.embed_tokens.weight
-    cache = KVCache(model.config, len(prompt_ids) + max_new_tokens, dtype=weight.dtype, device=weight.device)
-    stop = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
-    gen = None if seed is None else torch.Generator(weight.device).manual_seed(seed)
-    ids, out = torch.tensor([prompt_ids], device=weight.device), []
-    for _ in range(max_new_tokens):
-        tok = int(next_tokens(model.decode(ids, cache)[:, -1].float(), temperature, top_p, gen)[0])
-        out.append(tok)
-        if tok in stop:
-            break
-        ids = torch.tensor([[tok]], device=weight.device)
-    return out
-
-
 def prompt_and_answer(model, tok, example, template, max_new_tokens, autocast) -> dict:
     """{"prompt", "answer"}: an example's prompt as in training and the greedy answer, in eval mode (no dropout)."""
     text, _, bos = render(example, tok, template)
     model.eval()
     with autocast():
-        ids = generate(model, tok.encode(text, bos=bos), max_new_tokens, eos_id=tok.eos_id)
+        ids = generate_batch(model, [tok.encode(text, bos=bos)], max_new_tokens, eos_id=tok.eos_id)[0]
     model.train()
     return dict(prompt=text, answer=tok.decode(ids))
 
@@ -75,8 +58,9 @@ def dense_weights(model):
 @torch.inference_mode()
 def generate_batch(model, prompts, max_new_tokens, eos_id=None, done=None, pad_id=0, temperature=0.0, top_p=1.0,
                    seed=None):  # fmt: skip
-    """Each prompt's new tokens as generate() gives them, all at once, seeded by `seed`. done(i, new_ids) -> bool, asked
-    after each token of prompt i: whether its answer is complete. Ended rows leave the batch once a COMPACT share."""
+    """Each prompt's new tokens (ending with an eos id if one was produced), as next_tokens picks them, all prompts at
+    once, seeded by `seed`. done(i, new_ids) -> bool, asked after each token of prompt i: whether its answer is
+    complete. Ended rows leave the batch once a COMPACT share."""
     device, dtype = model.model.embed_tokens.weight.device, model.model.embed_tokens.weight.dtype
     stop = {eos_id} if isinstance(eos_id, int) else set(eos_id or ())
     gen = None if temperature == 0 or seed is None else torch.Generator(device).manual_seed(seed)
