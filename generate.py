@@ -23,7 +23,7 @@ import torch
 
 from support.data.tokenizer import Tokenizer
 from support.evaluation import humaneval, sandbox
-from support.evaluation.sampling import generate
+from support.evaluation.sampling import generate_batch
 from support.formats import atomic, gguf_read
 from train import load_model
 
@@ -76,7 +76,8 @@ def main():
         return print(f"{humaneval.label(args.eval_task)} pass@1: {100 * result['pass@1']:.1f}% ({counts})")
     ids = chat_prompt(tok, args.prompt)
     tokens = args.max_new_tokens or 200
-    out = generate(model, ids, tokens, args.temperature, args.top_p, eos_id=tok.eos_id, seed=args.seed)
+    sampling = dict(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
+    out = generate_batch(model, [ids], tokens, tok.eos_id, **sampling)[0]
     print(humaneval.text(tok, out))  # stop tokens dropped, one eos id or several
 
 

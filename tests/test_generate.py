@@ -16,7 +16,7 @@ from conftest import fixed_outcome_problems
 import generate
 from support.data.tokenizer import Tokenizer
 from support.evaluation import sandbox
-from support.evaluation.sampling import generate as model_generate
+from support.evaluation.sampling import generate_batch
 from support.formats import gguf_read
 from train import load_model
 
@@ -27,7 +27,7 @@ def test_smollm2_writes_a_string_reverser(smollm2_dir, quantize):
     model = load_model(smollm2_dir, torch.float32, quantize=quantize).eval()
     ids = generate.chat_prompt(tok, "Write a Python function that reverses a string.")
     assert tok.decode(ids).endswith("<|im_start|>assistant\n")
-    answer = tok.decode(model_generate(model, ids, 40, eos_id=tok.eos_id))
+    answer = tok.decode(generate_batch(model, [ids], 40, eos_id=tok.eos_id)[0])
     code = re.search(r"^def .*?(?=\n\n|\n```|\Z)", answer, re.S | re.M)  # the first function of the answer
     assert code, answer
     namespace = {}
