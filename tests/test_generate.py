@@ -86,7 +86,7 @@ def test_no_stop_token_is_printed(tiny_dir, monkeypatch, capsys):
         return named
 
     monkeypatch.setattr(generate, "Tokenizer", tokenizer)
-    monkeypatch.setattr(generate, "generate", lambda *args, **kw: [*words, stops[1], *words, stops[0]])
+    monkeypatch.setattr(generate, "generate_batch", lambda *args, **kw: [[*words, stops[1], *words, stops[0]]])
     monkeypatch.setattr("sys.argv", ["generate.py", "--model", tiny_dir, "hi"])
     generate.main()
     assert capsys.readouterr().out == tok.decode(words + words) + "\n"
