@@ -77,7 +77,7 @@ def main():
     ids = chat_prompt(tok, args.prompt)
     tokens = args.max_new_tokens or 200
     sampling = dict(temperature=args.temperature, top_p=args.top_p, seed=args.seed)
-    out = generate_batch(model, [ids], tokens, tok.eos_id, **sampling)[0]
+    out = generate_batch(model, [ids], tokens, eos_id=tok.eos_id, **sampling)[0]
     print(humaneval.text(tok, out))  # stop tokens dropped, one eos id or several
 
 
