@@ -6,10 +6,11 @@ logits at each chunk's last position, generation stops at any of several eos ids
 top_p is greedy and a seed repeats a sample; and greedy generation equals transformers' generate on the same weights
 (the families' own cases, sliding windows included, are in tests/test_model.py). Batched greedy generation with left
 padding gives every prompt what it gets alone (rows ending at eos or at the caller's `done` at different
-steps, sliding windows too, a prompt given twice read once), and dense_weights computes the NF4 model's logits bit for
-bit and puts the NF4 layers back. Sampled batches (rl.py's groups): at temperature 0 they are the greedy answers
-whatever top_p and seed say, at temperature 1 a seed repeats them, and the first token's frequencies over many draws
-match softmax(logits / T) cut to the top_p nucleus (a chi-square test at the 0.1% level).
+steps, sliding windows too, a prompt given twice read once), and dense_weights computes the QLoRA model's logits
+within fp32 rounding, its adapters merged, and puts the model's layers back. Sampled batches (rl.py's groups): at
+temperature 0 they are the greedy answers whatever top_p and seed say, at temperature 1 a seed repeats them, and the
+first token's frequencies over many draws match softmax(logits / T) cut to the top_p nucleus (a chi-square test at
+the 0.1% level).
 """
 
 import math
@@ -20,7 +21,7 @@ from test_model import hf_model, tiny_config
 import lora
 import quant
 from model import Llama, Options
-from support.evaluation.sampling import KVCache, dense_weights, generate_batch, next_tokens
+from support.evaluation.sampling import FEW_ROWS, DecodeLinear, KVCache, dense_weights, generate_batch, next_tokens
 from train import load_model
 
 
@@ -87,25 +88,45 @@ def test_batched_generation_equals_one_prompt_at_a_time():
         assert generate_batch(model, prompts + prompts[::-1], 10) == alone + alone[::-1]  # each distinct one read once
 
 
-def test_dense_weights_equal_the_nf4_forward_and_are_put_back():
-    """Under dense_weights a QLoRA model (NF4 base, LoRA with a non-zero B) gives exactly the logits of its NF4Linear
-    forward, the adapters are the same tensors, and on exit the NF4 layers are the model's again."""
+def test_dense_weights_equal_the_qlora_forward_and_are_put_back():
+    """Under dense_weights a QLoRA model (NF4 base, LoRA with a non-zero B) gives the logits of its own forward within
+    fp32 rounding, for a prompt (9 rows) and a decode step's few rows alike; no NF4 or LoRA layer is left inside, and
+    on exit the model's own layers and adapters are back."""
     torch.manual_seed(0)
     model = quant.quantize_(Llama(tiny_config()), compute_dtype=torch.float32)
     lora.add_lora_(model, "all-linear", r=4, alpha=8, dropout=0.0)
     for m in lora.lora_modules(model).values():
         torch.nn.init.normal_(m.lora_B.weight)
     model.eval()
-    ids = torch.tensor([[5, 17, 3, 60, 8]])
-    before = {n: m for n, m in model.named_modules() if isinstance(m, quant.NF4Linear)}
+    ids = torch.tensor([[5, 17, 3, 60, 8, 1, 9, 4, 11], [7, 30, 31, 32, 12, 40, 41, 42, 43]])
+    before = dict(model.named_modules())
     with torch.no_grad():
         want = model(ids)
         with dense_weights(model):
-            assert not any(isinstance(m, quant.NF4Linear) for m in model.modules())
-            layer = model.model.layers[0].self_attn.q_proj
-            assert layer.lora_B.weight is before["model.layers.0.self_attn.q_proj"].lora_B.weight
-            assert torch.equal(model(ids), want)
-    assert {n: m for n, m in model.named_modules() if isinstance(m, quant.NF4Linear)} == before
+            assert not any(isinstance(m, (quant.NF4Linear, *lora.LORA)) for m in model.modules())
+            assert isinstance(model.lm_head, DecodeLinear)
+            got = model(ids)
+            step = model(ids[:, :1])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(step, model(ids[:, :1]), rtol=1e-5, atol=1e-5)
+    assert dict(model.named_modules()) == before
+
+
+def test_decode_linear_takes_the_transposed_product_for_few_rows():
+    """DecodeLinear equals F.linear within fp32 rounding, with a bias and without, for 1 and 3 rows, where its output
+    is exactly the transposed product (W x^T)^T, and for FEW_ROWS + 1 rows, where it is exactly F.linear's."""
+    torch.manual_seed(0)
+    for bias in (True, False):
+        layer = DecodeLinear(96, 160, bias=bias)
+        for rows in (1, 3, FEW_ROWS + 1):
+            x = torch.randn(rows, 1, 96)
+            want = torch.nn.functional.linear(x, layer.weight, layer.bias)
+            torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-5)
+            if rows > FEW_ROWS:
+                assert torch.equal(layer(x), want)
+            else:
+                product = (layer.weight @ x[:, 0].T).T[:, None]
+                assert torch.equal(layer(x), product if layer.bias is None else product + layer.bias)
 
 
 PROMPTS = [[5, 17, 3, 60, 8, 1, 9, 4, 11], [7], [30, 31, 32], [12, 40, 41, 42, 43, 44], [88, 2, 3, 50]]
