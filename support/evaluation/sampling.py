@@ -48,7 +48,7 @@ FEW_ROWS = 64  # a decode step's rows (B * T) at most: DecodeLinear's transposed
 
 class DecodeLinear(nn.Linear):
     """A frozen linear for generation, y = x W^T + b. For at most FEW_ROWS fp32 rows it computes (W x^T)^T: the
-    same products summed in another order, which MKL's GEMM runs 1.3-4x faster with the wide weight as its long side
+    same products summed in another order, which MKL's GEMM runs 1.1-4.6x faster with the wide weight as its long side
     (docs/performance.md, a CPU run beside other work)."""
 
     def forward(self, x):  # x (..., in) -> (..., out)
