@@ -129,8 +129,7 @@ def generate_answers(
     pad = stop[0] if stop else 0  # any id: padding is never attended
     was_training = model.training
     model.eval()
-    on_cpu = model.model.embed_tokens.weight.device.type == "cpu"
-    with dense_weights(model) if on_cpu else nullcontext():
+    with dense_weights(model):
         for s in range(0, len(order), batch):
             chunk = order[s : s + batch]
             new = generate_batch(model, [ids[i] for i in chunk], max_new_tokens, stop, done, pad, *sampling, seed + s)

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
+from torch.distributed.fsdp import FSDPModule
 
 import lora
 import quant
@@ -37,7 +38,7 @@ def prompt_and_answer(model, tok, example, template, max_new_tokens, autocast) -
     """{"prompt", "answer"}: an example's prompt as in training and the greedy answer, in eval mode (no dropout)."""
     text, _, bos = render(example, tok, template)
     model.eval()
-    with autocast():
+    with autocast(), dense_weights(model):
         ids = generate_batch(model, [tok.encode(text, bos=bos)], max_new_tokens, eos_id=tok.eos_id)[0]
     model.train()
     return dict(prompt=text, answer=tok.decode(ids))
@@ -76,7 +77,11 @@ def decode_linear(m) -> DecodeLinear:
 def dense_weights(model):
     """`model` with every NF4 or LoRA linear, and lm_head, swapped for a DecodeLinear (dequantized, adapters
     merged), restored on exit: the same function without dequantizing on every call, for the dense weights'
-    memory (a dense LoRA linear's merged weight is a copy too)."""
+    memory (a dense LoRA linear's merged weight is a copy too). Elsewhere than on CPU, or sharded, `model` as it is:
+    CUDA's NF4 kernel dequantizes fast, an 8B model's dense copy may not fit beside the run, and a rank holds a part."""
+    if model.model.embed_tokens.weight.device.type != "cpu" or isinstance(model, FSDPModule):
+        yield model
+        return
     swapped = {n: m for n, m in model.named_modules() if isinstance(m, (quant.NF4Linear, *lora.LORA))}
     swapped["lm_head"] = model.lm_head
     try:
