@@ -103,6 +103,11 @@ def delta_weight(layer):
     return layer.scaling * (layer.lora_B.weight.float() @ layer.lora_A.weight.float())
 
 
+def merged_weight(layer, weight):
+    """weight + scale * B @ A of `layer`'s adapter, summed in fp32 and rounded once to weight's dtype."""
+    return (weight.float() + delta_weight(layer)).to(weight.dtype)
+
+
 def with_lora(base, r, alpha, dropout=0.0, use_rslora=False, lora_dtype=None, dropout_op=None):
     """`base` (nn.Linear or NF4Linear) in a LoRA linear of its kind with a fresh rank-r adapter
     (lora_dtype, dropout_op: None for the base's float dtype and the reference dropout)."""
@@ -131,9 +136,9 @@ def adapters_off(model):
             m.enabled = True
 
 
-def frozen_linear(weight, bias):
-    """A frozen nn.Linear over `weight` (out, in) and `bias` (out,) or None, not copies."""
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+def frozen_linear(weight, bias, kind=nn.Linear):
+    """A frozen `kind` (nn.Linear or a subclass) over `weight` (out, in) and `bias` (out,) or None, not copies."""
+    linear = kind(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
     linear.weight = nn.Parameter(weight, requires_grad=False)
     linear.bias = bias
     return linear
@@ -213,8 +218,7 @@ def fold_(model):
     for name, m in lora_modules(model).items():
         if isinstance(m, quant.NF4Linear):
             raise ValueError(f"fold_: {name} has a 4-bit base; call rebase_ first")
-        merged = (m.weight.float() + delta_weight(m)).to(m.weight.dtype)
-        model.set_submodule(name, frozen_linear(merged, m.bias))
+        model.set_submodule(name, frozen_linear(merged_weight(m, m.weight), m.bias))
 
 
 def merge_lora_(model, original=None):

@@ -233,5 +233,7 @@ def task_record(cfg, model, tok, problems, autocast, step) -> dict:
 
 def generated(cfg, model, tok, prompts, problems, autocast, step) -> dict:
     """The step record's greedy answers to the held-out `prompts` and, when due, task_record's pass@1."""
-    answers = [prompt_and_answer(model, tok, ex, cfg.template or None, cfg.sample_tokens, autocast) for ex in prompts]
+    template = cfg.template or None
+    with dense_weights(model):  # dequantized once for all the prompts
+        answers = [prompt_and_answer(model, tok, ex, template, cfg.sample_tokens, autocast) for ex in prompts]
     return ({"samples": answers} if answers else {}) | task_record(cfg, model, tok, problems, autocast, step)

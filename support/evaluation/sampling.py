@@ -38,7 +38,7 @@ def prompt_and_answer(model, tok, example, template, max_new_tokens, autocast) -
     """{"prompt", "answer"}: an example's prompt as in training and the greedy answer, in eval mode (no dropout)."""
     text, _, bos = render(example, tok, template)
     model.eval()
-    with autocast(), dense_weights(model):
+    with autocast():
         ids = generate_batch(model, [tok.encode(text, bos=bos)], max_new_tokens, eos_id=tok.eos_id)[0]
     model.train()
     return dict(prompt=text, answer=tok.decode(ids))
@@ -48,29 +48,27 @@ FEW_ROWS = 64  # a decode step's rows (B * T) at most: DecodeLinear's transposed
 
 
 class DecodeLinear(nn.Linear):
-    """A frozen linear for generation, y = x W^T + b. For at most FEW_ROWS fp32 rows it computes (W x^T)^T: the
-    same products summed in another order, which MKL's GEMM runs 1.1-4.6x faster with the wide weight as its long side
+    """A frozen fp32 linear for generation, y = x W^T + b. For at most FEW_ROWS rows it computes (W x^T)^T: the same
+    products summed in another order, which MKL's GEMM runs 1.1-4.6x faster with the wide weight as its long side
     (docs/performance.md, a CPU run beside other work)."""
 
     def forward(self, x):  # x (..., in) -> (..., out)
         rows = x.shape[:-1].numel()
-        if rows > FEW_ROWS or self.weight.dtype != torch.float32:
+        if rows > FEW_ROWS:
             return super().forward(x)
         y = (self.weight @ x.reshape(rows, -1).T).T.reshape(*x.shape[:-1], -1)
         return y if self.bias is None else y + self.bias
 
 
 @torch.no_grad()
-def decode_linear(m) -> DecodeLinear:
-    """`m` (an NF4 or LoRA linear, or lm_head) as one DecodeLinear: its dequantized weight, its adapter's
-    scale * B @ A added once (a decode step then skips the adapter's two small products and their thread wake-ups)."""
-    w = m.dequantize() if isinstance(m, quant.NF4Linear) else m.weight
+def decode_linear(m) -> nn.Linear:
+    """`m` (an NF4 or LoRA linear, or lm_head) as one frozen linear, a DecodeLinear in fp32 (the case measured): its
+    dequantized weight, its adapter's scale * B @ A added once (a decode step then skips the adapter's two small
+    products and their thread wake-ups)."""
+    w = m.dequantize() if isinstance(m, quant.NF4Linear) else m.weight.detach()
     if isinstance(m, lora.LORA) and m.enabled:
-        w = (w.float() + lora.delta_weight(m)).to(w.dtype)
-    layer = DecodeLinear(w.shape[1], w.shape[0], bias=m.bias is not None, device="meta")
-    layer.weight = nn.Parameter(w.detach(), requires_grad=False)
-    layer.bias = m.bias
-    return layer
+        w = lora.merged_weight(m, w)
+    return lora.frozen_linear(w, m.bias, DecodeLinear if w.dtype == torch.float32 else nn.Linear)
 
 
 @contextmanager
