@@ -130,7 +130,7 @@ class Config(Common):
     # --- the step ---
     lora_dropout: float = setting(0.05, config.within(0, 1))  # on the adapter branch only
     batch_tokens: int = setting(512, config.at_least(1), resume=True)  # per step, all ranks
-    compile: bool = setting(False)  # torch.compile each block's training forward
+    compile: bool | str = setting("auto", config.AUTO_BOOL)  # torch.compile blocks; auto: long CUDA runs
     mlp_tile_tokens: int | str = setting("auto", config.auto_or_at_least(0))  # MLP tiles
     chunked_loss: bool = setting(True)  # lm_head + loss in chunks
     # --- evaluation, what to print ---
@@ -218,7 +218,8 @@ def build_model(cfg: Config, place: ranks.Placement, model_dir: str, mlp_tile: i
     torch.manual_seed(cfg.seed)  # the same adapter init on every rank
     chunk = LOSS_CHUNK if cfg.chunked_loss else 0
     ckpt = (cfg.activation_checkpointing, cfg.offload_checkpoints)
-    options = Options(*ckpt, mlp_tile, chunk, cfg.compile)
+    compiled = choice.compile_pays(cfg.compile, place.device, cfg.max_steps * cfg.batch_tokens)
+    options = Options(*ckpt, mlp_tile, chunk, compiled)
     shard = ranks.sharding(place.device, place.world, cfg.cpu_offload) if cfg.parallel == "fsdp" else None
     adapters = cfg.adapters(cfg.lora_dropout) | dict(lora_dtype=torch.float32)
     return load_model(model_dir, place.dtype, place.device, cfg.quantize, adapters, options=options, shard=shard)

@@ -2,15 +2,18 @@
 
 On simulated GPUs it is fp16 before compute capability 8.0 and bf16 from it, without measuring; on CPU it follows the
 flags the CPU declares (read from cpuinfo files of the three kinds), measuring only where none are readable, and says
-why in one line; an explicit bf16 stays bf16 with a warning where the CPU lacks it.
+why in one line; an explicit bf16 stays bf16 with a warning where the CPU lacks it. compile="auto" compiles the
+shipped GPU config's run and no CPU or short run; a set value always wins.
 """
 
 import pytest
 import torch
 
+import train
 from model import LlamaConfig
 from support.accounting.flops import fmt_flops
 from support.kernels import choice
+from support.run.config import check_config, load_config
 
 
 @pytest.mark.parametrize(
@@ -77,3 +80,23 @@ def test_cpu_flags_are_read_from_cpuinfo(tmp_path, text, want):
     (tmp_path / "cpuinfo").write_text(text)
     assert choice.cpu_has_bf16(str(tmp_path / "cpuinfo")) is want
     assert choice.cpu_has_bf16(str(tmp_path / "missing")) is None
+
+
+def test_compile_auto_compiles_long_cuda_runs_only():
+    """configs/magicoder.py as it ships (compile unset: "auto") compiles on CUDA, not on CPU, and not when its run is
+    cut to a few steps; --compile=True or False, or a bare --compile, decides on any device."""
+    magicoder = ["configs/magicoder.py"]
+
+    def compiles(argv, device):
+        cfg = load_config(train.Config, magicoder + argv)
+        check_config(cfg)
+        return choice.compile_pays(cfg.compile, device, cfg.max_steps * cfg.batch_tokens)
+
+    assert load_config(train.Config, magicoder).compile == "auto"
+    assert compiles([], "cuda") and not compiles([], "cpu")
+    assert not compiles(["--max_steps=10"], "cuda")
+    assert compiles(["--compile=True"], "cpu") and compiles(["--compile"], "cpu")
+    assert not compiles(["--compile=False"], "cuda")
+    assert not choice.compile_pays("auto", "cpu", 10**12)
+    with pytest.raises(ValueError, match=r'compile: .yes. is out of range \(expected "auto", True or False\)'):
+        compiles(["--compile=yes"], "cpu")

@@ -2,7 +2,8 @@
 
 precision "auto" is bf16 where the hardware runs it natively: a GPU from compute capability 8.0 (before, fp16), a CPU
 that declares AMX, AVX512-BF16 or Arm's bf16 (where it declares nothing, the two are measured once); else fp32, since an
-emulating CPU runs bf16 matmuls hundreds of times slower. `kernels_for` makes a model's kernel choices once.
+emulating CPU runs bf16 matmuls hundreds of times slower. `kernels_for` makes a model's kernel choices once, and
+`compile_pays` decides whether a run's blocks are compiled at all.
 """
 
 from typing import NamedTuple
@@ -26,6 +27,20 @@ def kernels_for(device, dtype, config, compiled=False) -> Kernels:
     varlen = attention.varlen_attention(device, dtype, config.head_dim, windowed=bool(config.sliding_layers))
     dropout = dropout_cuda.dropout_op_for(device, compiled)
     return Kernels(varlen, nf4_ops.dequantize_op_for(device), dropout)
+
+
+COMPILE_PAYS_TOKENS = 4_000_000  # compile="auto" compiles a CUDA run that trains at least this many tokens
+
+
+def compile_pays(setting, device, tokens) -> bool:
+    """Whether a run on `device` that trains `tokens` tokens compiles its blocks: compile=True or False as set; "auto"
+    on CUDA from COMPILE_PAYS_TOKENS. On an H200, compiling an 8B Llama's block took 41-60 s at the first step and made
+    each later step 1.17-1.19x faster (docs/performance.md): at about 10,000 tokens/s that is repaid after some 4M
+    tokens (configs/magicoder.py trains 34M). Never on CPU by itself: Inductor's code differs between CPU kinds
+    (AVX2, AVX-512, AMX) and a CPU run is short."""
+    if setting != "auto":
+        return setting
+    return torch.device(device).type == "cuda" and tokens >= COMPILE_PAYS_TOKENS
 
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

@@ -55,6 +55,9 @@ def within(low, high, brackets="[)"):
     return Rule(lambda v: above(v) and below(v), f"in {brackets[0]}{low}, {high}{brackets[1]}")
 
 
+AUTO_BOOL = Rule(lambda v: v == "auto" or isinstance(v, bool), '"auto", True or False')
+
+
 def auto_or_at_least(n):
     return Rule(lambda v: v == "auto" or isinstance(v, int) and v >= n, f'"auto" or an integer >= {n}')
 
@@ -100,7 +103,8 @@ def load_config(cls, argv: list[str], elsewhere=None):
 
     flags = [arg[2:].partition("=") for arg in argv if arg.startswith("--")]
     for name, eq, _ in flags:  # first: "--data path" would otherwise read path as a config file
-        if (field := fields.get(name.replace("-", "_"))) and field.type is not bool and not eq:
+        field = fields.get(name.replace("-", "_"))
+        if field and bool not in getattr(field.type, "__args__", (field.type,)) and not eq:
             raise ValueError(f"--{name}: needs a value, as --{name}=VALUE")
     for arg in [a for a in argv if not a.startswith("--")]:
         for key, value in run_config_file(arg).items():
