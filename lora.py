@@ -51,7 +51,8 @@ class LoRALinear(nn.Linear):
         attach_adapter_(self, base, r, alpha, dropout, use_rslora, dtype, dropout_op)
 
     def forward(self, x):  # x (..., in) -> (..., out)
-        return apply_adapter(self, x, super().forward(x))
+        out = super().forward(x.flatten(0, -2))  # (N, out): addmm_'s 2-D operand
+        return add_adapter_(self, x, out).unflatten(0, x.shape[:-1])
 
 
 class LoRANF4Linear(quant.NF4Linear):
@@ -67,7 +68,8 @@ class LoRANF4Linear(quant.NF4Linear):
         attach_adapter_(self, base, r, alpha, dropout, use_rslora, dtype, dropout_op)
 
     def forward(self, x):  # x (..., in) -> (..., out)
-        return apply_adapter(self, x, super().forward(x))
+        out = super().forward(x.flatten(0, -2))  # (N, out): addmm_'s 2-D operand
+        return add_adapter_(self, x, out).unflatten(0, x.shape[:-1])
 
 
 LORA = (LoRALinear, LoRANF4Linear)
@@ -89,13 +91,17 @@ def attach_adapter_(layer, base, r, alpha, dropout, use_rslora, dtype, dropout_o
     layer.train(base.training)  # eval mode if base is: no live dropout
 
 
-def apply_adapter(layer, x, out):
-    """The base's output `out` (..., out) plus scale * B(A(dropout(x))), in x's dtype."""
+def add_adapter_(layer, x, out):
+    """out (N, out), the base's output for x (..., in) as N rows, plus scale * B(A(dropout(x))), added in place. The
+    dropout sees x's own rows (its masks are keyed per row); the scale goes on B, the small factor; and B's product
+    adds into `out` as the matmul makes it (addmm_: out += h B^T, one kernel where a matmul, a scale and an add over
+    (N, out) were three). Nothing else holds `out`, so adding in place is safe for autograd."""
     if not layer.enabled:
         return out
     a = layer.lora_A.weight.to(x.dtype)  # (r, in)
-    b = layer.lora_B.weight.to(x.dtype)  # (out, r)
-    return out + (F.linear(F.linear(layer.lora_dropout(x), a), b) * layer.scaling).to(out.dtype)
+    b = (layer.lora_B.weight * layer.scaling).to(out.dtype)  # (out, r)
+    h = F.linear(layer.lora_dropout(x), a).flatten(0, -2).to(out.dtype)  # (N, r)
+    return out.addmm_(h, b.t())
 
 
 def delta_weight(layer):

@@ -381,10 +381,11 @@ def test_compiled_training_step_has_no_breaks_and_no_recompiles(device, dtype):
     call, so hooks on a block (FSDP's gathering) run around them; no graph break in a block (NF4 dequantization and the
     per-document attention are opaque ops); the first step's graphs serve every later batch, whatever its document count
     and lengths; loss and LoRA gradients equal eager's, dropout masks included: within 1e-4 in fp32; in bf16, where
-    compiled kernels round differently, each no farther from the fp32 step than twice eager's distance plus 1e-4, the
-    loss plus 2^-10 (a quarter of bf16's relative step, 2^-8: the loss sums the cross-entropy of hidden states rounded
-    to bf16, and eager's loss may land closer to fp32's than the rounding promises); evaluation and generation never
-    reach the compiler."""
+    compiled kernels round differently, each no farther from the fp32 step than twice eager's distance plus a margin:
+    2^-10 for the loss (a quarter of bf16's relative step, 2^-8: the loss sums the cross-entropy of hidden states
+    rounded to bf16, and eager's loss may land closer to fp32's than the rounding promises), 2^-8 for a gradient
+    (both sit about 2^-7 from fp32, and eager's lands closer by luck on some tensors; a wrong mask or graph is off by
+    order 1); evaluation and generation never reach the compiler."""
     torch._dynamo.reset()
     counters.clear()
     torch.backends.cuda.matmul.fp32_precision = "ieee"  # the fp32 reference; conftest's autouse fixture restores it
@@ -412,7 +413,7 @@ def test_compiled_training_step_has_no_breaks_and_no_recompiles(device, dtype):
         graphs = graphs or counters["stats"]["unique_graphs"]
         assert counters["stats"]["unique_graphs"] == graphs  # no recompilation after the first step
     for (loss_c, loss_e), *grads in distances:
-        assert loss_c <= 2 * loss_e + 2**-10 and all(c <= 2 * e + 1e-4 for c, e in grads), distances
+        assert loss_c <= 2 * loss_e + 2**-10 and all(c <= 2 * e + 2**-8 for c, e in grads), distances
     assert graphs <= 2 and not counters["graph_break"], dict(counters["graph_break"])  # x needs grad after layer 0
     assert len(calls) == 5 * len(compiled.model.layers)  # every compiled block ran inside its module's call
     frames = counters["frames"]["total"]
