@@ -4,7 +4,8 @@ Every backend that runs on CPU equals an fp64 per-document reference (forward an
 per-document SDPA loop and its opaque twin (the compile path) alike; flash-attn and torch's varlen kernel are checked
 by contract against stand-ins that enforce their own input checks and signatures; the backend choice is right for
 simulated GPUs (pre-Ampere, fp32, big heads) and broken flash-attn installs; per-document attention and the loss
-chunks reach their kernels only at a few bucket lengths. On a GPU, every kernel it runs equals the reference in bf16.
+chunks reach their kernels only at a few bucket lengths; micro-batches of whole rows take batched SDPA, packed ones
+the varlen kernel. On a GPU, every kernel it runs equals the reference in bf16, whole rows included.
 """
 
 import inspect
@@ -14,6 +15,7 @@ import sys
 import pytest
 import torch
 from test_model import cuda, packed_batch, rel, tiny_config
+from torch.nn.attention import SDPBackend
 
 import model as M
 import support.kernels.attention as A
@@ -112,6 +114,39 @@ def test_cpu_backends_equal_the_reference(hkv, window):
             assert (g - w).abs().max() < 1e-5
 
 
+@pytest.mark.parametrize("backend", [SDPBackend.MATH, SDPBackend.FLASH_ATTENTION])
+def test_whole_rows_take_batched_sdpa(backend):
+    """whole_rows_first sends documents of one length that fill the micro-batch (3 rows of 8 tokens) to batched
+    causal SDPA through CPU's `backend`, equal to the fp64 reference forward and backward (GQA 2:1), traced by
+    torch.compile without a graph break; packed documents of several lengths, and whole rows that a window shorter
+    than a row cuts, go to the packed kernel unchanged."""
+    seen = []
+
+    def packed(q, k, v, docs, window=None):
+        seen.append(window)
+        return A.sdpa_varlen(q, k, v, docs, window)
+
+    attend = A.whole_rows_first(packed, [backend])
+    rows = M.doc_bounds(torch.arange(8).repeat(3, 1))
+    q, k, v = (torch.randn(24, h, 8) for h in (4, 2, 2))
+    grad = torch.randn_like(q)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = naive_varlen(*leaves, rows.cu_seqlens)
+    want = torch.autograd.grad(ref, leaves, grad.double())
+    traced = torch.compile(attend, backend="eager", fullgraph=True)
+    for fn, window in [(attend, None), (attend, 8), (traced, None)]:
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = fn(*leaves, rows, window)
+        assert out.shape == q.shape and (out - ref).abs().max() < 1e-5
+        for g, w in zip(torch.autograd.grad(out, leaves, grad), want, strict=True):
+            assert (g - w).abs().max() < 1e-5
+    assert seen == []
+    (q, k, v), docs = packed_qkv()
+    assert (attend(q, k, v, docs) - naive_varlen(q, k, v, docs.cu_seqlens)).abs().max() < 1e-5
+    attend(*(t[:24] for t in (q, k, v)), rows, 4)
+    assert seen == [None, 4]
+
+
 def test_flash_attn_contract_and_selection(monkeypatch, tmp_path):
     """flash_varlen passes flash-attn's own checks (16-bit, int32 cu_seqlens, contiguous last dim, head_dim <= 256)
     and equals the reference, window included; varlen_attention picks it only where those checks would pass (CUDA,
@@ -127,7 +162,7 @@ def test_flash_attn_contract_and_selection(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: fake.capability)
     monkeypatch.setattr(torch.backends.cuda, "is_flash_attention_available", lambda: True)
     pick = lambda dtype=torch.bfloat16, d=128: A.varlen_attention("cuda", dtype, d)  # noqa: E731
-    assert pick() is A.flash_varlen and pick(torch.float16) is A.flash_varlen
+    assert pick().packed is A.flash_varlen and pick(torch.float16).packed is A.flash_varlen
     assert A.varlen_attention("cpu", torch.bfloat16) is A.sdpa_varlen and pick(torch.float32) is A.sdpa_varlen
     assert pick(d=512) is A.sdpa_varlen
     fake.capability = (7, 5)  # a T4: no FlashAttention kernels at all
@@ -143,7 +178,7 @@ def test_flash_attn_contract_and_selection(monkeypatch, tmp_path):
     for root in ("broken", "fa4"):
         monkeypatch.delitem(sys.modules, "flash_attn")
         monkeypatch.syspath_prepend(str(tmp_path / root))
-        assert pick() is A.torch_varlen  # torch's own kernel takes over
+        assert pick().packed is A.torch_varlen  # torch's own kernel takes over
         monkeypatch.setitem(sys.modules, "flash_attn", fake)
         monkeypatch.syspath_prepend(str(tmp_path))  # pushes the fake package's folder back down the path
 
@@ -184,9 +219,9 @@ def test_torch_varlen_contract(monkeypatch, release):
     for window in (None, 4) if release != "first" else (None,):
         out = A.torch_varlen(q, k, v, docs, window)
         assert (out - naive_varlen(q, k, v, docs.cu_seqlens, window)).abs().max() < 1e-5
-    assert A.varlen_attention("cuda", torch.bfloat16, 8) is A.torch_varlen
+    assert A.varlen_attention("cuda", torch.bfloat16, 8).packed is A.torch_varlen
     windowed = A.varlen_attention("cuda", torch.bfloat16, 8, windowed=True)
-    assert windowed is (A.sdpa_varlen if release == "first" else A.torch_varlen)
+    assert getattr(windowed, "packed", windowed) is (A.sdpa_varlen if release == "first" else A.torch_varlen)
     if release == "first":
         with pytest.raises(TypeError, match="window_size"):
             A.torch_varlen(q, k, v, docs, 4)
@@ -223,7 +258,8 @@ def test_cuda_backends_equal_the_reference(hkv, d, window):
     want = torch.autograd.grad(ref, leaves, grad.double())
     backends = gpu_backends(d, window is not None)
     chosen = A.varlen_attention("cuda", torch.bfloat16, d, windowed=window is not None)
-    assert chosen in backends and (chosen is not A.sdpa_varlen or len(backends) == 1), chosen.__name__
+    packed = getattr(chosen, "packed", chosen)
+    assert packed in backends and (packed is not A.sdpa_varlen or len(backends) == 1), packed.__name__
     errors = {}
     for fn in backends:
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -233,3 +269,21 @@ def test_cuda_backends_equal_the_reference(hkv, d, window):
         errors[fn.__name__] = [rel(out, ref)] + [rel(g, w) for g, w in zip(got, want, strict=True)]
     print(f"\nchosen {chosen.__name__}; relative errors (out, dq, dk, dv): {errors}")
     assert all(e < 2e-2 for errs in errors.values() for e in errs), errors
+
+
+@cuda
+@pytest.mark.parametrize("rows, row", [(1, 2048), (3, 512)])
+def test_cuda_whole_rows_equal_the_reference(rows, row):
+    """On the GPU, in bf16, the attention varlen_attention picks equals the fp64 reference on micro-batches of whole
+    rows (one row of 2,048 tokens, three of 512), the batched-SDPA path, forward and gradients, GQA 4:1."""
+    docs = M.doc_bounds(torch.arange(row).repeat(rows, 1).cuda())
+    q, k, v = (torch.randn(rows * row, h, 128, device="cuda").bfloat16() for h in (8, 2, 2))
+    grad = torch.randn_like(q)
+    leaves = [t.double().requires_grad_() for t in (q, k, v)]
+    ref = naive_varlen(*leaves, docs.cu_seqlens)
+    want = torch.autograd.grad(ref, leaves, grad.double())
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = A.varlen_attention("cuda", torch.bfloat16, 128)(*leaves, docs)
+    got = torch.autograd.grad(out, leaves, grad)
+    errors = [rel(out, ref)] + [rel(g, w) for g, w in zip(got, want, strict=True)]
+    assert all(e < 2e-2 for e in errors), errors

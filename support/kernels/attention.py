@@ -3,6 +3,8 @@
 model.py calls the function `varlen_attention` chose when the model was built with q (N, H, D), k and v (N, Hkv, D)
 over the B*T flattened tokens, the documents' bounds (`Docs`) and the layer's sliding window: flash-attn's varlen
 kernel, torch's own (torch_varlen), or one causal SDPA call per document (sdpa_varlen, one opaque op when compiled).
+On a GPU a micro-batch of whole documents, one a row (a long single row, unpacked rows of one length), goes to batched
+causal SDPA instead (whole_rows_first), where cuDNN's fused attention is faster than a varlen kernel.
 """
 
 import functools
@@ -11,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from support.run import optional
 
@@ -163,6 +166,28 @@ def torch_varlen(q, k, v, docs, window=None):
 VARLEN_PARAMS = frozenset(inspect.signature(varlen_attn).parameters) if varlen_attn else frozenset()
 
 
+WHOLE_ROW_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+
+
+def whole_rows_first(packed, backends=WHOLE_ROW_BACKENDS):
+    """`packed` (a varlen kernel), except where all n documents have one length L (n * L = N: every document is a
+    whole row) and no window cuts them: then causal SDPA over (n, heads, L, D), `backends` tried in order. An
+    8,192-token layer on an H200 took 3.72 ms in cuDNN's attention against 6.59 ms in FlashAttention-2's varlen kernel
+    (docs/performance.md). The test reads only host integers (the bounds' count, max_seqlen): no device sync."""
+
+    def attention(q, k, v, docs, window=None):  # q (N, H, D), k/v (N, Hkv, D) -> (N, H, D)
+        n, L = docs.bounds.shape[0] - 1, docs.max_seqlen
+        if n * L != q.shape[0] or (window is not None and window < L):
+            return packed(q, k, v, docs, window)
+        rows = [t.unflatten(0, (n, L)).transpose(1, 2) for t in (q, k, v)]  # (n, heads, L, D)
+        with sdpa_kernel(backends, set_priority=True):
+            o = F.scaled_dot_product_attention(*rows, is_causal=True, enable_gqa=True)
+        return o.transpose(1, 2).flatten(0, 1)
+
+    attention.packed = packed  # what packed rows run (bench.py gpu names it)
+    return attention
+
+
 def _flash_attn_imports():
     """Whether flash-attn's varlen function really imports (not a wheel built for another torch, not flash-attn 4)."""
     flash_attn = optional.load("flash_attn", "using another attention kernel")
@@ -171,17 +196,18 @@ def _flash_attn_imports():
 
 def varlen_attention(device, dtype, head_dim=128, windowed=False):
     """The packed-document attention for a model on `device` computing in `dtype`. The fused kernels need Ampere+,
-    16 bits and head_dim <= 256; torch's also head_dim a multiple of 8, and a window argument when the model slides."""
+    16 bits and head_dim <= 256; torch's also head_dim a multiple of 8, and a window argument when the model slides.
+    Either fused kernel comes with whole_rows_first's batched SDPA for micro-batches of whole rows."""
     device = torch.device(device)
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or head_dim > 256:
         return sdpa_varlen
     if torch.cuda.get_device_capability(device)[0] < 8:  # pre-Ampere (T4, V100): no FlashAttention kernels
         return sdpa_varlen
     if _flash_attn_imports():
-        return flash_varlen
+        return whole_rows_first(flash_varlen)
     if varlen_attn is not None and head_dim % 8 == 0 and torch.backends.cuda.is_flash_attention_available():
         if "window_size" in VARLEN_PARAMS or not windowed:
-            return torch_varlen
+            return whole_rows_first(torch_varlen)
     return sdpa_varlen
 
 
