@@ -1,9 +1,10 @@
 """Benchmarks, printed as tables and never asserted in tests; each file of benchmarks/ explains its own.
 
-python bench.py gpu-proof --out=DIR  what a lent GPU is for, in --budget: CUDA tests, step, compiled, context, ladder
+python bench.py gpu-proof --out=DIR  a lent GPU's work in --budget: CUDA tests, step, rl, compiled, context, ladder
 python bench.py gpu          ours (LoRA, QLoRA) vs transformers + PEFT on a random Llama-3.1-8B (--shape=smollm2: CPU)
 python bench.py gpu-context  the longest single row of our QLoRA, three settings, peak beside the estimate
 python bench.py gpu-ladder   the GPU optimization ladder: one technique per rung (--shape=smollm2: on CPU)
+python bench.py gpu-rl       two rl.py steps on a random Llama-3.2-1B shape: generated tokens/s, peak memory
 python bench.py quant        NF4 quantize / dequantize on CPU, ours vs bitsandbytes (--smollm2: load times too)
 python bench.py pack         tokenize + pack 75,000 Magicoder-sized examples, the cache hit, the memory it adds
 python bench.py first-run    the default `python train.py` as a newcomer runs it: wall time, losses, peak RSS
@@ -24,6 +25,7 @@ from benchmarks.first_run import bench_first_run
 from benchmarks.fsdp import bench_fsdp
 from benchmarks.gpu import bench_gpu, bench_gpu_context, bench_gpu_ladder, gpu_problem
 from benchmarks.gpu_proof import PHASES, bench_gpu_proof
+from benchmarks.gpu_rl import bench_gpu_rl
 from benchmarks.gpu_systems import SHAPES, SYSTEMS
 from benchmarks.grpo import bench_grpo, trl_peer
 from benchmarks.humaneval import bench_humaneval
@@ -33,8 +35,8 @@ from benchmarks.under_load import WORKLOADS, bench_under_load
 
 
 def gpu_arguments(sub):
-    """The GPU commands: gpu-proof, gpu, gpu-context, gpu-ladder."""
-    g = sub.add_parser("gpu-proof", help="the whole GPU proof (tests, step, compiled, context, ladder) within a budget")
+    """The GPU commands: gpu-proof, gpu, gpu-context, gpu-ladder, gpu-rl."""
+    g = sub.add_parser("gpu-proof", help="the whole GPU proof (tests, step, rl, compiled, context, ladder) in a budget")
     g.add_argument("--budget", type=float, default=540, help="seconds for all phases together (default 540)")
     g.add_argument("--out", required=True, help="the folder of the results")
     g.add_argument("--shape", default="8b", help="the model shape of bench.py gpu (default 8b; tiny on CPU)")
@@ -59,6 +61,10 @@ def gpu_arguments(sub):
     shape_arguments(g, rounds=3)
     g.add_argument("--out", required=True, help="the JSON file of the results")
     g.set_defaults(run=bench_gpu_ladder)
+    g = sub.add_parser("gpu-rl", help="two rl.py steps on a random Llama (default shape 1b): tokens/s, peak memory")
+    shape_arguments(g)
+    g.add_argument("--out", required=True, help="the JSON file of the results (its log beside it)")
+    g.set_defaults(run=bench_gpu_rl, shape="1b")
 
 
 def shape_arguments(parser, rounds=0):
@@ -77,7 +83,7 @@ def shape_arguments(parser, rounds=0):
 def arguments():
     """The parser of every command: its options and their defaults."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = "{gpu-proof,gpu,gpu-context,gpu-ladder,quant,pack,first-run,under-load,fsdp,humaneval,grpo}"
+    commands = "{gpu-proof,gpu,gpu-context,gpu-ladder,gpu-rl,quant,pack,first-run,under-load,fsdp,humaneval,grpo}"
     sub = parser.add_subparsers(dest="command", required=True, metavar=commands)
     gpu_arguments(sub)
     s = sub.add_parser("fsdp", help="DDP vs FSDP over 2 CPU ranks, interleaved: step time and per-rank peak RSS")

@@ -5,8 +5,10 @@ shared machine's drift stays out of it. The peers (transformers + PEFT) train on
 """
 
 import importlib.metadata
+import json
 import os
 import platform
+import shutil
 import socket
 import statistics
 import subprocess
@@ -125,10 +127,22 @@ def median_ratio(pairs):
 def hf_batch(batch):
     """Our batch -> transformers' causal-LM inputs: our pre-shifted labels move one place right (transformers shifts
     them itself); one example per row, so the padding is the second run of positions from 0 (attention mask 0)."""
+    mask = ((batch["position_ids"] == 0).cumsum(1) == 1).long()  # (rows, width)
+    return dict(input_ids=batch["input_ids"], attention_mask=mask, labels=shifted_labels(batch))
+
+
+def hf_packed_batch(batch):
+    """Our packed batch -> transformers' inputs without padding (TRL's padding_free): labels moved one place right as
+    in hf_batch (a document's first token then has -100: nothing predicts it across the boundary), and the position ids,
+    from which transformers finds where documents start."""
+    return dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=shifted_labels(batch))
+
+
+def shifted_labels(batch):
+    """Our pre-shifted labels (rows, width) one place right, as transformers' loss expects them (-100 first)."""
     labels = torch.full_like(batch["labels"], -100)
     labels[:, 1:] = batch["labels"][:, :-1]
-    mask = ((batch["position_ids"] == 0).cumsum(1) == 1).long()  # (rows, width)
-    return dict(input_ids=batch["input_ids"], attention_mask=mask, labels=labels)
+    return labels
 
 
 def nf4_config(compute_dtype):
@@ -161,3 +175,31 @@ def peft_lora(model, lr):
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     return model, params, torch.optim.AdamW(params, lr=lr, fused=True)
+
+
+def random_model_dir(out, smollm2_dir, dtype=torch.float32, device="cpu", **shape):
+    """A random Llama of the given shape with SmolLM2's vocabulary, tokenizer files and chat template, written as a
+    Hugging Face directory in `dtype` (weights N(0, 0.02), norms at 1: a model with sane logits), built on `device`."""
+    from safetensors.torch import save_file
+
+    from model import Llama
+    from support.formats.hf import config_json, from_hf, read_config, to_hf
+
+    os.makedirs(out, exist_ok=True)
+    cfg = from_hf({**to_hf(read_config(smollm2_dir)[0]), **shape})
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = Llama(cfg).to(dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+    state = {k: v.contiguous().cpu() for k, v in model.state_dict().items()}
+    if cfg.tie_word_embeddings:
+        del state["lm_head.weight"]
+    save_file(state, os.path.join(out, "model.safetensors"))
+    with open(os.path.join(out, "config.json"), "w") as f:
+        json.dump(config_json(cfg, dtype), f)
+    for name in os.listdir(smollm2_dir):
+        if name.startswith("tokenizer") or name == "special_tokens_map.json":
+            shutil.copy(os.path.join(smollm2_dir, name), out)
+    return str(out)

@@ -53,11 +53,14 @@ from support.run import ranks
 
 # Kinds of kernel (on CPU: of operator) by name, for the profile's summary line; the first pattern that matches wins.
 KERNEL_KINDS = [
-    ("attention", r"flash|fmha|attention|attn"),  # first: FlashAttention's kernel names hold "cutlass" too
+    ("attention", r"flash|fmha|attention|attn|sdpa"),  # first: FlashAttention's names hold "cutlass", cuDNN's "sdpa"
     ("matmul", r"gemm|cutlass|nvjet|xmma|wgmma|^aten::(mm|addmm|bmm)$"),
     ("NF4 dequantize", r"dequant"),  # bitsandbytes' kDequantizeBlockwise, nf4_ops.py's nf4_dequantize_kernel
     ("LoRA dropout", r"keyed_dropout"),  # support/kernels/dropout_cuda.py's keyed_dropout_kernel
 ]
+
+
+NATURAL_TITLE = "natural batching: ours and the packed peer packed, the other peers padded to a batch's longest"
 
 
 def kernel_kind(name):
@@ -131,14 +134,15 @@ def workload_table(result):
     """(headers, rows) of a workload_result: a row per system, its status where it did not run."""
     rows = []
     for key, r in result["systems"].items():
+        label = SYSTEMS[key] + (f" ({r['note']})" if "note" in r else "")
         if "summary" not in r:
-            rows.append((SYSTEMS[key], r["status"], *[""] * 7))
+            rows.append((label, r["status"], *[""] * 7))
             continue
         m = r["summary"]
         batch = f"{m['rows']:.3g} x {m['width']:.0f}"
         rates = (f"{m['step_s']:.3f}", f"{m['tokens_per_s']:,.0f}", f"{m['supervised_per_s']:,.0f}", f"{m['mfu']:.1%}")
         peak = memory.fmt(m["peak_bytes"]) if "peak_bytes" in m else "-"
-        rows.append((SYSTEMS[key], batch, f"{m['fill']:.1%}", *rates, peak, f"{m['loss_step1']:.4f}"))
+        rows.append((label, batch, f"{m['fill']:.1%}", *rates, peak, f"{m['loss_step1']:.4f}"))
     headers = ["system", "rows x width", "fill", "step s", "tokens/s", "supervised/s", "MFU", "peak memory"]
     return [*headers, "step-1 loss"], rows
 
@@ -231,18 +235,21 @@ def bench_gpu(args):
     results |= dict(peak_flops=peak, peak_source=source, workloads={}, deadline=args.deadline)
     results["dropout"] = dropout_cuda.dropout_op_for(device).__name__
     results["precision"] = str(dtype).removeprefix("torch.")
-    results["attention"] = varlen_attention(device, dtype, cfg.head_dim).__name__
+    attend = varlen_attention(device, dtype, cfg.head_dim)
+    whole_rows = " (whole rows: batched SDPA, cuDNN first)" if hasattr(attend, "packed") else ""
+    results["attention"] = getattr(attend, "packed", attend).__name__ + whole_rows
     print_gpu_header(results, cfg, device)
     equal = equal_work(cfg.vocab_size, row, args.rows, steps)
     natural_data = natural_work(cfg.vocab_size, row, args.rows)
     results["natural_data"] = describe_natural(*natural_data, args.rows)
     systems = build_systems(cfg, args.systems.split(","), device, dtype)
-    natural = lambda key, step: natural_batch(natural_data, args.rows, key.startswith("ours"), step)
+    packs = lambda key: key.startswith("ours") or key == "peer-packed"  # noqa: E731
+    natural = lambda key, step: natural_batch(natural_data, args.rows, packs(key), step)
 
     equal_title = f"equal work: identical tensors, {args.rows} x {row} tokens per step, every token supervised"
     work = {  # name: (the batch of system `key` at step s, the metric of its ratios, the table's title)
         "equal": (lambda key, s: equal[s], "tokens", equal_title),
-        "natural": (natural, "supervised", "natural batching: ours packed, the peer padded to the longest of a batch"),
+        "natural": (natural, "supervised", NATURAL_TITLE),
     }
     for name, (batch_of, metric, _) in work.items():
 

@@ -4,7 +4,8 @@
     python bench.py gpu-proof --shape=tiny --budget=300 --out=DIR      the rehearsal on CPU (tests/test_bench.py)
 
 The phases (PHASES), each a child process with its share of the budget: tests (pytest --cuda-only), step (bench.py gpu,
-eager), compiled (the same, compiled), context (bench.py gpu-context), ladder (bench.py gpu-ladder). --out receives
+eager), rl (bench.py gpu-rl: two rl.py steps, 1B shape), compiled (bench.py gpu, compiled), context (bench.py
+gpu-context), ladder (bench.py gpu-ladder). --out receives
 <phase>.json, proof.json (statuses, times, the machine), proof.md (every table) and log.txt, rewritten as phases end.
 """
 
@@ -21,12 +22,14 @@ from pathlib import Path
 
 from benchmarks.common import REPO
 from benchmarks.gpu import profile_table, ratio_table, workload_table
+from benchmarks.gpu_rl import rl_table
 from benchmarks.gpu_systems import COMPILED, EAGER, SYSTEMS
 from support.accounting.memory import fmt
 from support.formats import atomic
 
 # (phase, share of the budget, the fewest seconds worth starting it with): docs/performance.md, "The GPU proof"
-PHASES = [("tests", 0.34, 20), ("step", 0.15, 60), ("compiled", 0.29, 60), ("context", 0.14, 40), ("ladder", 0.08, 30)]
+PHASES = [("tests", 0.32, 20), ("step", 0.15, 60), ("rl", 0.10, 40), ("compiled", 0.23, 60), ("context", 0.12, 40)]
+PHASES += [("ladder", 0.08, 30)]
 CUDA_TESTS = "-m pytest -v -p no:cacheprovider --cuda-only tests --continue-on-collection-errors"  # the tests phase
 GRACE = 0.2  # the share of a phase's limit from its child's deadline to its kill: the step in flight, the results
 
@@ -40,6 +43,8 @@ def phase_command(name, args, deadline):
         systems = ",".join(EAGER if name == "step" else COMPILED)
         rounds = [f"--warmup={args.warmup}", f"--rounds={args.rounds}"]
         return [sys.executable, "bench.py", "gpu", *common, f"--systems={systems}", *rounds, "--profile"]
+    if name == "rl":  # a 1B model where the others train an 8B one
+        common[0] = f"--shape={'1b' if args.shape == '8b' else args.shape}"
     return [sys.executable, "bench.py", f"gpu-{name}", *common]
 
 
@@ -234,7 +239,14 @@ def md_ladder(res):
     return lines + md_table(headers, rows)
 
 
-RENDER = {"tests": md_tests, "step": md_step, "compiled": md_step, "context": md_context, "ladder": md_ladder}
+def md_rl(res):
+    confined = "confined" if res["confined"] else f"unconfined ({res['unconfined_because']})"
+    lines = [f"{res['device']}; {res['model']} shape, random weights; rewards {confined}; rl.py {res['status']}"]
+    return lines + [f"`{res['command']}`", ""] + md_table(*rl_table(res))
+
+
+RENDER = {"tests": md_tests, "step": md_step, "rl": md_rl, "compiled": md_step, "context": md_context}
+RENDER["ladder"] = md_ladder
 
 
 def render(proof, results):

@@ -1,15 +1,17 @@
 """What does the GPU benchmark train, on what data, and how is a step timed, summarized and compared?
 
 A random Llama of a published shape (SHAPES) is built once on the device; every system (SYSTEMS: ours LoRA and QLoRA,
-transformers + PEFT with or without bitsandbytes, Liger or torch.compile, ours compiled) trains LoRA on those very
-weight tensors, in one process; one that cannot be built or stepped keeps its row with the reason. Two workloads, each
-run interleaved (step s of every system, then s + 1; the first --warmup steps left out): equal work (identical full
-rows, every token supervised: tokens/s compares compute) and natural batching (the same log-normal documents packed for
-ours, padded one per row for the peer: supervised tokens/s compares useful work). Peak memory is each system's own, as
+transformers + PEFT with or without bitsandbytes, Liger or torch.compile, TRL's packed padding-free batching, ours
+compiled) trains LoRA on those very weight tensors, in one process; one that cannot be built or stepped keeps its row
+with the reason. Two workloads, each run interleaved (step s of every system, then s + 1; the first --warmup steps left
+out): equal work (identical full rows, every token supervised: tokens/s compares compute) and natural batching (the
+same log-normal documents packed for ours and the packed peer, padded one per row for the other peers: supervised
+tokens/s compares useful work). Peak memory is each system's own, as
 if it ran alone: what it holds between steps plus the most a step allocated above that (CUDA only).
 """
 
 import contextlib
+import dataclasses
 import gc
 import importlib.util
 import itertools
@@ -26,7 +28,7 @@ import torch
 import lora
 import quant
 import train
-from benchmarks.common import LORA, OUT_DIR, SEED, hf_batch, median_ratio, nf4_config, peft_lora
+from benchmarks.common import LORA, OUT_DIR, SEED, hf_batch, hf_packed_batch, median_ratio, nf4_config, peft_lora
 from model import Llama, Options
 from pack import PackedDataset
 from support.accounting import memory
@@ -77,6 +79,7 @@ SYSTEMS = {  # key: row label
     "peer-lora": "transformers + PEFT LoRA",
     "peer-qlora": "transformers + PEFT + bitsandbytes QLoRA",
     "peer-liger": "transformers + PEFT + Liger LoRA",
+    "peer-packed": "transformers + PEFT, packed and padding-free (TRL)",
     "peer-compile": "transformers + PEFT LoRA, compiled",
 }
 PAIRS = [
@@ -85,6 +88,7 @@ PAIRS = [
     ("ours-qlora", "peer-lora"),
     ("ours-qlora", "ours-lora"),
     ("ours-lora", "peer-liger"),
+    ("ours-lora", "peer-packed"),
     ("ours-lora-compiled", "peer-compile"),
     ("ours-qlora-compiled", "peer-compile"),
     ("ours-lora-compiled", "ours-lora"),
@@ -106,6 +110,7 @@ class System:
     opt: object = None
     within: object = None  # batch -> the context a step's forward and backward run in (None: none)
     status: str = ""  # why it does not run ("failed: ...", "skipped: ..."); "" when it does
+    note: str = ""  # how it runs, where that depends on what is installed ("attention sdpa, Liger off")
 
     @property
     def label(self):
@@ -188,13 +193,13 @@ def ours_system(key, model, device, dtype):
     return System(key, forward, model, params, opt, within=within)
 
 
-def peer_llama(cfg, base, device, dtype):
-    """transformers' LlamaForCausalLM of the same config with sdpa attention, holding the tensors of `base`."""
+def peer_llama(cfg, base, device, dtype, attention="sdpa"):
+    """transformers' LlamaForCausalLM of the same config with `attention`, holding the tensors of `base`."""
     import transformers
 
     with torch.device(device):  # a bf16 model, randomly initialised, whose tensors are then replaced by ours
         model = transformers.AutoModelForCausalLM.from_config(
-            transformers.LlamaConfig.from_dict(to_hf(cfg)), attn_implementation="sdpa", dtype=dtype
+            transformers.LlamaConfig.from_dict(to_hf(cfg)), attn_implementation=attention, dtype=dtype
         )
     model.load_state_dict(base, assign=True)  # strict: the names are the same
     return model
@@ -238,15 +243,31 @@ def peer_liger_llama(cfg, base, device, dtype):
     return model
 
 
+def peer_packed_llama(cfg, base, device, dtype):
+    """(model, note): TRL's packed, padding-free batching (SFTConfig(packing=True, padding_free=True)) as transformers
+    runs it: our packed rows, position ids restarting at each document, no attention mask, on the LoRA peer's model
+    with flash-attn's varlen kernel where flash-attn is installed, else sdpa under the document mask transformers
+    builds from the position ids; Liger's kernels on a GPU where liger-kernel is installed."""
+    attention = "flash_attention_2" if importlib.util.find_spec("flash_attn") else "sdpa"
+    model = peer_llama(cfg, base, device, dtype, attention)
+    liger = device.type == "cuda" and importlib.util.find_spec("liger_kernel") is not None
+    if liger:
+        from liger_kernel.transformers import apply_liger_kernel_to_llama
+
+        apply_liger_kernel_to_llama(rope=False, model=model)
+    return model, f"attention {attention}, Liger {'on' if liger else 'off'}"
+
+
 def peer_system(key, model, device, dtype, compile=False):
-    """common.peft_lora on a transformers model; the loss on our batch converted by hf_batch, under the same autocast
-    as ours; with `compile`, the PEFT model called through torch.compile."""
+    """common.peft_lora on a transformers model; the loss on our batch converted by hf_batch (peer-packed: by
+    hf_packed_batch), under the same autocast as ours; with `compile`, the PEFT model called through torch.compile."""
     model, params, opt = peft_lora(model, LR)
     amp = torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32)
     call = torch.compile(model) if compile else model
+    convert = hf_packed_batch if key == "peer-packed" else hf_batch
 
     def forward(batch):
-        inputs = {k: v.to(device) for k, v in hf_batch(batch).items()}
+        inputs = {k: v.to(device) for k, v in convert(batch).items()}
         with amp:
             return call(**inputs).loss
 
@@ -256,6 +277,9 @@ def peer_system(key, model, device, dtype, compile=False):
 def build_system(key, cfg, base, device, dtype):
     """One system on the weights `base` (the state dict of our random dense Llama)."""
     peers = {"peer-lora": peer_llama, "peer-qlora": peer_qlora_llama, "peer-liger": peer_liger_llama}
+    if key == "peer-packed":
+        model, note = peer_packed_llama(cfg, base, device, dtype)
+        return dataclasses.replace(peer_system(key, model, device, dtype), note=note)
     if key.startswith("peer"):  # peer-compile: the LoRA peer's model, compiled
         model = peers.get(key, peer_llama)(cfg, base, device, dtype)
         return peer_system(key, model, device, dtype, compile=key == "peer-compile")
@@ -269,8 +293,9 @@ def build_systems(cfg, keys, device, dtype):
     reason as status."""
     base = random_weights(cfg, device, dtype)
     built = {}
-    # Liger's peer after the other peers: applying it also swaps the classes transformers builds Llamas from.
-    order = ("peer-lora", "peer-compile", "peer-qlora", "peer-liger", *(k for k in SYSTEMS if k.startswith("ours")))
+    # Liger's peers after the other peers: applying it also swaps the classes transformers builds Llamas from.
+    peers = ("peer-lora", "peer-compile", "peer-qlora", "peer-liger", "peer-packed")
+    order = (*peers, *(k for k in SYSTEMS if k.startswith("ours")))
     for key in (k for k in order if k in keys):
         start = time.perf_counter()
         try:
@@ -280,7 +305,8 @@ def build_systems(cfg, keys, device, dtype):
         except FAILURES as e:
             built[key] = System(key, status=f"failed: {one_line(e)}")
             free_cache(device)
-        print(f"{SYSTEMS[key]}: built in {time.perf_counter() - start:.1f} s {built[key].status}".rstrip(), flush=True)
+        how = built[key].status or built[key].note
+        print(f"{SYSTEMS[key]}: built in {time.perf_counter() - start:.1f} s {how}".rstrip(), flush=True)
     return [built[k] for k in SYSTEMS if k in built]
 
 
@@ -339,7 +365,8 @@ def natural_work(vocab, row, rows, n_docs=DOC_COUNT):
 
 
 def natural_batch(work, rows, packed, step):
-    """Step `step`'s batch of natural_work's `work`: our packed rows, or the peer's padded batch."""
+    """Step `step`'s batch of natural_work's `work`: our packed rows (the packed peer's too), or the peers' padded
+    batch."""
     ours, peer, batches = work
     return ours.step_batch(step, rows) if packed else peer.collate(batches[step % len(batches)])
 
@@ -468,6 +495,7 @@ def workload_result(systems, records, errors, warmup, peak_flops, metric, pairs=
         if not status and len(records[s.key]) <= warmup:
             status = "stopped: no measured step (a deadline or a time limit)"
         out["systems"][s.key] = {"status": status} if status else {"steps": records[s.key]}
+        out["systems"][s.key] |= {"note": s.note} if s.note else {}
         if not status:
             out["systems"][s.key]["summary"] = summarize_system(s, records[s.key], warmup, peak_flops)
     for a, b in pairs:

@@ -29,6 +29,8 @@ import torch
 import transformers
 from tokenizers import decoders, models, pre_tokenizers, processors, trainers
 
+from benchmarks.common import random_model_dir  # noqa: F401 (the tests import it from here)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
 DATA = Path(__file__).parent / "data"
@@ -296,33 +298,6 @@ def reference(d):
     names = ("bos_token", "eos_token", "unk_token", "pad_token")
     special = {k: v["content"] if isinstance(v, dict) else v for k, v in cfg.items() if k in names}
     return SentencePieceBackend(vocab_file=str(d / "tokenizer.model"), **special)
-
-
-def random_model_dir(out, smollm2_dir, dtype=torch.float32, device="cpu", **shape):
-    """A random Llama of the given shape with SmolLM2's vocabulary, tokenizer files and chat template, written as a
-    Hugging Face directory in `dtype` (weights N(0, 0.02), norms at 1: a model with sane logits)."""
-    from model import Llama
-    from support.formats.hf import config_json, from_hf, read_config, to_hf
-
-    os.makedirs(out, exist_ok=True)
-    cfg = from_hf({**to_hf(read_config(smollm2_dir)[0]), **shape})
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = Llama(cfg).to(dtype)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
-    from safetensors.torch import save_file
-
-    state = {k: v.contiguous().cpu() for k, v in model.state_dict().items()}
-    if cfg.tie_word_embeddings:
-        del state["lm_head.weight"]
-    save_file(state, os.path.join(out, "model.safetensors"))
-    json.dump(config_json(cfg, dtype), open(os.path.join(out, "config.json"), "w"))
-    for name in os.listdir(smollm2_dir):
-        if name.startswith("tokenizer") or name == "special_tokens_map.json":
-            shutil.copy(os.path.join(smollm2_dir, name), out)
-    return str(out)
 
 
 def instruction_jsonl(examples) -> str:

@@ -2,11 +2,11 @@
 
 The GPU benchmark (`bench.py gpu`):
 
-- `python bench.py gpu-proof --shape=tiny`, the rehearsal of what a lent GPU runs, goes through its five phases on CPU
-  within its budget (the CUDA tests, the step eager and compiled with every system's rows, ratios and profiles, the
-  longest row, the ladder), each writing its JSON and its tables; ours and the peer start from the same loss; a phase
-  the budget cannot fit is skipped, one past its limit is killed with its process group, and no round of steps starts
-  after a deadline; `bench.py gpu --memory` reports our QLoRA's memory beside the estimate;
+- `python bench.py gpu-proof --shape=tiny`, the rehearsal of what a lent GPU runs, goes through its six phases on CPU
+  within its budget (the CUDA tests, the step eager and compiled with every system's rows, ratios and profiles, two
+  rl.py steps, the longest row, the ladder), each writing its JSON and its tables; ours and the peer start from the
+  same loss; a phase the budget cannot fit is skipped, one past its limit is killed with its process group, and no
+  round of steps starts after a deadline; `bench.py gpu --memory` reports our QLoRA's memory beside the estimate;
 - median_ratio and workload_result pair each system's measured steps round by round (a system that stopped early
   is compared over the rounds both completed); a system whose step fails (out of memory) or that was skipped keeps
   its row with the reason, and the others run on;
@@ -16,7 +16,8 @@ The GPU benchmark (`bench.py gpu`):
   build_systems holds our very weight tensors and computes our loss on them;
 - common.hf_batch turns our pre-shifted labels and per-document position ids into inputs on which transformers'
   LlamaForCausalLM computes our loss: its mean cross-entropy on a padded batch of real examples equals our Llama's
-  summed loss over the supervised-token count (a small random model, fp32);
+  summed loss over the supervised-token count (a small random model, fp32); common.hf_packed_batch does the same for
+  packed rows without padding (TRL's padding-free batching), documents kept apart by the position ids alone;
 - `--shape=smollm2`, the CPU comparison, is the configuration of the SmolLM2-135M-Instruct the tests convert (bos and
   eos ids aside);
 - the profile sorts kernels as an H200 names them: FlashAttention's (whose names hold "cutlass") as attention, cuBLAS's
@@ -45,6 +46,7 @@ import pack
 from benchmarks import common, gpu, gpu_proof, gpu_systems, under_load
 from support.data.examples import stdlib_examples
 from support.data.tokenizer import Tokenizer
+from support.evaluation import sandbox
 from support.formats.hf import from_hf, read_config
 from train import load_model
 
@@ -62,6 +64,27 @@ def test_hf_batch_gives_our_loss(tiny_dir):
         theirs = ref(**inputs).loss
     assert n == int((inputs["labels"] != -100).sum())
     torch.testing.assert_close(loss_sum / n, theirs, rtol=1e-5, atol=1e-5)
+
+
+def test_hf_packed_batch_gives_our_loss(tiny_dir):
+    """The packed peer's inputs (TRL's padding-free batching): on rows that each pack several real examples, with no
+    attention mask, transformers' sdpa Llama keeps documents apart from the position ids alone: our loss and our logits;
+    the same rows with the position ids dropped (one causal span a row) give other logits, so the check can fail."""
+    model = load_model(tiny_dir)
+    ref = transformers.LlamaForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32, attn_implementation="sdpa")
+    examples = stdlib_examples("train")[:24]
+    batch = pack.build_dataset(examples, Tokenizer(tiny_dir), 512, pack=True, seed=common.SEED).step_batch(0, 2)
+    inputs = common.hf_packed_batch(batch)
+    assert (batch["position_ids"][:, 1:] == 0).sum() >= 4, "the rows should pack several documents"
+    with torch.no_grad():
+        loss_sum, n = model(batch["input_ids"], batch["position_ids"], labels=batch["labels"])
+        logits = model(batch["input_ids"], batch["position_ids"])
+        theirs = ref.eval()(**inputs, use_cache=False)  # as training runs it (peft_lora): a cache hides the packing
+        unpacked = ref(input_ids=inputs["input_ids"], use_cache=False).logits
+    assert n == int((inputs["labels"] != -100).sum())
+    torch.testing.assert_close(loss_sum / n, theirs.loss, rtol=1e-5, atol=1e-5)
+    near = (theirs.logits - logits).abs().max()
+    assert near < 1e-4 and (unpacked - logits).abs().max() > 100 * near
 
 
 def test_smollm2_shape_is_smollm2(smollm2_dir):
@@ -94,12 +117,15 @@ PHASES_SHARES = [p[:2] for p in gpu_proof.PHASES]
 
 
 def test_gpu_proof_rehearsal_on_cpu(tmp_path):
-    """The rehearsal of the command a lent GPU runs: every phase runs on CPU within the budget, exits cleanly and
-    writes its JSON, and proof.md holds each phase's tables. tests: the CUDA tests, each skipped here (the same list
-    pytest reports as skipped for want of CUDA). step and compiled: every system has its rows on both workloads (Liger
-    skipped with its reason) with their ratios, our LoRA's first loss is the peer's on the same weights and tensors,
-    and ours are profiled. context: each setting tried a row longer than one document, which fit. ladder: every rung
-    measured, its gains over the rung before and the baseline."""
+    """The rehearsal of the command a lent GPU runs: every phase runs on CPU within the budget, exits cleanly and writes
+    its JSON, and proof.md holds each phase's tables. tests: the CUDA tests, each skipped here (the same list
+    pytest reports as skipped for want of CUDA). step and compiled: every system has its rows on both workloads
+    (Liger skipped with its reason) with their ratios, our LoRA's first loss is the peer's on the same weights
+    and tensors, and on the same packed rows the packed peer's (which keeps documents apart by the position ids:
+    test_hf_packed_batch_gives_our_loss), and ours are profiled. rl: rl.py ran its two steps on a random model
+    with SmolLM2's tokenizer, sampling and rewarding in the sandbox (confined where this kernel can). context:
+    each setting tried a row longer than one document, which fit. ladder: every rung measured, its gains over the
+    rung before and the baseline."""
     proof, phases, text, took = gpu_proof_rehearsal(tmp_path, budget=420)
     assert [p["name"] for p in proof["phases"]] == PHASES and set(phases) == set(PHASES)
     assert all(p["status"] == "exit code 0" and p["seconds"] <= p["limit_s"] for p in proof["phases"]), proof
@@ -120,9 +146,17 @@ def test_gpu_proof_rehearsal_on_cpu(tmp_path):
         k: v["steps"][0]["loss"] for k, v in phases["step"]["workloads"]["equal"]["systems"].items() if "steps" in v
     }
     assert first["ours-lora"] == pytest.approx(first["peer-lora"], abs=2e-3)  # same weights, same tensors
+    natural = phases["step"]["workloads"]["natural"]["systems"]
+    assert natural["peer-packed"]["note"] == "attention sdpa, Liger off"
+    first_packed = [natural[k]["steps"][0]["loss"] for k in ("ours-lora", "peer-packed")]
+    assert first_packed[0] == pytest.approx(first_packed[1], abs=2e-3)  # the same packed rows
     for setting in phases["context"]["settings"]:
         long_rows = [a for a in setting["attempts"] if a["tokens"] > phases["context"]["doc"]]
         assert long_rows and all(a["status"] == "fits" for a in setting["attempts"]), setting
+    rl = phases["rl"]
+    assert rl["status"] == "exit code 0" and [r["step"] for r in rl["steps"]] == [1, 2], rl
+    assert all(r["generated_per_s"] > 0 and 0 <= r["reward"] <= 1 for r in rl["steps"])
+    assert "--max_steps=2" in rl["command"] and rl["confined"] == (sandbox.confinement() == "")
     ladder = phases["ladder"]
     assert all("summary" in ladder["systems"][f"rung{i}"] for i in range(len(ladder["rungs"])))
     assert all(g["previous"]["n"] >= 1 and g["baseline"]["n"] >= 1 for g in ladder["gains"].values())
