@@ -75,6 +75,25 @@ def test_stdlib_problems_keeps_the_decisive_tests(candidates):
     assert [len(p["canonical_solution"]) for p in found] == sorted(len(p["canonical_solution"]) for p in found)
 
 
+def test_a_limit_judges_only_as_many_as_it_keeps(candidates, monkeypatch):
+    """With a limit, stdlib_problems keeps the same first problems as without one (the shortest canonical solutions
+    whose tests decide, secrets.token_hex's +SKIP test still left out) but judges in the sandbox only the candidates
+    it needs, in that order, a batch at a time, and says how many it judged."""
+    order = lambda t: (len(candidates[t]["canonical_solution"]), t)  # noqa: E731
+    names = sorted({*sorted(candidates, key=order)[:40], "stdlib/secrets.token_hex"}, key=order)
+    only = lambda p: "" if p["task_id"] in names else "left out"  # noqa: E731
+    judged = []
+    judge = problems.left_out
+    monkeypatch.setattr(problems, "left_out", lambda batch, confine: judged.extend(batch) or judge(batch, confine))
+    whole, _ = problems.stdlib_problems(too_long=only)
+    assert len(judged) == len(names) and "stdlib/secrets.token_hex" not in {p["task_id"] for p in whole}
+    judged.clear()
+    first, said = problems.stdlib_problems(too_long=only, limit=3)
+    assert [p["task_id"] for p in first] == [p["task_id"] for p in whole[:3]]
+    assert len(judged) == 16 and [p["task_id"] for p in judged] == names[:16]
+    assert said.startswith(f"3 of {len(candidates)} doctested stdlib functions, the first 16 judged (")
+
+
 ADD = dict(task_id="add", prompt="def add(a, b):\n", entry_point="add",
            test="def check(candidate):\n    assert candidate(2, 3) == 5\n")  # fmt: skip
 
