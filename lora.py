@@ -51,8 +51,8 @@ class LoRALinear(nn.Linear):
         attach_adapter_(self, base, r, alpha, dropout, use_rslora, dtype, dropout_op)
 
     def forward(self, x):  # x (..., in) -> (..., out)
-        out = super().forward(x.flatten(0, -2))  # (N, out): addmm_'s 2-D operand
-        return add_adapter_(self, x, out).unflatten(0, x.shape[:-1])
+        out = super().forward(x.reshape(-1, x.shape[-1]))  # (N, out): addmm_'s 2-D operand
+        return add_adapter_(self, x, out).view(*x.shape[:-1], -1)
 
 
 class LoRANF4Linear(quant.NF4Linear):
@@ -68,8 +68,8 @@ class LoRANF4Linear(quant.NF4Linear):
         attach_adapter_(self, base, r, alpha, dropout, use_rslora, dtype, dropout_op)
 
     def forward(self, x):  # x (..., in) -> (..., out)
-        out = super().forward(x.flatten(0, -2))  # (N, out): addmm_'s 2-D operand
-        return add_adapter_(self, x, out).unflatten(0, x.shape[:-1])
+        out = super().forward(x.reshape(-1, x.shape[-1]))  # (N, out): addmm_'s 2-D operand
+        return add_adapter_(self, x, out).view(*x.shape[:-1], -1)
 
 
 LORA = (LoRALinear, LoRANF4Linear)
@@ -100,7 +100,7 @@ def add_adapter_(layer, x, out):
         return out
     a = layer.lora_A.weight.to(x.dtype)  # (r, in)
     b = (layer.lora_B.weight * layer.scaling).to(out.dtype)  # (out, r)
-    h = F.linear(layer.lora_dropout(x), a).flatten(0, -2).to(out.dtype)  # (N, r)
+    h = F.linear(layer.lora_dropout(x), a).reshape(-1, a.shape[0]).to(out.dtype)  # (N, r)
     return out.addmm_(h, b.t())
 
 

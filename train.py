@@ -218,7 +218,8 @@ def build_model(cfg: Config, place: ranks.Placement, model_dir: str, mlp_tile: i
     torch.manual_seed(cfg.seed)  # the same adapter init on every rank
     chunk = LOSS_CHUNK if cfg.chunked_loss else 0
     ckpt = (cfg.activation_checkpointing, cfg.offload_checkpoints)
-    compiled = choice.compile_pays(cfg.compile, place.device, cfg.max_steps * cfg.batch_tokens)
+    tokens = cfg.max_steps * cfg.batch_tokens
+    compiled = choice.compile_pays(cfg.compile, place.device, tokens, sharded=cfg.parallel == "fsdp")
     options = Options(*ckpt, mlp_tile, chunk, compiled)
     shard = ranks.sharding(place.device, place.world, cfg.cpu_offload) if cfg.parallel == "fsdp" else None
     adapters = cfg.adapters(cfg.lora_dropout) | dict(lora_dtype=torch.float32)

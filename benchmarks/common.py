@@ -132,10 +132,12 @@ def hf_batch(batch):
 
 
 def hf_packed_batch(batch):
-    """Our packed batch -> transformers' inputs without padding (TRL's padding_free): labels moved one place right as
-    in hf_batch (a document's first token then has -100: nothing predicts it across the boundary), and the position ids,
-    from which transformers finds where documents start."""
-    return dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=shifted_labels(batch))
+    """Our packed batch -> transformers' inputs as TRL's padding-free collator makes them: the rows laid end to end in
+    one (flash-attn's path in transformers looks for documents only in a batch of one row), no attention mask, labels
+    moved one place right per row as in hf_batch (a document's first token then has -100: nothing predicts it across
+    a boundary), and the position ids, from which transformers finds where documents start."""
+    inputs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=shifted_labels(batch))
+    return {k: v.reshape(1, -1) for k, v in inputs.items()}
 
 
 def shifted_labels(batch):

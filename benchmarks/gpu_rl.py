@@ -11,6 +11,7 @@ metrics.jsonl it reports, a step at a time, the generated tokens/s, the step's p
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -51,13 +52,14 @@ def rl_command(model_dir, out_dir, confined, cuda):
 
 
 def run_rl(argv, log_path, deadline):
-    """rl.py's exit status: "exit code N", or "killed at the deadline"; its output to log_path."""
+    """rl.py's exit status: "exit code N", or "killed at the deadline" (its process group: the sandbox's children
+    too); its output to log_path."""
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         try:
             return f"exit code {proc.wait(timeout=max(1.0, deadline - time.time()))}"
         except subprocess.TimeoutExpired:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
             return "killed at the deadline"
 

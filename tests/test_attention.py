@@ -119,7 +119,8 @@ def test_whole_rows_take_batched_sdpa(backend):
     """whole_rows_first sends documents of one length that fill the micro-batch (3 rows of 8 tokens) to batched
     causal SDPA through CPU's `backend`, equal to the fp64 reference forward and backward (GQA 2:1), traced by
     torch.compile without a graph break; packed documents of several lengths, and whole rows that a window shorter
-    than a row cuts, go to the packed kernel unchanged."""
+    than a row cuts, go to the packed kernel unchanged; compiled blocks get the packed kernel alone (a branch on the
+    document count would guard their graph)."""
     seen = []
 
     def packed(q, k, v, docs, window=None):
@@ -144,7 +145,7 @@ def test_whole_rows_take_batched_sdpa(backend):
     (q, k, v), docs = packed_qkv()
     assert (attend(q, k, v, docs) - naive_varlen(q, k, v, docs.cu_seqlens)).abs().max() < 1e-5
     attend(*(t[:24] for t in (q, k, v)), rows, 4)
-    assert seen == [None, 4]
+    assert seen == [None, 4] and A.compilable(attend) is packed
 
 
 def test_flash_attn_contract_and_selection(monkeypatch, tmp_path):
@@ -267,23 +268,29 @@ def test_cuda_backends_equal_the_reference(hkv, d, window):
         assert out.dtype == torch.bfloat16 and out.shape == q.shape
         got = torch.autograd.grad(out, leaves, grad)
         errors[fn.__name__] = [rel(out, ref)] + [rel(g, w) for g, w in zip(got, want, strict=True)]
-    print(f"\nchosen {chosen.__name__}; relative errors (out, dq, dk, dv): {errors}")
+    print(f"\nchosen {packed.__name__}; relative errors (out, dq, dk, dv): {errors}")
     assert all(e < 2e-2 for errs in errors.values() for e in errs), errors
 
 
 @cuda
 @pytest.mark.parametrize("rows, row", [(1, 2048), (3, 512)])
 def test_cuda_whole_rows_equal_the_reference(rows, row):
-    """On the GPU, in bf16, the attention varlen_attention picks equals the fp64 reference on micro-batches of whole
-    rows (one row of 2,048 tokens, three of 512), the batched-SDPA path, forward and gradients, GQA 4:1."""
+    """On the GPU, in bf16, varlen_attention picks a fused kernel with the whole-row path, and that path (batched SDPA,
+    cuDNN first) equals the fp64 reference on micro-batches of whole rows (one row of 2,048 tokens, three of 512),
+    forward and gradients, GQA 4:1, without reaching the packed kernel."""
     docs = M.doc_bounds(torch.arange(row).repeat(rows, 1).cuda())
     q, k, v = (torch.randn(rows * row, h, 128, device="cuda").bfloat16() for h in (8, 2, 2))
     grad = torch.randn_like(q)
     leaves = [t.double().requires_grad_() for t in (q, k, v)]
     ref = naive_varlen(*leaves, docs.cu_seqlens)
     want = torch.autograd.grad(ref, leaves, grad.double())
+    assert hasattr(A.varlen_attention("cuda", torch.bfloat16, 128), "packed"), "no fused kernel: no whole-row path"
+
+    def packed(*args):
+        raise AssertionError("whole rows went to the packed kernel")
+
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    out = A.varlen_attention("cuda", torch.bfloat16, 128)(*leaves, docs)
+    out = A.whole_rows_first(packed)(*leaves, docs)
     got = torch.autograd.grad(out, leaves, grad)
     errors = [rel(out, ref)] + [rel(g, w) for g, w in zip(got, want, strict=True)]
     assert all(e < 2e-2 for e in errors), errors

@@ -67,9 +67,10 @@ def test_hf_batch_gives_our_loss(tiny_dir):
 
 
 def test_hf_packed_batch_gives_our_loss(tiny_dir):
-    """The packed peer's inputs (TRL's padding-free batching): on rows that each pack several real examples, with no
-    attention mask, transformers' sdpa Llama keeps documents apart from the position ids alone: our loss and our logits;
-    the same rows with the position ids dropped (one causal span a row) give other logits, so the check can fail."""
+    """The packed peer's inputs (TRL's padding-free batching): on rows that each pack several real examples, laid end
+    to end in one row with no attention mask, transformers' sdpa Llama keeps documents apart from the position ids
+    alone: our loss and our logits; the same row with the position ids dropped (one causal span) gives other logits,
+    so the check can fail."""
     model = load_model(tiny_dir)
     ref = transformers.LlamaForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32, attn_implementation="sdpa")
     examples = stdlib_examples("train")[:24]
@@ -83,8 +84,8 @@ def test_hf_packed_batch_gives_our_loss(tiny_dir):
         unpacked = ref(input_ids=inputs["input_ids"], use_cache=False).logits
     assert n == int((inputs["labels"] != -100).sum())
     torch.testing.assert_close(loss_sum / n, theirs.loss, rtol=1e-5, atol=1e-5)
-    near = (theirs.logits - logits).abs().max()
-    assert near < 1e-4 and (unpacked - logits).abs().max() > 100 * near
+    near = (theirs.logits.view_as(logits) - logits).abs().max()
+    assert near < 1e-4 and (unpacked.view_as(logits) - logits).abs().max() > 100 * near
 
 
 def test_smollm2_shape_is_smollm2(smollm2_dir):

@@ -83,8 +83,8 @@ def test_cpu_flags_are_read_from_cpuinfo(tmp_path, text, want):
 
 
 def test_compile_auto_compiles_long_cuda_runs_only():
-    """configs/magicoder.py as it ships (compile unset: "auto") compiles on CUDA, not on CPU, and not when its run is
-    cut to a few steps; --compile=True or False, or a bare --compile, decides on any device."""
+    """configs/magicoder.py as it ships (compile unset: "auto") compiles on CUDA, not on CPU, not when its run is
+    cut to a few steps and not sharded (FSDP); --compile=True or False, or a bare --compile, decides on any device."""
     magicoder = ["configs/magicoder.py"]
 
     def compiles(argv, device):
@@ -95,6 +95,7 @@ def test_compile_auto_compiles_long_cuda_runs_only():
     assert load_config(train.Config, magicoder).compile == "auto"
     assert compiles([], "cuda") and not compiles([], "cpu")
     assert not compiles(["--max_steps=10"], "cuda")
+    assert not choice.compile_pays("auto", "cuda", 10**12, sharded=True) and choice.compile_pays(True, "cuda", 0, True)
     assert compiles(["--compile=True"], "cpu") and compiles(["--compile"], "cpu")
     assert not compiles(["--compile=False"], "cuda")
     assert not choice.compile_pays("auto", "cpu", 10**12)

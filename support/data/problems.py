@@ -217,7 +217,7 @@ def stdlib_problems(too_long=None, confine=True, limit=0) -> tuple[list[dict], s
     max_examples keeps the easiest), and a line counting those left out and why; too_long(problem) -> str, when
     given, leaves out the problems whose prompt leaves no room for an answer (it says why, "" if not). With `limit`,
     the first `limit` of them: candidates are judged in that order, a few more at a time than are still wanted, until
-    enough are kept (judging all ~280, two sandboxed programs each, took rl.py's start 30-40 s on 2 cores)."""
+    enough are kept (judging all ~280, two sandboxed programs each, took about 45 s of rl.py's start on 2 cores)."""
     candidates = stdlib_candidates()
     fit = [p for p in candidates if too_long is None or not too_long(p)]
     fit.sort(key=lambda p: (len(p["canonical_solution"]), p["task_id"]))

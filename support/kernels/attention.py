@@ -170,10 +170,11 @@ WHOLE_ROW_BACKENDS = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SD
 
 
 def whole_rows_first(packed, backends=WHOLE_ROW_BACKENDS):
-    """`packed` (a varlen kernel), except where all n documents have one length L (n * L = N: every document is a
-    whole row) and no window cuts them: then causal SDPA over (n, heads, L, D), `backends` tried in order. An
+    """`packed` (a varlen kernel), except where all n documents have one length L (n * L = N: whole rows, or rows
+    of equal documents) and no window cuts them: then causal SDPA over (n, heads, L, D), `backends` tried in order. An
     8,192-token layer on an H200 took 3.72 ms in cuDNN's attention against 6.59 ms in FlashAttention-2's varlen kernel
-    (docs/performance.md). The test reads only host integers (the bounds' count, max_seqlen): no device sync."""
+    (docs/performance.md). The test reads only host integers (the bounds' count, max_seqlen): no device sync. Compiled
+    blocks take `packed` alone (compilable)."""
 
     def attention(q, k, v, docs, window=None):  # q (N, H, D), k/v (N, Hkv, D) -> (N, H, D)
         n, L = docs.bounds.shape[0] - 1, docs.max_seqlen
@@ -197,23 +198,30 @@ def _flash_attn_imports():
 def varlen_attention(device, dtype, head_dim=128, windowed=False):
     """The packed-document attention for a model on `device` computing in `dtype`. The fused kernels need Ampere+,
     16 bits and head_dim <= 256; torch's also head_dim a multiple of 8, and a window argument when the model slides.
-    Either fused kernel comes with whole_rows_first's batched SDPA for micro-batches of whole rows."""
+    Either fused kernel comes with whole_rows_first's batched SDPA for micro-batches of whole rows (head_dim a
+    multiple of 8), in eager blocks (compilable)."""
     device = torch.device(device)
     if device.type != "cuda" or dtype not in (torch.float16, torch.bfloat16) or head_dim > 256:
         return sdpa_varlen
     if torch.cuda.get_device_capability(device)[0] < 8:  # pre-Ampere (T4, V100): no FlashAttention kernels
         return sdpa_varlen
+
+    def whole_rows(packed):  # SDPA's fused kernels need head_dim a multiple of 8
+        return whole_rows_first(packed) if head_dim % 8 == 0 else packed
+
     if _flash_attn_imports():
-        return whole_rows_first(flash_varlen)
+        return whole_rows(flash_varlen)
     if varlen_attn is not None and head_dim % 8 == 0 and torch.backends.cuda.is_flash_attention_available():
         if "window_size" in VARLEN_PARAMS or not windowed:
-            return whole_rows_first(torch_varlen)
+            return whole_rows(torch_varlen)
     return sdpa_varlen
 
 
 def compilable(varlen):
-    """The attention function to compile: the per-document loop's opaque twin, any fused kernel as it is."""
-    return sdpa_varlen_opaque if varlen is sdpa_varlen else varlen
+    """The attention function to compile: the per-document loop's opaque twin, a fused kernel as it is, without
+    whole_rows_first's branch (compiled, its test on the document count would guard the graph, and the first micro-batch
+    of whole rows would compile every block again)."""
+    return sdpa_varlen_opaque if varlen is sdpa_varlen else getattr(varlen, "packed", varlen)
 
 
 @functools.cache

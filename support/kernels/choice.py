@@ -32,15 +32,16 @@ def kernels_for(device, dtype, config, compiled=False) -> Kernels:
 COMPILE_PAYS_TOKENS = 4_000_000  # compile="auto" compiles a CUDA run that trains at least this many tokens
 
 
-def compile_pays(setting, device, tokens) -> bool:
+def compile_pays(setting, device, tokens, sharded=False) -> bool:
     """Whether a run on `device` that trains `tokens` tokens compiles its blocks: compile=True or False as set; "auto"
-    on CUDA from COMPILE_PAYS_TOKENS. On an H200, compiling an 8B Llama's block took 41-60 s at the first step and made
+    on CUDA from COMPILE_PAYS_TOKENS, unless the model is `sharded` (FSDP: its compiled blocks are proven over gloo on
+    CPU only, docs/correctness.md). On an H200, compiling an 8B Llama's block took 41-60 s at the first step and made
     each later step 1.17-1.19x faster (docs/performance.md): at about 10,000 tokens/s that is repaid after some 4M
     tokens (configs/magicoder.py trains 34M). Never on CPU by itself: Inductor's code differs between CPU kinds
     (AVX2, AVX-512, AMX) and a CPU run is short."""
     if setting != "auto":
         return setting
-    return torch.device(device).type == "cuda" and tokens >= COMPILE_PAYS_TOKENS
+    return torch.device(device).type == "cuda" and tokens >= COMPILE_PAYS_TOKENS and not sharded
 
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
