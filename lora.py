@@ -92,10 +92,8 @@ def attach_adapter_(layer, base, r, alpha, dropout, use_rslora, dtype, dropout_o
 
 
 def add_adapter_(layer, x, out):
-    """out (N, out), the base's output for x (..., in) as N rows, plus scale * B(A(dropout(x))), added in place. The
-    dropout sees x's own rows (its masks are keyed per row); the scale goes on B, the small factor; and B's product
-    adds into `out` as the matmul makes it (addmm_: out += h B^T, one kernel where a matmul, a scale and an add over
-    (N, out) were three). Nothing else holds `out`, so adding in place is safe for autograd."""
+    """out (N, out), the base's output for x (..., in), plus scale * B(A(dropout(x))) in place: B's matmul adds into
+    `out` (addmm_, one kernel, not three), which nothing else holds. Dropout sees x's rows (keyed per row)."""
     if not layer.enabled:
         return out
     a = layer.lora_A.weight.to(x.dtype)  # (r, in)
