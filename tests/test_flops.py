@@ -61,8 +61,9 @@ def test_cpu_peak_is_measured(dtype):
 
 def test_cpu_peak_beside_a_busy_process_is_the_idle_peak():
     """This thread (one torch thread) and a busy Python loop pinned to the same core, interleaved with the loop gone:
-    a call's wall time at least 1.4x its idle time (the core is shared), the measured peak within 25% of the idle
-    peak (medians of three), since a call is timed in CPU time."""
+    a call's wall time at least 1.4x its idle time (the core is shared), the measured peak within 0.7x-1.43x of the
+    idle peak (medians of five), since a call is timed in CPU time. Timed in wall time it would be about half; what
+    is left is this VM's drift and the caches the loop evicts."""
     threads, affinity = torch.get_num_threads(), os.sched_getaffinity(0)
     core = min(affinity)
     torch.set_num_threads(1)
@@ -70,7 +71,7 @@ def test_cpu_peak_beside_a_busy_process_is_the_idle_peak():
     a = torch.randn(512, 512)
     walls, peaks = {"idle": [], "busy": []}, {"idle": [], "busy": []}
     try:
-        for _ in range(3):
+        for _ in range(5):
             for load in ("idle", "busy"):
                 loop = f"import os\nos.sched_setaffinity(0, {{{core}}})\nwhile True: pass"
                 hog = subprocess.Popen([sys.executable, "-c", loop]) if load == "busy" else None
@@ -88,7 +89,7 @@ def test_cpu_peak_beside_a_busy_process_is_the_idle_peak():
         torch.set_num_threads(threads)
     wall, peak = ({k: statistics.median(v) for k, v in d.items()} for d in (walls, peaks))
     assert wall["busy"] > 1.4 * wall["idle"], walls
-    assert 0.75 < peak["busy"] / peak["idle"] < 1.25, peaks
+    assert 0.7 < peak["busy"] / peak["idle"] < 1 / 0.7, peaks
 
 
 def test_batch_flops_counts_attention_per_document():
