@@ -11,6 +11,7 @@ metrics.jsonl it reports, a step at a time, the generated tokens/s, the step's p
 
 import json
 import os
+import runpy
 import signal
 import subprocess
 import sys
@@ -45,9 +46,11 @@ REHEARSAL = ["--problems_per_step=1", "--group_size=4", "--sample_tokens=64"]  #
 
 def rl_command(model_dir, out_dir, confined, cuda):
     """rl.py's argv: the shipped GRPO config (on CPU with REHEARSAL's rollout), two steps, no HumanEval, the
-    precision the device runs natively."""
+    precision the device runs natively, and only the problems two steps draw (the sandbox judges no more)."""
     argv = [sys.executable, "rl.py", "configs/grpo_stdlib.py", f"--model={model_dir}", f"--out_dir={out_dir}"]
     argv += [f"--max_steps={STEPS}", "--eval_task=", "--precision=auto", "--save_every=0"]
+    drawn = runpy.run_path(os.path.join(REPO, "configs", "grpo_stdlib.py"))["problems_per_step"]
+    argv += [f"--max_examples={STEPS * drawn}"]
     return argv + ([] if confined else ["--eval_task_unconfined=True"]) + ([] if cuda else REHEARSAL)
 
 

@@ -93,6 +93,14 @@ def smollm2_gguf():
 
 
 @pytest.fixture(scope="session")
+def stdlib_candidates():
+    """{task_id: problem} of every doctested stdlib function (support/data/problems.py), parsed once (~8 s)."""
+    from support.data import problems
+
+    return {p["task_id"]: p for p in problems.stdlib_candidates()}
+
+
+@pytest.fixture(scope="session")
 def smol_export(smollm2_dir, tmp_path_factory):
     """SmolLM2 written as an f32 GGUF, and that file read back: (gguf path, directory)."""
     from support.formats import gguf_read, gguf_write

@@ -24,11 +24,9 @@ def humaneval_problems():
     return read_problems()
 
 
-@pytest.fixture(scope="module")
-def stdlib():
-    from support.data import problems
-
-    return {p["task_id"]: p for p in problems.stdlib_candidates()}
+@pytest.fixture
+def stdlib(stdlib_candidates):
+    return stdlib_candidates
 
 
 CLAIM = """

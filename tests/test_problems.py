@@ -26,9 +26,9 @@ from support.evaluation import humaneval, sandbox
 from train import load_model
 
 
-@pytest.fixture(scope="module")
-def candidates():
-    return {p["task_id"]: p for p in problems.stdlib_candidates()}
+@pytest.fixture
+def candidates(stdlib_candidates):
+    return stdlib_candidates
 
 
 def test_the_stdlib_holds_about_290_doctested_functions(candidates):
@@ -59,15 +59,16 @@ def test_a_problem_runs_its_doctests_against_the_answer_in_its_module(candidates
     assert verdicts[3].startswith("failed")
 
 
-def test_stdlib_problems_keeps_the_decisive_tests(candidates):
+def test_stdlib_problems_keeps_the_decisive_tests(candidates, monkeypatch):
     """Of three candidates (too_long leaves out the rest), statistics.median and statistics.mode are kept, the shorter
     canonical solution first, and secrets.token_hex, whose doctest is marked +SKIP and so passes anything, is left
     out."""
     keep = {"stdlib/statistics.median", "stdlib/statistics.mode", "stdlib/secrets.token_hex"}
     assert "+SKIP" in candidates["stdlib/secrets.token_hex"]["prompt"]
+    monkeypatch.setattr(problems, "stdlib_candidates", lambda: list(candidates.values()))  # parsed once, by the fixture
     found, said = problems.stdlib_problems(too_long=lambda p: "" if p["task_id"] in keep else "left out")
     assert {p["task_id"] for p in found} == {"stdlib/statistics.median", "stdlib/statistics.mode"}
-    n = len(problems.stdlib_candidates())
+    n = len(candidates)
     assert (
         said
         == f"2 of {n} doctested stdlib functions (1 whose test does not decide, {n - 3} without room for an answer)"
@@ -77,21 +78,30 @@ def test_stdlib_problems_keeps_the_decisive_tests(candidates):
 
 def test_a_limit_judges_only_as_many_as_it_keeps(candidates, monkeypatch):
     """With a limit, stdlib_problems keeps the same first problems as without one (the shortest canonical solutions
-    whose tests decide, secrets.token_hex's +SKIP test still left out) but judges in the sandbox only the candidates
-    it needs, in that order, a batch at a time, and says how many it judged."""
+    whose tests decide) but judges only the candidates it needs, in that order, a batch at a time, and says how many
+    it judged. The judge is a stand-in that keeps every third candidate (the real one, two sandboxed programs a
+    candidate, is proven by test_stdlib_problems_keeps_the_decisive_tests)."""
     order = lambda t: (len(candidates[t]["canonical_solution"]), t)  # noqa: E731
-    names = sorted({*sorted(candidates, key=order)[:40], "stdlib/secrets.token_hex"}, key=order)
+    names = sorted(candidates, key=order)[:40]
     only = lambda p: "" if p["task_id"] in names else "left out"  # noqa: E731
     judged = []
-    judge = problems.left_out
-    monkeypatch.setattr(problems, "left_out", lambda batch, confine: judged.extend(batch) or judge(batch, confine))
+
+    def stand_in(batch, confine):
+        judged.extend(p["task_id"] for p in batch)
+        return ["" if names.index(p["task_id"]) % 3 == 0 else "does not decide" for p in batch]
+
+    monkeypatch.setattr(problems, "left_out", stand_in)
+    monkeypatch.setattr(problems, "stdlib_candidates", lambda: list(candidates.values()))  # parsed once, by the fixture
     whole, _ = problems.stdlib_problems(too_long=only)
-    assert len(judged) == len(names) and "stdlib/secrets.token_hex" not in {p["task_id"] for p in whole}
+    assert judged == names and [p["task_id"] for p in whole] == names[::3]
     judged.clear()
     first, said = problems.stdlib_problems(too_long=only, limit=3)
     assert [p["task_id"] for p in first] == [p["task_id"] for p in whole[:3]]
-    assert len(judged) == 16 and [p["task_id"] for p in judged] == names[:16]
+    assert judged == names[:16]
     assert said.startswith(f"3 of {len(candidates)} doctested stdlib functions, the first 16 judged (")
+    judged.clear()
+    first, _ = problems.stdlib_problems(too_long=only, limit=10)  # 20 judged, 7 kept; then 16 more (at least 16)
+    assert [p["task_id"] for p in first] == [p["task_id"] for p in whole[:10]] and judged == names[:36]
 
 
 ADD = dict(task_id="add", prompt="def add(a, b):\n", entry_point="add",
