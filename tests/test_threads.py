@@ -2,8 +2,8 @@
 
 What this file proves: importing train, rl, generate, convert or bench reaches `import torch` with
 support/run/threads.py already imported and OMP_WAIT_POLICY=PASSIVE already set (libgomp reads it only when torch
-loads it), or the value the user set kept. A stand-in torch package, first on the path, reports both the moment it is
-imported and ends the process, so no real torch loads.
+loads it), or the value the user set kept. A stand-in torch package, first on PYTHONPATH, reports both the moment it
+is imported and ends the process, so no real torch loads.
 """
 
 import os
@@ -25,8 +25,9 @@ def at_torch_import(module, user, tmp_path):
     (tmp_path / "torch").mkdir(exist_ok=True)
     (tmp_path / "torch" / "__init__.py").write_text(STAND_IN)
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"} | ({"OMP_WAIT_POLICY": user} if user else {})
-    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
-    run = subprocess.run([sys.executable, "-c", f"import {module}"], cwd=ROOT, env=env, capture_output=True, text=True)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path), env.get("PYTHONPATH")]))
+    command = [sys.executable, "-c", f"import {module}"]
+    run = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-2000:]
     return run.stdout.split()
 
