@@ -51,8 +51,7 @@ class LoRALinear(nn.Linear):
         attach_adapter_(self, base, r, alpha, dropout, use_rslora, dtype, dropout_op)
 
     def forward(self, x):  # x (..., in) -> (..., out)
-        out = super().forward(x.reshape(-1, x.shape[-1]))  # (N, out): addmm_'s 2-D operand
-        return add_adapter_(self, x, out).view(*x.shape[:-1], -1)
+        return adapted(self, super().forward, x)
 
 
 class LoRANF4Linear(quant.NF4Linear):
@@ -68,8 +67,7 @@ class LoRANF4Linear(quant.NF4Linear):
         attach_adapter_(self, base, r, alpha, dropout, use_rslora, dtype, dropout_op)
 
     def forward(self, x):  # x (..., in) -> (..., out)
-        out = super().forward(x.reshape(-1, x.shape[-1]))  # (N, out): addmm_'s 2-D operand
-        return add_adapter_(self, x, out).view(*x.shape[:-1], -1)
+        return adapted(self, super().forward, x)
 
 
 LORA = (LoRALinear, LoRANF4Linear)
@@ -91,15 +89,17 @@ def attach_adapter_(layer, base, r, alpha, dropout, use_rslora, dtype, dropout_o
     layer.train(base.training)  # eval mode if base is: no live dropout
 
 
-def add_adapter_(layer, x, out):
-    """out (N, out), the base's output for x (..., in), plus scale * B(A(dropout(x))) in place: B's matmul adds into
-    `out` (addmm_, one kernel, not three), which nothing else holds. Dropout sees x's rows (keyed per row)."""
-    if not layer.enabled:
-        return out
-    a = layer.lora_A.weight.to(x.dtype)  # (r, in)
-    b = (layer.lora_B.weight * layer.scaling).to(out.dtype)  # (out, r)
-    h = F.linear(layer.lora_dropout(x), a).reshape(-1, a.shape[0]).to(out.dtype)  # (N, r)
-    return out.addmm_(h, b.t())
+def adapted(layer, base_forward, x):
+    """base_forward(x) + scale * B(A(dropout(x))), x (..., in) -> (..., out). The base's output, (N, out) as addmm_
+    takes it, is fresh, so B's matmul adds into it in place (one kernel, not three). Dropout sees x's rows (keyed per
+    row)."""
+    out = base_forward(x.reshape(-1, x.shape[-1]))  # (N, out)
+    if layer.enabled:
+        a = layer.lora_A.weight.to(x.dtype)  # (r, in)
+        b = (layer.lora_B.weight * layer.scaling).to(out.dtype)  # (out, r)
+        h = F.linear(layer.lora_dropout(x), a).reshape(-1, a.shape[0]).to(out.dtype)  # (N, r)
+        out.addmm_(h, b.t())
+    return out.view(*x.shape[:-1], -1)
 
 
 def delta_weight(layer):

@@ -243,7 +243,7 @@ def bench_gpu(args):
     natural_data = natural_work(cfg.vocab_size, row, args.rows)
     results["natural_data"] = describe_natural(*natural_data, args.rows)
     systems = build_systems(cfg, args.systems.split(","), device, dtype)
-    packs = lambda key: key.startswith("ours") or key == "peer-packed"  # noqa: E731
+    packs = lambda key: key.startswith("ours") or key == "peer-packed"
     natural = lambda key, step: natural_batch(natural_data, args.rows, packs(key), step)
 
     equal_title = f"equal work: identical tensors, {args.rows} x {row} tokens per step, every token supervised"

@@ -28,8 +28,14 @@ from support.accounting.memory import fmt
 from support.formats import atomic
 
 # (phase, share of the budget, the fewest seconds worth starting it with): docs/performance.md, "The GPU proof"
-PHASES = [("tests", 0.32, 20), ("step", 0.15, 60), ("rl", 0.10, 40), ("compiled", 0.23, 60), ("context", 0.12, 40)]
-PHASES += [("ladder", 0.08, 30)]
+PHASES = [
+    ("tests", 0.32, 20),
+    ("step", 0.15, 60),
+    ("rl", 0.10, 40),
+    ("compiled", 0.23, 60),
+    ("context", 0.12, 40),
+    ("ladder", 0.08, 30),
+]
 CUDA_TESTS = "-m pytest -v -p no:cacheprovider --cuda-only tests --continue-on-collection-errors"  # the tests phase
 GRACE = 0.2  # the share of a phase's limit from its child's deadline to its kill: the step in flight, the results
 
@@ -245,8 +251,14 @@ def md_rl(res):
     return lines + [f"`{res['command']}`", ""] + md_table(*rl_table(res))
 
 
-RENDER = {"tests": md_tests, "step": md_step, "rl": md_rl, "compiled": md_step, "context": md_context}
-RENDER["ladder"] = md_ladder
+RENDER = {
+    "tests": md_tests,
+    "step": md_step,
+    "rl": md_rl,
+    "compiled": md_step,
+    "context": md_context,
+    "ladder": md_ladder,
+}
 
 
 def render(proof, results):

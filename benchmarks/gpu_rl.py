@@ -102,7 +102,7 @@ def rl_table(result):
     for r in result["steps"]:
         peak = fmt(r["peak_mem"]) if "peak_mem" in r else "-"
         parts = f"{r['generate_s']:.1f} / {r['reward_s']:.1f} / {r.get('train_s', 0):.1f}"
-        rows.append((r["step"], f"{r['reward']:.2f}", f"{r['answer_tokens']:.0f}", f"{r['generated_per_s']:,.0f}"))
-        rows[-1] += (parts, peak)
+        rate = f"{r['generated_per_s']:,.0f}"
+        rows.append((r["step"], f"{r['reward']:.2f}", f"{r['answer_tokens']:.0f}", rate, parts, peak))
     headers = ["step", "reward", "answer tokens", "generated tokens/s", "sample / reward / update s", "peak memory"]
     return headers, rows

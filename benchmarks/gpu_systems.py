@@ -11,7 +11,6 @@ if it ran alone: what it holds between steps plus the most a step allocated abov
 """
 
 import contextlib
-import dataclasses
 import gc
 import importlib.util
 import itertools
@@ -258,7 +257,7 @@ def peer_packed_llama(cfg, base, device, dtype):
     return model, f"attention {attention}, Liger {'on' if liger else 'off'}"
 
 
-def peer_system(key, model, device, dtype, compile=False):
+def peer_system(key, model, device, dtype, compile=False, note=""):
     """common.peft_lora on a transformers model; the loss on our batch converted by hf_batch (peer-packed: by
     hf_packed_batch), under the same autocast as ours; with `compile`, the PEFT model called through torch.compile."""
     model, params, opt = peft_lora(model, LR)
@@ -271,7 +270,7 @@ def peer_system(key, model, device, dtype, compile=False):
         with amp:
             return call(**inputs).loss
 
-    return System(key, forward, model, params, opt)
+    return System(key, forward, model, params, opt, note=note)
 
 
 def build_system(key, cfg, base, device, dtype):
@@ -279,7 +278,7 @@ def build_system(key, cfg, base, device, dtype):
     peers = {"peer-lora": peer_llama, "peer-qlora": peer_qlora_llama, "peer-liger": peer_liger_llama}
     if key == "peer-packed":
         model, note = peer_packed_llama(cfg, base, device, dtype)
-        return dataclasses.replace(peer_system(key, model, device, dtype), note=note)
+        return peer_system(key, model, device, dtype, note=note)
     if key.startswith("peer"):  # peer-compile: the LoRA peer's model, compiled
         model = peers.get(key, peer_llama)(cfg, base, device, dtype)
         return peer_system(key, model, device, dtype, compile=key == "peer-compile")

@@ -283,8 +283,10 @@ def training_problems(cfg, tok) -> tuple[list[dict], str]:
     if cfg.data == "easy":
         found, said = easy_problems(cfg.max_examples or EASY_PROBLEMS, too_long)
     else:
-        stdlib = lambda: stdlib_problems(too_long, confine, cfg.max_examples)  # noqa: E731
-        found, said = read_problems(cfg.data, too_long, confine) if cfg.data else stdlib()
+        if cfg.data:
+            found, said = read_problems(cfg.data, too_long, confine)
+        else:
+            found, said = stdlib_problems(too_long, confine, cfg.max_examples)
     if not found:
         raise ValueError(f"data: no problem fits context_length {cfg.context_length} with sample_tokens")
     if cfg.max_examples and cfg.max_examples < len(found):
