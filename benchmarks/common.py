@@ -83,6 +83,15 @@ def run_child_ok(argv, log_path, what, with_workers=False):
     return peak, time.perf_counter() - start
 
 
+def run_records(out_dir) -> list[dict]:
+    """The records of a finished run's out_dir/metrics.jsonl, in order ([] where it wrote none)."""
+    path = os.path.join(out_dir, "metrics.jsonl")
+    if not os.path.exists(path):
+        return []
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
 def child_failed(what, code, log_path):
     """Stop the benchmark: `what` failed with exit code `code`; the end of its log says why."""
     raise SystemExit(f"error: {what} failed (exit code {code}); see {log_path}:\n{Path(log_path).read_text()[-3000:]}")

@@ -4,14 +4,13 @@
 conversion of the embedded GGUF weights that comes before a newcomer's first run.
 """
 
-import json
 import os
 import re
 import tempfile
 
 import torch
 
-from benchmarks.common import OUT_DIR, cpu_name, fmt_gb, print_table, run_child_ok, timed
+from benchmarks.common import OUT_DIR, cpu_name, fmt_gb, print_table, run_child_ok, run_records, timed
 from support.formats import gguf_read
 
 
@@ -36,7 +35,7 @@ def bench_first_run(repeat=1):
                 ["train.py", f"--out_dir={out}", f"--cache_dir={out}/cache"], log, "python train.py"
             )
             text = open(log).read()
-            history = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+            history = run_records(out)
             vals = [h["val_loss"] for h in history if "val_loss" in h]
             steps = max(h["step"] for h in history)
             precision = re.search(r"precision auto: (\w+)", text)

@@ -5,12 +5,11 @@ SETTINGS, DDP and FSDP alternating in rounds; the ratio is the median of the per
 rank's own. The two ranks share one machine's cores, so the times measure FSDP's extra work, not a network's.
 """
 
-import json
 import os
 import statistics
 import tempfile
 
-from benchmarks.common import OUT_DIR, cpu_name, fmt_gb, median_ratio, print_table, run_two_ranks
+from benchmarks.common import OUT_DIR, cpu_name, fmt_gb, median_ratio, print_table, run_records, run_two_ranks
 
 BATCH_TOKENS = 1024  # 2 ranks x 2 micro-batches of 1 row of 256 tokens (FSDP reduce-scatters once a step)
 SETTINGS = [
@@ -28,7 +27,7 @@ def run_ranks(parallel, steps, out):
     argv = ["train.py", *SETTINGS, f"--parallel={parallel}", f"--max_steps={steps}", f"--out_dir={out}", "--overwrite"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     peaks = run_two_ranks(argv, out + ".log", f"torchrun with --parallel={parallel}", env)
-    records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    records = run_records(out)
     times = [BATCH_TOKENS / r["tokens_per_s"] for r in records if "tokens_per_s" in r]
     return times, sorted(peaks.values())[-2:]  # the two workers: the largest resident sets under torchrun
 

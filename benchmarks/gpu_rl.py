@@ -9,7 +9,6 @@ metrics.jsonl it reports, a step at a time, the generated tokens/s, the step's p
 --shape=tiny is the rehearsal on CPU (tests/test_bench.py), with a smaller rollout.
 """
 
-import json
 import os
 import signal
 import subprocess
@@ -19,7 +18,7 @@ import time
 
 import torch
 
-from benchmarks.common import REPO, print_table, random_model_dir
+from benchmarks.common import REPO, print_table, random_model_dir, run_records
 from benchmarks.gpu_systems import SHAPES
 from support.accounting.memory import fmt
 from support.evaluation import sandbox
@@ -67,10 +66,7 @@ def run_rl(argv, log_path, deadline):
 
 def step_records(out_dir):
     """The KEPT fields of each step's record in the run's metrics.jsonl (none where it wrote none)."""
-    path = os.path.join(out_dir, "metrics.jsonl")
-    lines = open(path).read().splitlines() if os.path.exists(path) else []
-    records = [json.loads(line) for line in lines if line.strip()]
-    return [{k: r[k] for k in KEPT if k in r} for r in records if "reward" in r]
+    return [{k: r[k] for k in KEPT if k in r} for r in run_records(out_dir) if "reward" in r]
 
 
 def bench_gpu_rl(args):

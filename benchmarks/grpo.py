@@ -26,7 +26,17 @@ import time
 
 import torch
 
-from benchmarks.common import OUT_DIR, REPO, SEED, machine, median_ratio, nf4_config, print_table, run_child_ok
+from benchmarks.common import (
+    OUT_DIR,
+    REPO,
+    SEED,
+    machine,
+    median_ratio,
+    nf4_config,
+    print_table,
+    run_child_ok,
+    run_records,
+)
 
 CONFIG = os.path.join(REPO, "configs", "grpo_stdlib.py")
 SETTINGS = ["--sample_tokens=128"]  # shorter answers than the config's, so that a round takes minutes
@@ -38,7 +48,7 @@ def run_ours(steps, folder) -> dict:
     argv = ["rl.py", CONFIG, *SETTINGS, f"--max_steps={steps}", "--eval_task=", "--eval_every=0", "--save_every=0",
             f"--out_dir={out}", "--overwrite"]  # fmt: skip
     run_child_ok(argv, os.path.join(folder, "ours.log"), "rl.py")
-    steps = [r for r in map(json.loads, open(os.path.join(out, "metrics.jsonl"))) if "loss" in r][1:]
+    steps = [r for r in run_records(out) if "loss" in r][1:]
     seconds = [r["generate_s"] + r["reward_s"] + r["train_s"] for r in steps]
     generated = [r["generated_per_s"] * r["generate_s"] for r in steps]  # the step's answer tokens
     return dict(seconds=seconds, generated=generated, reward=[r["reward"] for r in steps])

@@ -14,7 +14,6 @@ time, each phase) is the larger of the two copies'. Logs: out/bench/logs/under-l
 rounds: idle speed before and after a change, interleaved.
 """
 
-import json
 import os
 import statistics
 import subprocess
@@ -24,7 +23,7 @@ import time
 
 import torch
 
-from benchmarks.common import OUT_DIR, REPO, child_failed, cpu_name, print_table
+from benchmarks.common import OUT_DIR, REPO, child_failed, cpu_name, print_table, run_records
 from benchmarks.first_run import cpu_kind
 from support.run import threads
 
@@ -48,8 +47,7 @@ def workload_argv(workload, out, cache) -> list[str]:
 def phases(workload, out) -> dict:
     """{phase: seconds} of a finished run, from its metrics.jsonl: train.py's median step after the first, rl.py's
     sampling and update of its one step."""
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        steps = [r for r in map(json.loads, f) if "loss" in r]
+    steps = [r for r in run_records(out) if "loss" in r]
     if workload == "train":
         return {"step": statistics.median(r["fwd_s"] + r["bwd_s"] + r["opt_s"] for r in steps[1:])}
     return {"sampling": steps[0]["generate_s"], "update": steps[0]["train_s"]}
