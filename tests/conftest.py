@@ -17,8 +17,11 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository root
 
-# Before torch loads, as in every entry point: idle OpenMP threads sleep rather than spin, in this process and in the
-# torch processes the tests start (they inherit it), so that two of them never fight for the 2 cores by spinning.
+# Before torch loads: this test worker's share of the cores (tests/cores.py), and, as in every entry point, idle
+# OpenMP threads that sleep rather than spin, in this process and in the torch processes the tests start (they
+# inherit both), so that two of them never fight for the 2 cores by spinning.
+from cores import CORES
+
 import support.run.threads  # noqa: F401
 
 # isort: split
@@ -336,9 +339,8 @@ def threads_env(processes, **extra) -> dict:
     """This environment, plus `extra`, for `processes` torch processes that a test starts at once while it waits:
     OMP_NUM_THREADS shares the cores between them, so that together they run no more torch threads than the machine
     has cores (a thread that waits for a core holds up its process at every barrier), or one each where processes
-    outnumber cores. A single child runs torch's default, a thread a core, and needs none."""
-    cores = len(os.sched_getaffinity(0))
-    return {**os.environ, "OMP_NUM_THREADS": str(max(1, cores // processes)), **extra}
+    outnumber cores. A single child runs this worker's share (CORES), and needs none."""
+    return {**os.environ, "OMP_NUM_THREADS": str(max(1, CORES // processes)), **extra}
 
 
 def free_port() -> int:

