@@ -282,11 +282,10 @@ def training_problems(cfg, tok) -> tuple[list[dict], str]:
     confine = not cfg.eval_task_unconfined
     if cfg.data == "easy":
         found, said = easy_problems(cfg.max_examples or EASY_PROBLEMS, too_long)
+    elif cfg.data:
+        found, said = read_problems(cfg.data, too_long, confine)
     else:
-        if cfg.data:
-            found, said = read_problems(cfg.data, too_long, confine)
-        else:
-            found, said = stdlib_problems(too_long, confine, cfg.max_examples)
+        found, said = stdlib_problems(too_long, confine, cfg.max_examples)
     if not found:
         raise ValueError(f"data: no problem fits context_length {cfg.context_length} with sample_tokens")
     if cfg.max_examples and cfg.max_examples < len(found):
