@@ -102,7 +102,7 @@ class Common:
     log: str = setting("", ("", "tensorboard", "wandb"))  # also to TensorBoard or W&B
     export_merged: bool = setting(False)  # also out_dir/merged, in the run's dtype
     export_gguf: str = setting("", config.GGUF_TYPES)  # also out_dir/model-<type>.gguf
-    cache_dir: str = setting("data/cache")  # tokenized-data cache
+    cache_dir: str = setting("data/cache")  # tokenized data, the parsed stdlib
     device: str = setting("auto", ("auto", "cpu", "cuda"))
     rank_timeout: float = setting(30.0, config.above(0))  # minutes a rank waits for another
 
@@ -147,7 +147,7 @@ class Config(Common):
 def build_data(cfg: Config, tok, files, max_positions: int, place: ranks.Placement):
     """Examples -> (training, validation) packed datasets, and the first eval_samples held-out
     examples that render: the prompts evaluations answer."""
-    train_data, val_data = examples.sources(files)  # val_data None: held out of train_data
+    train_data, val_data = examples.sources(files, cfg.cache_dir)  # val_data None: held out of train_data
     tokenize = dict(template=cfg.template or None, train_on_prompt=cfg.train_on_prompt)
     tokenize |= dict(fmt=cfg.data_format, skip_bad_rows=cfg.skip_bad_rows, cache_dir=cfg.cache_dir)
     train_stream = pack.tokenized(train_data, tok, **tokenize)

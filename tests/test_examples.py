@@ -15,7 +15,7 @@ import textwrap
 import pytest
 from conftest import CONVERSATIONS
 
-from support.data import examples
+from support.data import examples, problems
 from support.data.examples import read_examples, stdlib_examples
 
 
@@ -135,11 +135,28 @@ def test_parquet_without_pyarrow_says_what_to_install(tmp_path, monkeypatch):
         load_examples(path)
 
 
+def test_the_stdlib_dataset_is_parsed_once_per_python(tmp_path, monkeypatch, stdlib_candidates):
+    """With a cache_dir, the parsed library is kept there as JSON and read back instead of parsed: the same examples
+    and doctest candidates as a fresh parse; what the file holds is what the next run gets; another Python build
+    writes a file of its own."""
+    assert stdlib_examples("val", tmp_path) == stdlib_examples("val")
+    assert examples.stdlib_cached(problems.stdlib_candidates, tmp_path) == list(stdlib_candidates.values())
+    assert examples.stdlib_cached(problems.stdlib_candidates, tmp_path) == list(stdlib_candidates.values())  # read
+    kept = {p.name.split("-")[1]: p for p in tmp_path.glob("stdlib-*.json")}
+    assert sorted(kept) == ["stdlib_candidates", "stdlib_functions"]
+    one = ["mod.f", 'def f(x):\n    """Twice x. Really."""', "return 2 * x"]
+    kept["stdlib_functions"].write_text(json.dumps([one]))
+    got = stdlib_examples("train", tmp_path) + stdlib_examples("val", tmp_path)
+    assert [e["name"] for e in got] == ["mod.f"] and got[0]["response"] == "```python\nreturn 2 * x\n```"
+    monkeypatch.setattr(sys, "version", sys.version + " (another build)")
+    assert stdlib_examples("val", tmp_path) == stdlib_examples("val") and len(list(tmp_path.iterdir())) == 3
+
+
 def test_stdlib_examples_are_real_code():
     train, val = stdlib_examples("train"), stdlib_examples("val")
     assert len(train) > 2000 and 0.02 < len(val) / (len(train) + len(val)) < 0.1
     assert not {e["name"] for e in train} & {e["name"] for e in val}
-    examples._stdlib_functions.cache_clear()
+    examples.stdlib_functions.cache_clear()
     assert stdlib_examples("val") == val  # a fresh walk gives the same split
     checked = 0
     for e in train + val:

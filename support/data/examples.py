@@ -20,6 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
+from support.formats.atomic import read_json, write_json
+
 BLOCK_BYTES = 16 << 20  # JSON lines are read 16 MiB at a time
 BLOCK_ROWS = 4096  # and Parquet 4,096 rows at a time
 FORMATS = {
@@ -241,19 +243,38 @@ def stdlib_files():
             yield path.relative_to(root), lines, tree
 
 
+def stdlib_cached(extract, cache_dir=None):
+    """extract(), a JSON list drawn from stdlib_files, kept in cache_dir when one is given: parsing the whole library
+    takes seconds at every start. The file's name hashes the Python build, the library's path and the source file
+    of `extract`'s module, so another Python or an edit of the extraction reads the library again."""
+    if not cache_dir:
+        return extract()
+    stdlib = sysconfig.get_paths()["stdlib"]
+    code = Path(sys.modules[extract.__module__].__file__).read_bytes()
+    key = hashlib.sha256(f"{sys.version}\n{stdlib}\n".encode() + code).hexdigest()[:16]
+    path = Path(cache_dir) / f"stdlib-{extract.__name__}-{key}.json"
+    if path.exists():
+        return read_json(path)
+    found = extract()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_json(path, found)  # whole or not at all: ranks and runs may write it at once
+    return found
+
+
 @functools.lru_cache(maxsize=1)
-def _stdlib_functions():
+def stdlib_functions():
+    """(qualified name, signature + docstring, body) of every documented function of the standard library."""
     out = []
     for rel, lines, tree in stdlib_files():
         out += _functions(tree.body, lines, ".".join(rel.with_suffix("").parts))
     return out
 
 
-def stdlib_examples(split="train"):
+def stdlib_examples(split="train", cache_dir=None):
     """Signature + docstring -> body pairs from this Python's standard library, real code available offline.
     One function in 20, chosen by a hash of its qualified name, is held out as "val"."""
     out = []
-    for name, head, body in _stdlib_functions():
+    for name, head, body in stdlib_cached(stdlib_functions, cache_dir):
         if (int(hashlib.sha1(name.encode()).hexdigest()[:8], 16) % 20 == 0) == (split == "val"):
             instruction = f"Complete this Python function from `{name.rsplit('.', 1)[0]}`.\n\n{head}"
             # fenced, as chat models answer: a bare body's indentation right after the chat header would tokenize
@@ -270,12 +291,12 @@ def first(kept, limit):
     return kept
 
 
-def sources(files):
+def sources(files, cache_dir=None):
     """(training data, validation data): each the files to read one after the other (files: {"data": paths,
-    "val_data": paths}) or, without data, the stdlib dataset's split as a list. Validation None: held out of the
-    training data, whose one token stream serves both splits."""
+    "val_data": paths}) or, without data, the stdlib dataset's split as a list (kept in cache_dir). Validation None:
+    held out of the training data, whose one token stream serves both splits."""
     if not files["data"]:
-        return stdlib_examples("train"), stdlib_examples("val")
+        return stdlib_examples("train", cache_dir), stdlib_examples("val", cache_dir)
     return files["data"], files["val_data"] or None
 
 

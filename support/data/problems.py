@@ -212,13 +212,14 @@ def why(right: str, stub: str) -> str:
     return "" if right == "passed" and stub != "passed" else "does not decide"
 
 
-def stdlib_problems(too_long=None, confine=True, limit=0) -> tuple[list[dict], str]:
+def stdlib_problems(too_long=None, confine=True, limit=0, cache_dir=None) -> tuple[list[dict], str]:
     """The standard library's doctested functions whose tests decide, the shortest canonical solution first (so that
     max_examples keeps the easiest), and a line counting those left out and why; too_long(problem) -> str, when
     given, leaves out the problems whose prompt leaves no room for an answer (it says why, "" if not). With `limit`,
     the first `limit` of them: candidates are judged in that order, a few more at a time than are still wanted, until
-    enough are kept (judging all ~280, two sandboxed programs each, took about 45 s of rl.py's start on 2 cores)."""
-    candidates = stdlib_candidates()
+    enough are kept (judging all ~280, two sandboxed programs each, took about 45 s of rl.py's start on 2 cores).
+    The candidates are kept in cache_dir (examples.stdlib_cached)."""
+    candidates = examples.stdlib_cached(stdlib_candidates, cache_dir)
     fit = [p for p in candidates if too_long is None or not too_long(p)]
     fit.sort(key=lambda p: (len(p["canonical_solution"]), p["task_id"]))
     kept, reasons = [], []
@@ -285,7 +286,7 @@ def training_problems(cfg, tok) -> tuple[list[dict], str]:
     elif cfg.data:
         found, said = read_problems(cfg.data, too_long, confine)
     else:
-        found, said = stdlib_problems(too_long, confine, cfg.max_examples)
+        found, said = stdlib_problems(too_long, confine, cfg.max_examples, cfg.cache_dir)
     if not found:
         raise ValueError(f"data: no problem fits context_length {cfg.context_length} with sample_tokens")
     if cfg.max_examples and cfg.max_examples < len(found):
