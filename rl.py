@@ -355,7 +355,7 @@ def rl(cfg: RLConfig) -> list[dict]:
     model_dir = run_dir.find_model(cfg)
     run_dir.data_files(cfg, [] if cfg.data == "easy" else ["data"])  # a missing file named as `data`
     tok = Tokenizer(model_dir)
-    problems, said = problem_sets.training_problems(cfg, tok)  # fails with nothing written
+    problems, said = problem_sets.training_problems(cfg, tok)  # fails with nothing in out_dir
     cfg = dataclasses.replace(cfg, out_dir=run_dir.claim_out_dir(cfg))
     print(f"{said}; {cfg.problems_per_step} x {cfg.group_size} answers a step")
     place = ranks.setup(cfg)

@@ -47,6 +47,7 @@ def rl_command(model_dir, out_dir, confined, cuda):
     """rl.py's argv: the shipped GRPO config (on CPU with REHEARSAL's rollout), two steps, no HumanEval, the
     precision the device runs natively."""
     argv = [sys.executable, "rl.py", "configs/grpo_stdlib.py", f"--model={model_dir}", f"--out_dir={out_dir}"]
+    argv += [f"--cache_dir={os.path.join(os.path.dirname(out_dir), 'cache')}"]  # the parsed stdlib, beside the run
     argv += [f"--max_steps={STEPS}", "--eval_task=", "--precision=auto", "--save_every=0"]
     return argv + ([] if confined else ["--eval_task_unconfined=True"]) + ([] if cuda else REHEARSAL)
 

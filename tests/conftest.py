@@ -54,17 +54,6 @@ def pytest_collection_modifyitems(config, items):
     items[:] = sorted(needs_cuda, key=lambda i: "compiled" in i.name or "end_to_end" in i.name)
 
 
-DATA_CACHE = []  # the session's data cache folder, once data_cache has made it
-
-
-@pytest.fixture(scope="session", autouse=True)
-def data_cache(tmp_path_factory):
-    """One cache_dir for this session's tiny runs (test_train.args): each reads the same stdlib dataset with the same
-    tokenizer, so it is parsed and tokenized once, not at every run's start. The cache's own tests pass their own."""
-    DATA_CACHE.append(tmp_path_factory.mktemp("data-cache"))
-    return DATA_CACHE[0]
-
-
 @pytest.fixture(autouse=True)
 def _seed():
     """Every test starts from seed 0 and leaves CUDA's fp32 matmul precision (TF32 or full fp32) as it found it

@@ -1,7 +1,7 @@
 """examples.py against its inputs: every supported file layout (JSON lines, JSON arrays, Magicoder, Alpaca, pairs,
 chat messages) reads to the same examples, malformed rows fail with one line naming the file and line (or are skipped
 and counted), the validation split is seeded, and the stdlib dataset's bodies (answered in a ```python block) are the
-real source of real functions with a deterministic held-out split.
+real source of real functions with a deterministic held-out split, parsed once per Python and library into cache_dir.
 """
 
 import ast
@@ -10,6 +10,7 @@ import inspect
 import json
 import re
 import sys
+import sysconfig
 import textwrap
 
 import pytest
@@ -135,21 +136,64 @@ def test_parquet_without_pyarrow_says_what_to_install(tmp_path, monkeypatch):
         load_examples(path)
 
 
-def test_the_stdlib_dataset_is_parsed_once_per_python(tmp_path, monkeypatch, stdlib_candidates):
-    """With a cache_dir, the parsed library is kept there as JSON and read back instead of parsed: the same examples
-    and doctest candidates as a fresh parse; what the file holds is what the next run gets; another Python build
-    writes a file of its own."""
-    assert stdlib_examples("val", tmp_path) == stdlib_examples("val")
+def stand_in(function, calls):
+    """A function named and placed as `function` (so stdlib_cached names its file alike) that counts its calls."""
+
+    def extract():
+        calls.append(function.__name__)
+        return [["mod.f", 'def f(x):\n    """Twice x. Really."""', "return 2 * x"]]
+
+    extract.__name__, extract.__module__ = function.__name__, function.__module__
+    return extract
+
+
+def test_the_stdlib_dataset_is_parsed_once_per_python(tmp_path, monkeypatch, capsys, stdlib_candidates):
+    """With a cache_dir, the parsed library is kept there as JSON and read back, not parsed again: the examples and
+    the doctest candidates read back equal a fresh parse while the extraction would fail if called. A file cut short
+    is parsed again and rewritten; a cache_dir that cannot be written still gives the data, with one warning line."""
+    val = stdlib_examples("val")
+    assert stdlib_examples("val", tmp_path) == val
     assert examples.stdlib_cached(problems.stdlib_candidates, tmp_path) == list(stdlib_candidates.values())
-    assert examples.stdlib_cached(problems.stdlib_candidates, tmp_path) == list(stdlib_candidates.values())  # read
-    kept = {p.name.split("-")[1]: p for p in tmp_path.glob("stdlib-*.json")}
-    assert sorted(kept) == ["stdlib_candidates", "stdlib_functions"]
-    one = ["mod.f", 'def f(x):\n    """Twice x. Really."""', "return 2 * x"]
-    kept["stdlib_functions"].write_text(json.dumps([one]))
+    calls = []
+    monkeypatch.setattr(examples, "stdlib_functions", stand_in(examples.stdlib_functions, calls))
+    assert stdlib_examples("val", tmp_path) == val
+    read = examples.stdlib_cached(stand_in(problems.stdlib_candidates, calls), tmp_path)
+    assert read == list(stdlib_candidates.values()) and calls == []
+    (kept,) = tmp_path.glob("stdlib-stdlib_functions-*.json")
+    kept.write_text(kept.read_text()[:1000])
     got = stdlib_examples("train", tmp_path) + stdlib_examples("val", tmp_path)
-    assert [e["name"] for e in got] == ["mod.f"] and got[0]["response"] == "```python\nreturn 2 * x\n```"
+    assert [e["name"] for e in got] == ["mod.f"] and calls == ["stdlib_functions"]  # parsed (the stand-in) once
+    assert json.loads(kept.read_text()) == [["mod.f", 'def f(x):\n    """Twice x. Really."""', "return 2 * x"]]
+    (blocked := tmp_path / "file").write_text("")
+    assert stdlib_examples("train", blocked / "cache") == got[:1]  # a file where the folder should be
+    assert calls == ["stdlib_functions"] * 2
+    (line,) = capsys.readouterr().out.splitlines()
+    assert line.startswith("warning: ") and line.endswith("the standard library is parsed again at the next start")
+
+
+def test_the_stdlib_cache_is_named_by_python_library_and_code(tmp_path, monkeypatch):
+    """stdlib_cached writes a new file, and so parses again, for another Python build, a file added to the library,
+    an edit of examples.py (which problems.py's extraction calls into) and another extracting module; the same of all
+    four reads the file back."""
+    lib, cache, calls = tmp_path / "lib", tmp_path / "cache", []
+    (lib / "json").mkdir(parents=True)
+    (lib / "json" / "decoder.py").write_text("x = 1\n")
+    monkeypatch.setattr(sysconfig, "get_paths", lambda: {"stdlib": str(lib)})
+    extract = stand_in(problems.stdlib_candidates, calls)  # problems.py's, which calls into examples.py
+    examples.stdlib_cached(extract, cache)
+    examples.stdlib_cached(extract, cache)
+    assert len(calls) == 1
+    (lib / "json" / "tool.py").write_text("y = 2\n")
+    examples.stdlib_cached(extract, cache)
     monkeypatch.setattr(sys, "version", sys.version + " (another build)")
-    assert stdlib_examples("val", tmp_path) == stdlib_examples("val") and len(list(tmp_path.iterdir())) == 3
+    examples.stdlib_cached(extract, cache)
+    edited = tmp_path / "examples.py"
+    edited.write_text(open(examples.__file__).read() + "# an edit\n")
+    monkeypatch.setattr(examples, "__file__", str(edited))
+    examples.stdlib_cached(extract, cache)
+    examples.stdlib_cached(stand_in(examples.stdlib_functions, calls), cache)
+    examples.stdlib_cached(extract, cache)
+    assert len(calls) == 5 and len(list(cache.glob("stdlib-*.json"))) == 5
 
 
 def test_stdlib_examples_are_real_code():

@@ -36,7 +36,7 @@ import sys
 
 import pytest
 import torch
-from conftest import DATA_CACHE, TINY, fixed_outcome_problems, free_port, random_model_dir, threads_env
+from conftest import TINY, fixed_outcome_problems, free_port, random_model_dir, threads_env
 from safetensors.torch import load_file
 
 import quant
@@ -61,7 +61,7 @@ def args(tiny_dir, tmp_path, *extra):
         "configs/tiny.py",
         f"--model={tiny_dir}",
         f"--out_dir={tmp_path / 'out'}",
-        f"--cache_dir={DATA_CACHE[0]}",  # the session's (conftest.data_cache)
+        f"--cache_dir={tmp_path / 'cache'}",
         "--device=cpu",  # exact-equality proofs: on a GPU machine too, where the GPU tests are further down
         *extra,
     ]

@@ -228,36 +228,55 @@ def function_parts(node, lines):
     return tuple("\n".join(s[len(indent) :] for s in part).rstrip() for part in parts)
 
 
-def stdlib_files():
-    """(path relative to the standard library, its lines, its syntax tree) of each parseable .py file of this
-    Python's standard library, its tests and third-party packages left out."""
+def stdlib_paths():
+    """The .py files of this Python's standard library, its tests and third-party packages left out, in order."""
     root = Path(sysconfig.get_paths()["stdlib"])
     for dirpath, dirs, files in os.walk(root):
         dirs[:] = sorted(d for d in dirs if d not in STDLIB_SKIP)
-        for path in sorted(Path(dirpath, f) for f in files if f.endswith(".py")):
-            try:
-                lines = path.read_text(encoding="utf-8").splitlines()
-                tree = ast.parse("\n".join(lines))
-            except (SyntaxError, UnicodeDecodeError, ValueError):
-                continue  # a few stdlib files are deliberately invalid or not UTF-8
-            yield path.relative_to(root), lines, tree
+        yield from sorted(Path(dirpath, f) for f in files if f.endswith(".py"))
+
+
+def stdlib_files():
+    """(path relative to the standard library, its lines, its syntax tree) of each parseable stdlib_paths file."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    for path in stdlib_paths():
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+            tree = ast.parse("\n".join(lines))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue  # a few stdlib files are deliberately invalid or not UTF-8
+        yield path.relative_to(root), lines, tree
+
+
+def stdlib_key(extract) -> str:
+    """What stdlib_cached's file is named by: the Python build, the library's files (path, size, modification time:
+    a package added to it, such as tkinter from the system's packages, changes it) and the source of this module and
+    of `extract`'s, so another Python or an edit of the extraction reads the library again."""
+    h = hashlib.sha256(f"{sys.version}\n".encode())
+    for path in stdlib_paths():
+        st = path.stat()
+        h.update(f"{path}\t{st.st_size}\t{st.st_mtime_ns}\n".encode())
+    for module in sorted({__file__, sys.modules[extract.__module__].__file__}):
+        h.update(Path(module).read_bytes())
+    return h.hexdigest()[:16]
 
 
 def stdlib_cached(extract, cache_dir=None):
     """extract(), a JSON list drawn from stdlib_files, kept in cache_dir when one is given: parsing the whole library
-    takes seconds at every start. The file's name hashes the Python build, the library's path and the source file
-    of `extract`'s module, so another Python or an edit of the extraction reads the library again."""
+    takes seconds at every start, reading the file back a tenth of a second. A file that does not read back (cut
+    short, edited) is parsed again and rewritten; a cache_dir that cannot be written costs the next start the parse."""
     if not cache_dir:
         return extract()
-    stdlib = sysconfig.get_paths()["stdlib"]
-    code = Path(sys.modules[extract.__module__].__file__).read_bytes()
-    key = hashlib.sha256(f"{sys.version}\n{stdlib}\n".encode() + code).hexdigest()[:16]
-    path = Path(cache_dir) / f"stdlib-{extract.__name__}-{key}.json"
-    if path.exists():
+    path = Path(cache_dir) / f"stdlib-{extract.__name__}-{stdlib_key(extract)}.json"
+    try:
         return read_json(path)
-    found = extract()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_json(path, found)  # whole or not at all: ranks and runs may write it at once
+    except (OSError, ValueError):  # not there yet, or unreadable: parsed and written below
+        found = extract()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_json(path, found)  # whole or not at all: ranks and runs may write it at once
+    except OSError as e:
+        print(f"warning: {e}: the standard library is parsed again at the next start")
     return found
 
 

@@ -75,7 +75,8 @@ def remove_dead_temps(parent, name):
 
 
 def write_json(path, obj):
-    atomic_write(path, lambda tmp: Path(tmp).write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n"))
+    text = json.dumps(obj, indent=2, ensure_ascii=False) + "\n"
+    atomic_write(path, lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))  # JSON is UTF-8, whatever the locale
 
 
 def write_safetensors(path, tensors):
@@ -85,7 +86,7 @@ def write_safetensors(path, tensors):
 
 def read_json(path):
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             return json.load(f)
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: invalid JSON ({e})") from None
