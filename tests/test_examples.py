@@ -150,7 +150,8 @@ def stand_in(function, calls):
 def test_the_stdlib_dataset_is_parsed_once_per_python(tmp_path, monkeypatch, capsys, stdlib_candidates):
     """With a cache_dir, the parsed library is kept there as JSON and read back, not parsed again: the examples and
     the doctest candidates read back equal a fresh parse while the extraction would fail if called. A file cut short
-    is parsed again and rewritten; a cache_dir that cannot be written still gives the data, with one warning line."""
+    is parsed again and rewritten, and a cache_dir that cannot be written still gives the data, each with one warning
+    line."""
     val = stdlib_examples("val")
     assert stdlib_examples("val", tmp_path) == val
     assert examples.stdlib_cached(problems.stdlib_candidates, tmp_path) == list(stdlib_candidates.values())
@@ -167,8 +168,9 @@ def test_the_stdlib_dataset_is_parsed_once_per_python(tmp_path, monkeypatch, cap
     (blocked := tmp_path / "file").write_text("")
     assert stdlib_examples("train", blocked / "cache") == got[:1]  # a file where the folder should be
     assert calls == ["stdlib_functions"] * 2
-    (line,) = capsys.readouterr().out.splitlines()
-    assert line.startswith("warning: ") and line.endswith("the standard library is parsed again at the next start")
+    cut, unwritable = capsys.readouterr().out.splitlines()
+    assert cut.startswith(f"warning: {kept}: invalid JSON") and cut.endswith("the standard library is parsed again")
+    assert unwritable.startswith("warning: ") and unwritable.endswith("parsed again at the next start")
 
 
 def test_the_stdlib_cache_is_named_by_python_library_and_code(tmp_path, monkeypatch):

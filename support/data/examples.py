@@ -264,14 +264,17 @@ def stdlib_key(extract) -> str:
 def stdlib_cached(extract, cache_dir=None):
     """extract(), a JSON list drawn from stdlib_files, kept in cache_dir when one is given: parsing the whole library
     takes seconds at every start, reading the file back a tenth of a second. A file that does not read back (cut
-    short, edited) is parsed again and rewritten; a cache_dir that cannot be written costs the next start the parse."""
+    short, edited) is parsed again and rewritten, and a cache_dir that cannot be written costs the next start the
+    parse, each with a warning line."""
     if not cache_dir:
         return extract()
     path = Path(cache_dir) / f"stdlib-{extract.__name__}-{stdlib_key(extract)}.json"
-    try:
-        return read_json(path)
-    except (OSError, ValueError):  # not there yet, or unreadable: parsed and written below
-        found = extract()
+    if path.is_file():
+        try:
+            return read_json(path)
+        except ValueError as e:  # cut short or edited (invalid JSON, not UTF-8): parsed again and rewritten below
+            print(f"warning: {str(e).splitlines()[0][:200]}; the standard library is parsed again")
+    found = extract()
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write_json(path, found)  # whole or not at all: ranks and runs may write it at once
