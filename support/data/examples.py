@@ -295,8 +295,12 @@ def stdlib_functions():
 def stdlib_examples(split="train", cache_dir=None):
     """Signature + docstring -> body pairs from this Python's standard library, real code available offline.
     One function in 20, chosen by a hash of its qualified name, is held out as "val"."""
+    return _stdlib_split(stdlib_cached(stdlib_functions, cache_dir), split)
+
+
+def _stdlib_split(functions, split):
     out = []
-    for name, head, body in stdlib_cached(stdlib_functions, cache_dir):
+    for name, head, body in functions:
         if (int(hashlib.sha1(name.encode()).hexdigest()[:8], 16) % 20 == 0) == (split == "val"):
             instruction = f"Complete this Python function from `{name.rsplit('.', 1)[0]}`.\n\n{head}"
             # fenced, as chat models answer: a bare body's indentation right after the chat header would tokenize
@@ -318,7 +322,8 @@ def sources(files, cache_dir=None):
     "val_data": paths}) or, without data, the stdlib dataset's split as a list (kept in cache_dir). Validation None:
     held out of the training data, whose one token stream serves both splits."""
     if not files["data"]:
-        return stdlib_examples("train", cache_dir), stdlib_examples("val", cache_dir)
+        functions = stdlib_cached(stdlib_functions, cache_dir)  # read once for both splits
+        return _stdlib_split(functions, "train"), _stdlib_split(functions, "val")
     return files["data"], files["val_data"] or None
 
 
