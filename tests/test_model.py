@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from torch._dynamo.utils import counters
+from torch._dynamo.utils import compilation_time_metrics, counters
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import lora
@@ -379,15 +379,16 @@ def test_compiled_training_step_has_no_breaks_and_no_recompiles(device, dtype):
     """Compiled blocks (model.Options.compile) on packed QLoRA training steps, LoRA dropout live (inductor; bf16
     autocast too; on CUDA with the attention varlen_attention picks there): the compiled blocks run inside each block's
     call, so hooks on a block (FSDP's gathering) run around them; no graph break in a block (NF4 dequantization and the
-    per-document attention are opaque ops); the first step's graphs serve every later batch, whatever its document count
-    and lengths; loss and LoRA gradients equal eager's, dropout masks included: within 1e-4 in fp32; in bf16, where
+    per-document attention are opaque ops) and no second trace of one (a block's floats are constants: as symbols
+    they failed every first trace); the first step's graphs serve every later batch, whatever its document count and
+    lengths; loss and LoRA gradients equal eager's, dropout masks included: within 1e-4 in fp32; in bf16, where
     compiled kernels round differently, each no farther from the fp32 step than twice eager's distance plus a margin:
     2^-10 for the loss (a quarter of bf16's relative step, 2^-8: the loss sums the cross-entropy of hidden states
     rounded to bf16, and eager's loss may land closer to fp32's than the rounding promises), 2^-8 for a gradient
     (both sit about 2^-7 from fp32, and eager's lands closer by luck on some tensors; a wrong mask or graph is off by
     order 1); evaluation and generation never reach the compiler."""
     torch._dynamo.reset()
-    counters.clear()
+    counters.clear()  # torch._dynamo.reset() clears compilation_time_metrics
     torch.backends.cuda.matmul.fp32_precision = "ieee"  # the fp32 reference; conftest's autouse fixture restores it
     built = (qlora_tiny(dtype=dtype, dropout=0.25, device=device, compile=c).to(device) for c in (False, True))
     eager, compiled = built
@@ -415,6 +416,7 @@ def test_compiled_training_step_has_no_breaks_and_no_recompiles(device, dtype):
     for (loss_c, loss_e), *grads in distances:
         assert loss_c <= 2 * loss_e + 2**-10 and all(c <= 2 * e + 2**-8 for c, e in grads), distances
     assert graphs <= 2 and not counters["graph_break"], dict(counters["graph_break"])  # x needs grad after layer 0
+    assert "compile_attempt_1" not in compilation_time_metrics  # each graph traced once, its floats fixed
     assert len(calls) == 5 * len(compiled.model.layers)  # every compiled block ran inside its module's call
     frames = counters["frames"]["total"]
     with torch.no_grad():

@@ -227,5 +227,7 @@ def compilable(varlen):
 @functools.cache
 def compiled(function):
     """`function` (model.Block.compute) compiled once for every block, dynamic shapes, shape padding off (on CUDA it
-    recompiled for every new row width: docs/internals.md)."""
-    return torch.compile(function, dynamic=True, options={"shape_padding": False})
+    recompiled for every new row width: docs/internals.md), floats fixed: a block's eps, LoRA scaling and dropout
+    rate never change, and traced as symbols they made every compile trace the block twice."""
+    fixed_floats = torch._dynamo.config.patch(specialize_float=True)
+    return fixed_floats(torch.compile(function, dynamic=True, options={"shape_padding": False}))
