@@ -415,8 +415,9 @@ def test_compiled_training_step_has_no_breaks_and_no_recompiles(device, dtype):
         assert counters["stats"]["unique_graphs"] == graphs  # no recompilation after the first step
     for (loss_c, loss_e), *grads in distances:
         assert loss_c <= 2 * loss_e + 2**-10 and all(c <= 2 * e + 2**-8 for c, e in grads), distances
-    assert graphs <= 2 and not counters["graph_break"], dict(counters["graph_break"])  # x needs grad after layer 0
-    assert "compile_attempt_1" not in compilation_time_metrics  # each graph traced once, its floats fixed
+    assert 1 <= graphs <= 2 and not counters["graph_break"], dict(counters["graph_break"])  # x needs grad after layer 0
+    attempts = [k for k in compilation_time_metrics if k.startswith("compile_attempt_")]
+    assert attempts == ["compile_attempt_0"], attempts  # each graph traced once, its floats fixed
     assert len(calls) == 5 * len(compiled.model.layers)  # every compiled block ran inside its module's call
     frames = counters["frames"]["total"]
     with torch.no_grad():

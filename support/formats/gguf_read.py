@@ -12,6 +12,7 @@ import collections
 import fcntl
 import importlib.util
 import json
+import math
 import os
 from pathlib import Path
 
@@ -86,16 +87,19 @@ class _Cursor:
         n = int(self.numbers("<u8")[0])
         return bytes(self.numbers("u1", n)).decode("utf-8")
 
+    def kind(self, allowed):
+        at, kind = self.at, int(self.numbers("<u4")[0])
+        if kind not in allowed:
+            raise ValueError(f"byte {at:,}: value type {kind}, expected one of {sorted(allowed)}")
+        return kind
+
     def value(self, kind):
         if kind == STRING:
             return self.string()
-        if kind == ARRAY:
-            item, n = int(self.numbers("<u4")[0]), int(self.numbers("<u8")[0])
-            if item in NUMBERS:
-                return self.numbers(NUMBERS[item], n).tolist()
-            return [self.value(item) for _ in range(n)]
-        if kind not in NUMBERS:
-            raise ValueError(f"byte {self.at - 4:,}: value type {kind} is none of GGUF's (0-12)")
+        if kind == ARRAY:  # of numbers or of strings: llama.cpp reads no arrays of arrays
+            item = self.kind({*NUMBERS, STRING})
+            n = int(self.numbers("<u8")[0])
+            return self.numbers(NUMBERS[item], n).tolist() if item in NUMBERS else [self.string() for _ in range(n)]
         return self.numbers(NUMBERS[kind])[0].item()
 
 
@@ -117,21 +121,23 @@ def read_gguf(path):
         key = at.string()
         if key in meta:
             raise ValueError(f"metadata key {key!r} appears twice")
-        meta[key] = at.value(int(at.numbers("<u4")[0]))
-    infos = []
+        meta[key] = at.value(at.kind({*NUMBERS, STRING, ARRAY}))
+    infos = {}  # name -> (type, dims, offset from the start of the tensor data)
     for _ in range(n_tensors):
         name = at.string()
-        dims = at.numbers("<u8", int(at.numbers("<u4")[0])).tolist()
-        infos.append((name, GGMLQuantizationType(int(at.numbers("<u4")[0])), dims, int(at.numbers("<u8")[0])))
+        if not 1 <= (n_dims := int(at.numbers("<u4")[0])) <= 4 or name in infos:
+            raise ValueError(f"tensor {name!r}: {n_dims} dimensions or a name seen before (expected 1 to 4, once)")
+        dims = at.numbers("<u8", n_dims).tolist()
+        infos[name] = GGMLQuantizationType(int(at.numbers("<u4")[0])), dims, int(at.numbers("<u8")[0])
     align = meta.get("general.alignment", 32)
     if type(align) is not int or align <= 0 or align & (align - 1):
         raise ValueError(f"general.alignment is {align!r}, expected a power of two")
     start = -(-at.at // align) * align  # tensor data begins at the next multiple of the alignment
     tensors = []
-    for name, kind, dims, offset in infos:
+    for name, (kind, dims, offset) in infos.items():
         block, size = GGML_QUANT_SIZES[kind]
         shape = tuple(reversed(dims))
-        n = int(np.prod(dims)) * size // block
+        n = math.prod(dims) * size // block
         if start + offset + n > len(buf):
             raise ValueError(f"tensor {name}'s data runs past the end of the file at byte {len(buf):,} (cut short?)")
         data = buf[start + offset : start + offset + n]
@@ -300,7 +306,7 @@ def convert_gguf(gguf_path, out_dir, dtype=torch.float32):
         raise FileNotFoundError(f"{gguf_path}: GGUF file not found")
     try:
         meta, tensors = read_gguf(gguf_path)
-    except (ValueError, UnicodeDecodeError) as e:  # bytes that are not a GGUF file, or a truncated one
+    except ValueError as e:  # bytes that are not a GGUF file (UnicodeDecodeError among them), or a truncated one
         raise ValueError(f"{gguf_path}: not a valid GGUF file ({e})") from None
 
     # everything is read and converted first: a GGUF this cannot convert is its own error, not a failed write
