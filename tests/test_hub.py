@@ -26,7 +26,7 @@ import pytest
 from conftest import ROOT, instruction_jsonl
 from fake_hub import FakeHub
 from safetensors.torch import load, save
-from test_train import args, one_line_error
+from test_train import args, one_line_error, run
 
 from support.data.examples import stdlib_examples
 from support.formats import hub
@@ -95,27 +95,24 @@ def test_ids_download_once_then_train_offline(fake_hub, tmp_path):
 
 
 @pytest.mark.parametrize("listing", ["kept", "lost"])
-def test_offline_after_plan_the_weights_were_never_downloaded(fake_hub, tmp_path, listing):
+def test_offline_after_plan_the_weights_were_never_downloaded(hub_here, tmp_path, capsys, monkeypatch, listing):
     """--plan fetches config.json alone; an offline run after it says, in one line, that the weights were never
     downloaded and how to get them, whether huggingface_hub kept the repo's file listing in its cache (it then knows
-    what is missing) or has none (older releases keep none)."""
-    home, repo = tmp_path / "hf", tmp_path / "hf" / "hub" / "models--acme--tiny"
-    online = {**os.environ, "HF_HOME": str(home), "HF_ENDPOINT": fake_hub.url}
-    argv = [sys.executable, "train.py", "configs/tiny.py", "--model=acme/tiny", "--device=cpu"]
-    plan = subprocess.run([*argv, "--plan=24GB"], cwd=ROOT, env=online, capture_output=True, text=True)
-    assert plan.returncode == 0, plan.stderr[-3000:]
+    what is missing) or has none (older releases keep none). In this process (hub_here): the environment variables
+    reaching a fresh train.py are test_ids_download_once_then_train_offline's."""
+    repo = tmp_path / "hf-cache" / "models--acme--tiny"  # in hub_here's cache
+    argv = ["configs/tiny.py", "--model=acme/tiny", "--device=cpu", f"--out_dir={tmp_path / 'out'}"]
+    assert run([*argv, "--plan=24GB"]) == []
     assert sorted(os.listdir(next((repo / "snapshots").iterdir()))) == ["config.json"]
     if listing == "lost":
         shutil.rmtree(repo / "trees", ignore_errors=True)
-    offline = {**online, "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}  # nothing listens there
-    proc = subprocess.run(
-        [*argv, f"--out_dir={tmp_path / 'out'}"], cwd=ROOT, env=offline, capture_output=True, text=True
-    )
-    assert proc.returncode == 2 and proc.stderr.splitlines()[-1:] == [
+    monkeypatch.setattr(hub_here, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hub_here, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
+    assert one_line_error(argv, capsys) == (
         "error: model: acme/tiny: its weights were never downloaded (the Hugging Face cache holds only config.json of "
         "it) and the Hub cannot be reached (HF_HUB_OFFLINE is set); run `hf download acme/tiny` where there is a "
         "network, or give a local path"
-    ], proc.stderr[-3000:]
+    )
 
 
 @pytest.fixture

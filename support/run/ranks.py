@@ -84,8 +84,8 @@ def init_process_group(backend, rank, world, timeout_minutes):
 def end_process_group():
     """Destroy the default process group while the interpreter is whole: a sharded model's reference cycles, freed at
     exit, could abort a finished run (SIGABRT). The caller drops its references to the model and optimizer first."""
-    gc.collect()
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 
