@@ -1,6 +1,7 @@
 """Run under torchrun by test_ranks.py: `fsdp_worker.py OUT [MODEL_DIR]` writes, per rank, a JSON line to OUT: whether
 an NF4 weight whose bytes take every value (every 16-bit pattern as a pair of bytes, NaNs of bf16 and fp16 among them,
-and fp32 NaNs in its float tensors) comes back bit for bit when sharded and gathered, and, with MODEL_DIR, that tiny
+and fp32 NaNs in its float tensors) comes back bit for bit when sharded over all the ranks and, where they pair up, over
+each pair of them, and gathered; and, with MODEL_DIR, that tiny
 model sharded over the ranks: the parameter bytes a rank holds between steps, the most it holds while a block computes
 (its hooks run inside the block's forward, once FSDP has gathered it), the most it held while loading (all the
 model's tensors it held at each `fully_shard` of a block, and at the root's) and the bytes it read from the
@@ -27,9 +28,18 @@ def tensor_bytes(module):
     return sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in tensors if not t.is_meta)
 
 
-def every_byte_survives(place) -> bool:
+def every_byte_survives(place) -> dict:
+    """{ranks sharded over: whether every byte survived}: over all the ranks, and over 2 where more ranks pair up (a
+    2-rank mesh of each pair: 2 ranks tested without a launch of their own)."""
+    meshes = {place.world: ranks.init_device_mesh("cpu", (place.world,))}
+    if place.world > 2 and place.world % 2 == 0:
+        meshes[2] = ranks.init_device_mesh("cpu", (place.world // 2, 2), mesh_dim_names=("pairs", "pair"))["pair"]
+    return {n: survives(mesh) for n, mesh in meshes.items()}
+
+
+def survives(mesh) -> bool:
     """An NF4Linear of a (512, 512) weight: its packed codes are every 16-bit pattern once (as byte pairs), its absmax
-    bytes 0..255 over and over, its nested absmax and offset fp32 bit patterns with NaNs; sharded over the ranks and
+    bytes 0..255 over and over, its nested absmax and offset fp32 bit patterns with NaNs; sharded over `mesh` and
     gathered (what FSDP does before each forward), every tensor's bytes are the ones it started with."""
     patterns = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16).view(torch.uint8)  # 131,072 bytes
     floats = torch.tensor([0x7FC00001, -1, 0x7F800000, -(2**31), 1, 0x3F800000] * 3, dtype=torch.int32)[:16]
@@ -38,7 +48,7 @@ def every_byte_survives(place) -> bool:
     layer = quant.NF4Linear.from_nf4(w, 512, 512, compute_dtype=torch.bfloat16)
     before = {name: bytes_of(t) for name, t in zip(quant.BUFFERS, w, strict=True)}
     ranks.params_from_nf4(layer)
-    ranks.fully_shard(layer, mesh=ranks.init_device_mesh("cpu", (place.world,)))
+    ranks.fully_shard(layer, mesh=mesh)
     layer.unshard()
     gathered = {name: bytes_of(getattr(layer, name)) for name in quant.BUFFERS}
     layer.reshard()

@@ -136,12 +136,13 @@ def test_parquet_without_pyarrow_says_what_to_install(tmp_path, monkeypatch):
         load_examples(path)
 
 
-def stand_in(function, calls):
-    """A function named and placed as `function` (so stdlib_cached names its file alike) that counts its calls."""
+def stand_in(function, calls, returns=None):
+    """A function named and placed as `function` (so stdlib_cached names its file alike) that counts its calls and
+    returns `returns` (a one-function library by default)."""
 
     def extract():
         calls.append(function.__name__)
-        return [["mod.f", 'def f(x):\n    """Twice x. Really."""', "return 2 * x"]]
+        return returns or [["mod.f", 'def f(x):\n    """Twice x. Really."""', "return 2 * x"]]
 
     extract.__name__, extract.__module__ = function.__name__, function.__module__
     return extract
@@ -154,7 +155,8 @@ def test_the_stdlib_dataset_is_parsed_once_per_python(tmp_path, monkeypatch, cap
     line."""
     val = stdlib_examples("val")
     assert stdlib_examples("val", tmp_path) == val
-    assert examples.stdlib_cached(problems.stdlib_candidates, tmp_path) == list(stdlib_candidates.values())
+    parsed = list(stdlib_candidates.values())  # the fixture's fresh parse, written as the real extraction's file
+    assert examples.stdlib_cached(stand_in(problems.stdlib_candidates, [], parsed), tmp_path) == parsed
     calls = []
     monkeypatch.setattr(examples, "stdlib_functions", stand_in(examples.stdlib_functions, calls))
     assert stdlib_examples("val", tmp_path) == val

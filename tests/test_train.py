@@ -402,7 +402,7 @@ def test_smollm2_qlora_run_lowers_val_loss(smollm2_dir, tmp_path, capsys):
             "--eval_rows=4",
             "--max_examples=400",
             "--context_length=256",
-            "--batch_tokens=512",
+            "--batch_tokens=256",
             "--warmup_steps=1",
             "--eval_samples=1",
             "--sample_tokens=8",
