@@ -1,11 +1,10 @@
 """Run under torchrun by test_ranks.py: `fsdp_worker.py OUT [MODEL_DIR]` writes, per rank, a JSON line to OUT: whether
 an NF4 weight whose bytes take every value (every 16-bit pattern as a pair of bytes, NaNs of bf16 and fp16 among them,
 and fp32 NaNs in its float tensors) comes back bit for bit when sharded over all the ranks and, where they pair up, over
-each pair of them, and gathered; and, with MODEL_DIR, that tiny
-model sharded over the ranks: the parameter bytes a rank holds between steps, the most it holds while a block computes
-(its hooks run inside the block's forward, once FSDP has gathered it), the most it held while loading (all the
-model's tensors it held at each `fully_shard` of a block, and at the root's) and the bytes it read from the
-checkpoint's files."""
+each pair of them, and gathered; and, with MODEL_DIR, that tiny model sharded over the ranks: the parameter bytes a
+rank holds between steps, the most it holds while a block computes (its hooks run inside the block's forward, once
+FSDP has gathered it), the most it held while loading (all the model's tensors it held at each `fully_shard` of a
+block, and at the root's) and the bytes it read from the checkpoint's files."""
 
 import json
 import os

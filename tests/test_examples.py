@@ -142,7 +142,7 @@ def stand_in(function, calls, returns=None):
 
     def extract():
         calls.append(function.__name__)
-        return returns or [["mod.f", 'def f(x):\n    """Twice x. Really."""', "return 2 * x"]]
+        return returns if returns is not None else [["mod.f", 'def f(x):\n    """Twice x. Really."""', "return 2 * x"]]
 
     extract.__name__, extract.__module__ = function.__name__, function.__module__
     return extract

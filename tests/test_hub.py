@@ -95,24 +95,24 @@ def test_ids_download_once_then_train_offline(fake_hub, tmp_path):
 
 
 @pytest.mark.parametrize("listing", ["kept", "lost"])
-def test_offline_after_plan_the_weights_were_never_downloaded(hub_here, tmp_path, capsys, monkeypatch, listing):
+def test_offline_after_plan_the_weights_were_never_downloaded(hub_here, tmp_path, listing):
     """--plan fetches config.json alone; an offline run after it says, in one line, that the weights were never
     downloaded and how to get them, whether huggingface_hub kept the repo's file listing in its cache (it then knows
-    what is missing) or has none (older releases keep none). In this process (hub_here): the environment variables
-    reaching a fresh train.py are test_ids_download_once_then_train_offline's."""
-    repo = tmp_path / "hf-cache" / "models--acme--tiny"  # in hub_here's cache
-    argv = ["configs/tiny.py", "--model=acme/tiny", "--device=cpu", f"--out_dir={tmp_path / 'out'}"]
-    assert run([*argv, "--plan=24GB"]) == []
-    assert sorted(os.listdir(next((repo / "snapshots").iterdir()))) == ["config.json"]
+    what is missing) or has none (older releases keep none). The plan runs in this process (hub_here), the offline run
+    in a fresh one, as a user's next command: huggingface_hub also keeps the listing in memory."""
+    cache, argv = tmp_path / "hf-cache", ["configs/tiny.py", "--model=acme/tiny", "--device=cpu"]
+    assert run([*argv, f"--out_dir={tmp_path / 'plan'}", "--plan=24GB"]) == []
+    assert sorted(os.listdir(next((cache / "models--acme--tiny" / "snapshots").iterdir()))) == ["config.json"]
     if listing == "lost":
-        shutil.rmtree(repo / "trees", ignore_errors=True)
-    monkeypatch.setattr(hub_here, "HF_HUB_OFFLINE", True)
-    monkeypatch.setattr(hub_here, "ENDPOINT", "http://127.0.0.1:9")  # nothing listens there
-    assert one_line_error(argv, capsys) == (
+        shutil.rmtree(cache / "models--acme--tiny" / "trees", ignore_errors=True)
+    offline = {**os.environ, "HF_HUB_CACHE": str(cache), "HF_HUB_OFFLINE": "1", "HF_ENDPOINT": "http://127.0.0.1:9"}
+    command = [sys.executable, "train.py", *argv, f"--out_dir={tmp_path / 'out'}"]
+    proc = subprocess.run(command, cwd=ROOT, env=offline, capture_output=True, text=True)  # nothing listens at :9
+    assert proc.returncode == 2 and proc.stderr.splitlines()[-1:] == [
         "error: model: acme/tiny: its weights were never downloaded (the Hugging Face cache holds only config.json of "
         "it) and the Hub cannot be reached (HF_HUB_OFFLINE is set); run `hf download acme/tiny` where there is a "
         "network, or give a local path"
-    )
+    ], proc.stderr[-3000:]
 
 
 @pytest.fixture

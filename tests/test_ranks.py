@@ -173,8 +173,10 @@ def assert_same_run(a, b):
     assert x.keys() == y.keys() and all(float((x[k] - y[k]).abs().max()) <= 5e-6 for k in x)
 
 
-@pytest.mark.parametrize(  # each base, each rank count, each family, with and without checkpointing: the Llama on
-    "family, ranks, base, checkpointing",  # an NF4 base over 2 ranks without it is test_ranks_agree_on_the_micro_batch
+# The Llama on an NF4 base over 2 ranks without checkpointing is test_ranks_agree_on_the_micro_batch's run (its ranks
+# take micro-batches of 1 row; the 16-bit Llama's here take 2).
+@pytest.mark.parametrize(  # each base, each rank count, each family, with and without checkpointing
+    "family, ranks, base, checkpointing",
     [
         ("llama", 2, "--quantize=False", True),
         ("qwen3", 4, "--quantize=True", True),

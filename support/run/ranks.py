@@ -83,9 +83,12 @@ def init_process_group(backend, rank, world, timeout_minutes):
 
 def end_process_group():
     """Destroy the default process group while the interpreter is whole: a sharded model's reference cycles, freed at
-    exit, could abort a finished run (SIGABRT). The caller drops its references to the model and optimizer first."""
-    if dist.is_initialized():
+    exit, could abort a finished run (SIGABRT). The caller drops its references to the model and optimizer first; their
+    cycles are collected too where they hold a GPU's memory (a next run in this process sizes its micro-batch from what
+    is free), and not otherwise (a collection of a large heap takes a while)."""
+    if dist.is_initialized() or torch.cuda.is_initialized():
         gc.collect()
+    if dist.is_initialized():
         dist.destroy_process_group()
 
 
