@@ -12,6 +12,7 @@ not.
 import math
 import pickle
 import struct
+import typing
 from decimal import Decimal
 from fractions import Fraction
 
@@ -242,15 +243,25 @@ class Pair(tuple):
         return super().__new__(cls, (a, b))
 
 
+class Box(typing.Generic[typing.TypeVar("T")]):
+    """Generic's classmethods are C's (since Python 3.12) but act on the class: its objects are their attributes."""
+
+    __str__ = object.__repr__  # C's, made for object: nothing of Box's is written in C
+
+    def __init__(self, item):
+        self.item = item
+
+
 def test_listed_classes_cross_as_their_builtin_value_and_attributes():
     """An object of a class the judge lists comes back as a fresh object of the judge's class, its attributes (in
     __dict__ or __slots__, unset slots left unset) and its builtin value (a dict subclass's items, a tuple subclass's
     fields) equal, without its __init__ or __new__ being called; a listed class itself crosses by position."""
-    classes = (Point, Tally, Slotted, Pair)
+    classes = (Point, Tally, Slotted, Pair, Box)
     tally = Tally(a=1)
     tally.note = "x"
-    value = [Point(1, [2]), tally, Slotted(3), Pair(4, 5), Point, {Pair: 1}]
+    value = [Point(1, [2]), tally, Slotted(3), Pair(4, 5), Point, {Pair: 1}, Box([6])]
     out = decode(encode(value, classes), classes)
+    assert type(out[6]) is Box and out[6].item == [6]
     assert out[0] == Point(1, [2]) and out[0] is not value[0]
     assert type(out[1]) is Tally and out[1] == {"a": 1} and out[1].note == "x"
     assert type(out[2]) is Slotted and out[2].a == 3 and not hasattr(out[2], "b")
@@ -259,16 +270,29 @@ def test_listed_classes_cross_as_their_builtin_value_and_attributes():
 
 
 def test_objects_of_unlisted_or_c_classes_and_forged_objects_are_refused():
-    """Encoding refuses an object of a class not listed, and of a listed class written in C (its state is not in
-    attributes: an itertools.chain would come back empty); decoding refuses a position past the list, an object whose
-    builtin value is of the wrong type, and attribute names that are not plain (a dunder would reach the class's
-    machinery)."""
+    """Encoding refuses an object of a class not listed, and of a listed class written in C or derived from one (its
+    state is not in attributes: an itertools.chain would come back empty, a random.Random without its generator's
+    state), C's heap classes too (functools.partial and _random.Random on every Python; itertools and deque since
+    3.12), and one whose __slots__ name is mangled (it is not the attribute's name); decoding refuses the same classes,
+    a position past the list, an object whose builtin value is of the wrong type, and attribute names that are not
+    plain (a dunder would reach the class's machinery)."""
+    import collections
+    import functools
     import itertools
+    import random
+
+    class Mangled:
+        __slots__ = ("__hidden",)
 
     with pytest.raises(CodecError, match="cannot carry a Point"):
         encode(Point(1, 2))
-    with pytest.raises(CodecError, match="cannot carry a chain"):
-        encode(itertools.chain([1]), (itertools.chain,))
+    c_made = [itertools.chain([1]), functools.partial(int, "7"), random.Random(1), collections.deque([1]), Mangled()]
+    for obj in c_made:
+        with pytest.raises(CodecError, match=f"cannot carry a {type(obj).__name__}"):
+            encode(obj, (type(obj),))
+        forged = b"o" + struct.pack(">I", 0) + encode(None)[4:] + encode({})[4:]
+        with pytest.raises(CodecError, match=f"an object of {type(obj).__name__}, which does not cross"):
+            decode(struct.pack(">I", len(forged)) + forged, (type(obj),))
     message = encode(Point(1, 2), (Point,))
     with pytest.raises(CodecError, match="did not list"):
         decode(message, ())

@@ -22,6 +22,7 @@ Wire format: a message is a 4-byte big-endian length, then one item; an item is 
 """
 
 import struct
+import types
 from decimal import Decimal, InvalidOperation
 from fractions import Fraction
 
@@ -87,13 +88,35 @@ BASES = (dict, list, set, frozenset, tuple, int, float, complex, str, bytes)  # 
 MUTABLE = (dict, list, set)
 
 
-HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class made by a class statement, its state in __dict__ or __slots__
+HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: not one of C's static classes
+# What C defines for the instances of a class of its making: slots, methods and fields (a class statement makes
+# fields of its __slots__, __dict__ and __weakref__ only); a C classmethod (typing.Generic's) acts on the class alone
+DESCRIPTORS = (
+    types.WrapperDescriptorType,
+    types.MethodDescriptorType,
+    types.GetSetDescriptorType,
+    types.MemberDescriptorType,
+)
 
 
 def carried(cls) -> bool:
     """Whether an object of `cls` is whole in its builtin value and attributes: every class it derives from is a
     class statement's, a builtin of BASES or object (an itertools.chain keeps its state where no attribute shows it)."""
-    return all(c in BASES or c is object or c.__flags__ & HEAPTYPE for c in cls.__mro__)
+    return all(c in BASES or c is object or made_by_class_statement(c) for c in cls.__mro__)
+
+
+def made_by_class_statement(cls) -> bool:
+    """Whether `cls` was made by a class statement (or type()): a heap class with no constructor, method, slot or
+    field that C defined for it. The flag alone does not tell: C's classes are heap classes too where their module
+    was ported to them (functools.partial, _random.Random; itertools and collections.deque since Python 3.12)."""
+    slots = cls.__dict__.get("__slots__", ())
+    own = {"__dict__", "__weakref__", *([slots] if isinstance(slots, str) else slots)}
+    for name, value in vars(cls).items():
+        if isinstance(value, DESCRIPTORS) and value.__objclass__ is cls and name not in own:
+            return False
+        if isinstance(value, types.BuiltinFunctionType) and value.__self__ is cls:  # C's __new__ for it
+            return False
+    return bool(cls.__flags__ & HEAPTYPE)
 
 
 def builtin_base(cls) -> type:
