@@ -112,9 +112,9 @@ def made_by_class_statement(cls) -> bool:
     slots = cls.__dict__.get("__slots__", ())
     own = {"__dict__", "__weakref__", *([slots] if isinstance(slots, str) else slots)}
     for name, value in vars(cls).items():
-        if isinstance(value, DESCRIPTORS) and value.__objclass__ is cls and name not in own:
+        if isinstance(value, DESCRIPTORS) and getattr(value, "__objclass__", None) is cls and name not in own:
             return False
-        if isinstance(value, types.BuiltinFunctionType) and value.__self__ is cls:  # C's __new__ for it
+        if isinstance(value, types.BuiltinFunctionType) and getattr(value, "__self__", None) is cls:  # C's __new__
             return False
     return bool(cls.__flags__ & HEAPTYPE)
 
