@@ -108,7 +108,7 @@ def carried(cls) -> bool:
 def made_by_class_statement(cls) -> bool:
     """Whether `cls` was made by a class statement (or type()): a heap class with no constructor, method, slot or
     field that C defined for it. The flag alone does not tell: C's classes are heap classes too where their module
-    was ported to them (functools.partial, _random.Random; itertools and collections.deque since Python 3.12)."""
+    was ported to them (functools.partial, itertools.chain, collections.deque: docs/support.md)."""
     slots = cls.__dict__.get("__slots__", ())
     own = {"__dict__", "__weakref__", *([slots] if isinstance(slots, str) else slots)}
     for name, value in vars(cls).items():
