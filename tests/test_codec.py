@@ -287,10 +287,10 @@ def test_objects_of_unlisted_or_c_classes_and_forged_objects_are_refused():
     with pytest.raises(CodecError, match="cannot carry a Point"):
         encode(Point(1, 2))
     c_made = [itertools.chain([1]), functools.partial(int, "7"), random.Random(1), collections.deque([1]), Mangled()]
+    forged = b"o" + struct.pack(">I", 0) + encode(None)[4:] + encode({})[4:]  # classes[0], no value, no attributes
     for obj in c_made:
         with pytest.raises(CodecError, match=f"cannot carry a {type(obj).__name__}"):
             encode(obj, (type(obj),))
-        forged = b"o" + struct.pack(">I", 0) + encode(None)[4:] + encode({})[4:]
         with pytest.raises(CodecError, match=f"an object of {type(obj).__name__}, which does not cross"):
             decode(struct.pack(">I", len(forged)) + forged, (type(obj),))
     message = encode(Point(1, 2), (Point,))

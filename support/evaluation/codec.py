@@ -109,8 +109,7 @@ def made_by_class_statement(cls) -> bool:
     """Whether `cls` was made by a class statement (or type()): a heap class with no constructor, method, slot or
     field that C defined for it. The flag alone does not tell: C's classes are heap classes too where their module
     was ported to them (functools.partial, itertools.chain, collections.deque: docs/support.md)."""
-    slots = cls.__dict__.get("__slots__", ())
-    own = {"__dict__", "__weakref__", *([slots] if isinstance(slots, str) else slots)}
+    own = {"__dict__", "__weakref__", *slot_names(cls)}
     for name, value in vars(cls).items():
         if isinstance(value, DESCRIPTORS) and getattr(value, "__objclass__", None) is cls and name not in own:
             return False
@@ -124,12 +123,17 @@ def builtin_base(cls) -> type:
     return next((base for base in BASES if issubclass(cls, base)), object)
 
 
+def slot_names(cls) -> tuple:
+    """The names `cls` itself lists in __slots__ (a string is one name)."""
+    slots = cls.__dict__.get("__slots__", ())
+    return (slots,) if isinstance(slots, str) else tuple(slots)
+
+
 def state_of(obj) -> dict:
     """An object's attributes: its __dict__ and the __slots__ of its classes that are set."""
     state = dict(vars(obj)) if hasattr(obj, "__dict__") else {}
     for cls in type(obj).__mro__:
-        slots = cls.__dict__.get("__slots__", ())
-        for name in [slots] if isinstance(slots, str) else slots:
+        for name in slot_names(cls):
             if name not in ("__dict__", "__weakref__") and hasattr(obj, name):
                 state[name] = getattr(obj, name)
     return state
