@@ -1,11 +1,11 @@
 """support/kernels/dropout.py: LoRA's keyed dropout on CPU, on tiny shapes.
 
-What this file proves: dropout drops p of each row and keeps the mean; its mask is a function of (seed, step, row) and
-the element's place only, each adapted linear drawing its own; rows split into micro-batches, with activation
-checkpointing or without, give the same loss and gradients (what lets a run resume on another number of ranks); the
-module is chosen when the layer is built (none at p = 0) and is the identity in eval mode; a tiled MLP's tiles of the
-rows drop exactly what the whole rows drop; compiled, the masks are eager's bits under every vectorization Inductor
-can pick on the machine, its scalar code included.
+What this file proves: dropout drops p of each row and keeps the mean; its mask is SplitMix64's draws, a function of
+(seed, step, row) and the element's place only, each adapted linear drawing its own; rows split into micro-batches,
+with activation checkpointing or without, give the same loss and gradients (what lets a run resume on another number
+of ranks); the module is chosen when the layer is built (none at p = 0) and is the identity in eval mode; a tiled
+MLP's tiles of the rows drop exactly what the whole rows drop; compiled, the masks are eager's bits under every
+vectorization Inductor can pick on the machine, its scalar code included.
 """
 
 import pytest
@@ -46,6 +46,29 @@ def test_keyed_dropout_drops_p_and_keeps_the_mean():
         assert (dropped - p).abs().max() < 0.003, (p, dropped)
         assert set(y.unique().tolist()) == {0.0, torch.tensor(1 / (1 - p), dtype=torch.bfloat16).item()}
         assert abs(y.mean().item() - 1) < 0.01
+
+
+def splitmix64_draw(key, element):
+    """The reference: element e of a row keyed `key` draws the (e % 4)-th 16 bits, lowest first, of SplitMix64's
+    finalizer of key + (e // 4) * 0x9E3779B97F4A7C15, computed on Python's integers modulo 2**64."""
+    z = (key + element // 4 * 0x9E3779B97F4A7C15) % 2**64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % 2**64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % 2**64
+    z ^= z >> 31
+    return (z >> 16 * (element % 4)) & 0xFFFF
+
+
+def test_the_mask_is_splitmix64s_draws():
+    """keyed_dropout keeps exactly the elements whose 16-bit draw from SplitMix64's finalizer (on Python's integers)
+    reaches round(p * 65536), for rows of 22 elements (not a multiple of 4), negative keys and a tile from element 8,
+    at p = 0.3 and at a p whose threshold has the draw's top bit set (0.7)."""
+    x = torch.ones(3, 2, 11)
+    keys = torch.tensor([1, -2, 3**39])
+    for p, first in ((0.3, 0), (0.7, 0), (0.3, 8)):
+        kept = keyed_dropout(x, p, keys, first) != 0
+        threshold = round(p * 65536)
+        expected = [[splitmix64_draw(k % 2**64, first + e) >= threshold for e in range(22)] for k in keys.tolist()]
+        assert torch.equal(kept.flatten(1), torch.tensor(expected)), (p, first)
 
 
 def test_dropout_is_a_function_of_seed_step_and_row():

@@ -10,6 +10,7 @@ C++ code for the hash is wrong (docs/internals.md), so they drop by the same eag
 op's backward is the op again on the gradient (dropout is linear in x): no mask is kept, the hash runs twice.
 """
 
+import sys
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -26,6 +27,7 @@ MIX1 = _signed(0xBF58476D1CE4E5B9)  # the finalizer's two multipliers
 MIX2 = _signed(0x94D049BB133111EB)
 DRAW_BITS = 16  # bits of one uniform draw; four to a 64-bit hash
 DRAWS = 2**DRAW_BITS
+HALF = 2 ** (DRAW_BITS - 1)  # an int16's sign bit
 
 
 def mix64_(z):
@@ -49,9 +51,11 @@ def keyed_dropout(x, p, keys, first=0):
     row_numel = x[0].numel()
     counters = torch.arange(-(-row_numel // 4), device=x.device).mul_(GOLDEN)  # (ceil(n / 4),): the hashes of a row
     bits = mix64_(tile_keys(keys.to(x.device), first)[:, None] + counters)  # (rows, ceil(n / 4)) int64
-    # four 16-bit draws from each hash, by shifts (Inductor once miscompiled an int16 view: docs/internals.md)
-    keeps = [(bits >> shift).bitwise_and_(DRAWS - 1) >= threshold for shift in (0, 16, 32, 48)]
-    keep = torch.stack(keeps, -1).flatten(1)[:, :row_numel].view(x.shape)
+    draws = bits.view(torch.int16).view(*bits.shape, 4)  # each hash's four 16-bit draws as int16
+    if sys.byteorder == "big":
+        draws = draws.flip(-1)  # the low 16 bits first, as on a little-endian CPU
+    # the draw d in [0, 65536) held as the int16 s: s ^ -32768 is d - 32768, so d >= t is s ^ -32768 >= t - 32768
+    keep = (draws ^ -HALF).flatten(1)[:, :row_numel].view(x.shape) >= threshold - HALF
     return x * keep * (DRAWS / (DRAWS - threshold))
 
 
