@@ -51,10 +51,11 @@ def keyed_dropout(x, p, keys, first=0):
     row_numel = x[0].numel()
     counters = torch.arange(-(-row_numel // 4), device=x.device).mul_(GOLDEN)  # (ceil(n / 4),): the hashes of a row
     bits = mix64_(tile_keys(keys.to(x.device), first)[:, None] + counters)  # (rows, ceil(n / 4)) int64
-    draws = bits.view(torch.int16).view(*bits.shape, 4)  # each hash's four 16-bit draws as int16
+    draws = bits.view(torch.int16).view(*bits.shape, 4)  # (rows, ceil(n / 4), 4): each hash's 16-bit draws
     if sys.byteorder == "big":
         draws = draws.flip(-1)  # the low 16 bits first, as on a little-endian CPU
     # the draw d in [0, 65536) held as the int16 s: s ^ -32768 is d - 32768, so d >= t is s ^ -32768 >= t - 32768
+    # (t - 32768 fits an int16 for every p < 1)
     keep = (draws ^ -HALF).flatten(1)[:, :row_numel].view(x.shape) >= threshold - HALF
     return x * keep * (DRAWS / (DRAWS - threshold))
 
