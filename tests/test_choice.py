@@ -2,8 +2,9 @@
 
 On simulated GPUs it is fp16 before compute capability 8.0 and bf16 from it, without measuring; on CPU it follows the
 flags the CPU declares (read from cpuinfo files of the three kinds), measuring only where none are readable, and says
-why in one line; an explicit bf16 stays bf16 with a warning where the CPU lacks it. compile="auto" compiles the
-shipped GPU config's run and no CPU or short run; a set value always wins.
+why in one line; an explicit bf16 stays bf16 with a warning where the CPU lacks it. Generation's transposed product of
+few rows is chosen by the CPU's vendor. compile="auto" compiles the shipped GPU config's run and no CPU or short run; a
+set value always wins.
 """
 
 import pytest
@@ -80,6 +81,22 @@ def test_cpu_flags_are_read_from_cpuinfo(tmp_path, text, want):
     (tmp_path / "cpuinfo").write_text(text)
     assert choice.cpu_has_bf16(str(tmp_path / "cpuinfo")) is want
     assert choice.cpu_has_bf16(str(tmp_path / "missing")) is None
+
+
+@pytest.mark.parametrize(
+    "text, want",
+    [
+        ("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu avx2\n", True),
+        ("processor\t: 0\nvendor_id\t: GenuineIntel\nflags\t\t: fpu avx2 amx_bf16\n", False),
+        ("processor\t: 0\nFeatures\t: fp asimd bf16\n", False),  # Arm: no vendor_id line
+    ],
+)
+def test_the_transposed_decode_product_is_chosen_by_the_cpus_vendor(tmp_path, text, want):
+    """few_rows_transposed reads the vendor_id line of a cpuinfo file: AMD's CPUs take DecodeLinear's transposed
+    product, Intel's and those that name no vendor the plain one, as does a machine with no cpuinfo file."""
+    (tmp_path / "cpuinfo").write_text(text)
+    assert choice.few_rows_transposed(str(tmp_path / "cpuinfo")) is want
+    assert choice.few_rows_transposed(str(tmp_path / "missing")) is False
 
 
 def test_compile_auto_compiles_long_cuda_runs_only():

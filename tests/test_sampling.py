@@ -5,16 +5,17 @@ model built with activation checkpointing, in training mode, too), the cache fed
 logits at each chunk's last position, generation stops at any of several eos ids, nucleus sampling with a vanishing
 top_p is greedy and a seed repeats a sample; and greedy generation equals transformers' generate on the same weights
 (the families' own cases, sliding windows included, are in tests/test_model.py). Batched greedy generation with left
-padding gives every prompt what it gets alone (rows ending at eos or at the caller's `done` at different
-steps, sliding windows too, a prompt given twice read once), and dense_weights computes the QLoRA model's logits
-within fp32 rounding, its adapters merged, and puts the model's layers back. Sampled batches (rl.py's groups): at
-temperature 0 they are the greedy answers whatever top_p and seed say, at temperature 1 a seed repeats them, and the
-first token's frequencies over many draws match softmax(logits / T) cut to the top_p nucleus (a chi-square test at
-the 0.1% level).
+padding gives every prompt what it gets alone (rows ending at eos or at the caller's `done` at different steps,
+sliding windows too, a prompt given twice read once), and dense_weights computes the QLoRA model's logits within fp32
+rounding, its adapters merged, with DecodeLinear's transposed product or without, and puts the model's layers back.
+Sampled batches (rl.py's groups): at temperature 0 they are the greedy answers whatever top_p and seed say, at
+temperature 1 a seed repeats them, and the first token's frequencies over many draws match softmax(logits / T) cut to
+the top_p nucleus (a chi-square test at the 0.1% level).
 """
 
 import math
 
+import pytest
 import torch
 from test_model import hf_model, tiny_config
 
@@ -22,6 +23,7 @@ import lora
 import quant
 from model import Llama, Options
 from support.evaluation.sampling import FEW_ROWS, DecodeLinear, KVCache, dense_weights, generate_batch, next_tokens
+from support.kernels import choice
 from train import load_model
 
 
@@ -88,10 +90,13 @@ def test_batched_generation_equals_one_prompt_at_a_time():
         assert generate_batch(model, prompts + prompts[::-1], 10) == alone + alone[::-1]  # each distinct one read once
 
 
-def test_dense_weights_equal_the_qlora_forward_and_are_put_back():
+@pytest.mark.parametrize("transposed", [True, False])
+def test_dense_weights_equal_the_qlora_forward_and_are_put_back(monkeypatch, transposed):
     """Under dense_weights a QLoRA model (NF4 base, LoRA with a non-zero B) gives the logits of its own forward within
-    fp32 rounding, for a prompt (9 rows) and a decode step's few rows alike; no NF4 or LoRA layer is left inside, and
+    fp32 rounding, for a prompt (9 rows) and a decode step's few rows alike, with DecodeLinear's transposed product
+    and with plain linears (as choice.few_rows_transposed says for the CPU); no NF4 or LoRA layer is left inside, and
     on exit the model's own layers and adapters are back."""
+    monkeypatch.setattr(choice, "few_rows_transposed", lambda: transposed)
     torch.manual_seed(0)
     model = quant.quantize_(Llama(tiny_config()), compute_dtype=torch.float32)
     lora.add_lora_(model, "all-linear", r=4, alpha=8, dropout=0.0)
@@ -104,7 +109,7 @@ def test_dense_weights_equal_the_qlora_forward_and_are_put_back():
         want = model(ids)
         with dense_weights(model):
             assert not any(isinstance(m, (quant.NF4Linear, *lora.LORA)) for m in model.modules())
-            assert isinstance(model.lm_head, DecodeLinear)
+            assert type(model.lm_head) is (DecodeLinear if transposed else torch.nn.Linear)
             got = model(ids)
             step = model(ids[:, :1])
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -13,6 +13,7 @@ from torch.distributed.fsdp import FSDPModule
 import lora
 import quant
 from support.data.tokenizer import render
+from support.kernels import choice
 
 
 class KVCache:
@@ -49,8 +50,7 @@ FEW_ROWS = 64  # a decode step's rows (B * T) at most: DecodeLinear's transposed
 
 class DecodeLinear(nn.Linear):
     """A frozen fp32 linear for generation, y = x W^T + b. For at most FEW_ROWS rows it computes (W x^T)^T: the same
-    products summed in another order, which MKL's GEMM runs 1.1-4.6x faster with the wide weight as its long side
-    (docs/performance.md, a CPU run beside other work)."""
+    products summed in another order, which MKL's GEMM runs faster on some CPUs (choice.few_rows_transposed)."""
 
     def forward(self, x):  # x (..., in) -> (..., out)
         rows = x.shape[:-1].numel()
@@ -61,30 +61,32 @@ class DecodeLinear(nn.Linear):
 
 
 @torch.no_grad()
-def decode_linear(m) -> nn.Linear:
-    """`m` (an NF4 or LoRA linear, or lm_head) as one frozen linear, a DecodeLinear in fp32 (the case measured): its
-    dequantized weight, its adapter's scale * B @ A added once (a decode step then skips the adapter's two small
-    products and their thread wake-ups)."""
+def decode_linear(m, transposed=False) -> nn.Linear:
+    """`m` (an NF4 or LoRA linear, or lm_head) as one frozen linear, a DecodeLinear where `transposed` and in fp32 (the
+    case measured): its dequantized weight, its adapter's scale * B @ A added once (a decode step then skips the
+    adapter's two small products and their thread wake-ups)."""
     w = m.dequantize() if isinstance(m, quant.NF4Linear) else m.weight.detach()
     if isinstance(m, lora.LORA) and m.enabled:
         w = lora.merged_weight(m, w)
-    return lora.frozen_linear(w, m.bias, DecodeLinear if w.dtype == torch.float32 else nn.Linear)
+    return lora.frozen_linear(w, m.bias, DecodeLinear if transposed and w.dtype == torch.float32 else nn.Linear)
 
 
 @contextmanager
 def dense_weights(model):
-    """`model` with every NF4 or LoRA linear, and lm_head, swapped for a DecodeLinear (dequantized, adapters
-    merged), restored on exit: the same function without dequantizing on every call, for the dense weights'
-    memory (a dense LoRA linear's merged weight is a copy too). Elsewhere than on CPU, or sharded, `model` as it is:
-    CUDA's NF4 kernel dequantizes fast, an 8B model's dense copy may not fit beside the run, and a rank holds a part."""
+    """`model` with every NF4 or LoRA linear, and lm_head, swapped for a frozen linear (dequantized, adapters merged;
+    a DecodeLinear where choice.few_rows_transposed), restored on exit: the same function without dequantizing on
+    every call, for the dense weights' memory (a dense LoRA linear's merged weight is a copy too). Elsewhere than on
+    CPU, or sharded, `model` as it is: CUDA's NF4 kernel dequantizes fast, an 8B model's dense copy may not fit beside
+    the run, and a rank holds a part."""
     if model.model.embed_tokens.weight.device.type != "cpu" or isinstance(model, FSDPModule):
         yield model
         return
     swapped = {n: m for n, m in model.named_modules() if isinstance(m, (quant.NF4Linear, *lora.LORA))}
     swapped["lm_head"] = model.lm_head
+    transposed = choice.few_rows_transposed()
     try:
         for name, m in swapped.items():
-            model.set_submodule(name, decode_linear(m))
+            model.set_submodule(name, decode_linear(m, transposed))
         yield model
     finally:
         for name, m in swapped.items():

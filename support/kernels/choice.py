@@ -74,12 +74,25 @@ def pick_precision(precision, device, config, main=True) -> torch.dtype:
 
 def cpu_has_bf16(cpuinfo="/proc/cpuinfo") -> bool | None:
     """Whether this CPU declares native bf16 matmuls (Linux's /proc/cpuinfo flags); None where nothing is readable."""
+    flags = cpuinfo_value(("flags", "Features"), cpuinfo)
+    return None if flags is None else bool(BF16_FLAGS & set(flags.split()))
+
+
+def few_rows_transposed(cpuinfo="/proc/cpuinfo") -> bool:
+    """Whether generation's fp32 products of a few rows run as (W x^T)^T (sampling.DecodeLinear) rather than x W^T:
+    on AMD's CPUs, where MKL's GEMM runs the transposed product faster, not on Intel's, where it runs the plain one
+    faster (docs/performance.md); elsewhere, or where the vendor is unreadable, the plain product."""
+    return cpuinfo_value(("vendor_id",), cpuinfo) == "AuthenticAMD"
+
+
+def cpuinfo_value(keys, cpuinfo="/proc/cpuinfo") -> str | None:
+    """The value of the first line of a Linux cpuinfo file whose key is one of `keys`; None where there is none."""
     try:
         with open(cpuinfo) as f:
-            line = next((line for line in f if line.split(":")[0].strip() in ("flags", "Features")), None)
+            line = next((line for line in f if line.split(":")[0].strip() in keys), None)
     except OSError:
         return None
-    return None if line is None else bool(BF16_FLAGS & set(line.split(":", 1)[1].split()))
+    return None if line is None else line.split(":", 1)[1].strip()
 
 
 def measured_bf16(config, device) -> tuple[bool, str]:
