@@ -134,8 +134,7 @@ def dequantize_nf4(weight, absmax, nested_absmax, offset, shape, dtype):
     scale = dequantize_absmax(absmax, nested_absmax, offset)  # (B,)
     n = math.prod(shape)
     nb = scale.numel()
-    # each byte's (high, low) pair read as one 8-byte item: torch gathers single items faster than 2-float rows
-    pairs = code_tables(weight.device)["pairs"].view(torch.int64).view(-1)  # (256,)
+    pairs = code_tables(weight.device)["pairs"].view(torch.int64).view(-1)  # (256,): a byte's 2 floats as 1 item
     values = pairs.index_select(0, weight.view(-1).int()).view(torch.float32)  # (2 * bytes,)
     if values.numel() != nb * BLOCK:  # a partial last block
         values = F.pad(values[:n], (0, nb * BLOCK - n))
