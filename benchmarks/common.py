@@ -20,6 +20,7 @@ import psutil
 import torch
 
 from support.accounting import memory
+from support.kernels import choice
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OUT_DIR = os.path.join(REPO, "out", "bench")
@@ -51,7 +52,7 @@ def fmt_gb(n):
 
 
 def cpu_name() -> str:
-    return next((s.split(":", 1)[1].strip() for s in open("/proc/cpuinfo") if s.startswith("model name")), "unknown")
+    return choice.cpuinfo_value(("model name",)) or "unknown"
 
 
 def package_versions(names) -> dict:

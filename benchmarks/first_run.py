@@ -12,11 +12,12 @@ import torch
 
 from benchmarks.common import OUT_DIR, cpu_name, fmt_gb, print_table, run_child_ok, run_records, timed
 from support.formats import gguf_read
+from support.kernels import choice
 
 
 def cpu_kind() -> str:
     """What this CPU has for bf16 matmuls, from its flags: AMX, AVX512-BF16, or neither (bf16 emulated on AVX2)."""
-    flags = next((s.split(":", 1)[1].split() for s in open("/proc/cpuinfo") if s.startswith("flags")), [])
+    flags = (choice.cpuinfo_value(("flags",)) or "").split()
     kinds = (("amx_bf16", "AMX-BF16"), ("avx512_bf16", "AVX512-BF16"), ("avx2", "AVX2 only, no native bf16"))
     return next((name for flag, name in kinds if flag in flags), "no AVX2")
 
